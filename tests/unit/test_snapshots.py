@@ -1,0 +1,93 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tuner.model import snapshots
+
+TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 4.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1234.0
+# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 1.0
+"""
+
+
+def test_parse_indexes_samples_by_sample_name():
+    snap = snapshots.parse(TEXT, 100.0)
+    assert snap.ok
+    assert snap.scraped_at == 100.0
+    (s,) = snap.samples("vllm:prompt_tokens_total")
+    assert s.value == 1234.0
+    assert s.labels == {"engine": "0", "model_name": "m"}
+    assert snap.samples("nope") == ()
+
+
+def test_keep_prefixes_drops_other_families_and_created_series():
+    snap = snapshots.parse(TEXT, 0.0, keep_prefixes=("vllm:",))
+    assert set(snap.names()) == {"vllm:num_requests_running", "vllm:prompt_tokens_total"}
+
+
+def test_nan_and_inf_values_read_as_absent():
+    snap = snapshots.parse("a NaN\nb +Inf\nc 1\n", 0.0)
+    assert snap.ok
+    assert set(snap.names()) == {"c"}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "<!DOCTYPE html><html><body>Not Found</body></html>",
+        'vllm:x{engine="0" 1\n',
+        "vllm:x one\n",
+        "\x00\x01\x02",
+    ],
+)
+def test_junk_gives_an_invalid_snapshot_not_an_exception(body):
+    snap = snapshots.parse(body, 5.0, source="test")
+    assert not snap.ok
+    assert "not Prometheus text exposition" in snap.error
+    assert snap.series == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400))
+def test_arbitrary_text_never_raises(text):
+    snap = snapshots.parse(text, 0.0)
+    assert snap.ok or snap.error
+    for samples in snap.series.values():
+        for s in samples:
+            assert not math.isnan(s.value)
+
+
+def _line(name, labels, value):
+    body = ",".join(k + '="' + v + '"' for k, v in labels.items())
+    return f"{name}{{{body}}} {value}"
+
+
+LINE = st.builds(
+    _line,
+    st.from_regex(r"[a-z_:][a-z0-9_:]{0,20}", fullmatch=True),
+    st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True),
+                    st.text(st.characters(blacklist_characters='"\\\n', blacklist_categories=("Cs",)), max_size=8),
+                    max_size=3),
+    st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.sampled_from(["NaN", "+Inf", "-Inf", "1e400", "x"])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(LINE, max_size=20), st.integers(min_value=0, max_value=400))
+def test_adversarial_exposition_never_raises(lines, cut):
+    text = "\n".join(lines) + "\n"
+    for body in (text, text[:cut]):
+        snap = snapshots.parse(body, 1.0, keep_prefixes=("a", "b", "v"))
+        assert snap.ok or snap.error

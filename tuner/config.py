@@ -1,0 +1,165 @@
+"""Configuration: one YAML file, validated by pydantic v2.
+
+Every model is frozen and forbids unknown keys; attribute docstrings become field descriptions
+(``vllm-tuner config-schema`` prints them). ``load(path)`` raises ``ConfigError`` naming the file,
+the field path and what was expected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tuner.errors import ConfigError
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class TlsSettings(_Model):
+    verify: bool = True
+    """Verify the server's certificate. Turn off only for a self-signed test endpoint."""
+    ca_file: str | None = None
+    """A CA bundle to verify against (PEM). None: the system's trust store."""
+    client_cert_file: str | None = None
+    """A client certificate (PEM, with its key) for mutual TLS. None: no client certificate."""
+
+
+class ScrapeSettings(_Model):
+    interval_seconds: float = Field(30.0, gt=0)
+    """How often one cycle runs (scrape → signals → plan → act). 30 s matches dcgm-exporter's
+    default collect interval, so each cycle sees fresh GPU data."""
+    connect_timeout_seconds: float = Field(2.0, gt=0)
+    """TCP/TLS connect timeout per request."""
+    read_timeout_seconds: float = Field(5.0, gt=0)
+    """Read timeout per request (between bytes, as httpx defines it)."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    """Largest /metrics body accepted; a larger one marks the window invalid (protects the tuner's
+    memory from a runaway exporter). A vLLM body is ~50-150 KB."""
+    window_seconds: float = Field(300.0, gt=0)
+    """Span of history that signals are computed over (rates, means, quantiles)."""
+    min_snapshots: int = Field(3, ge=2)
+    """Fewest valid snapshots a window needs before any rate or quantile is trusted."""
+    stale_after_seconds: float | None = Field(None, gt=0)
+    """Signals from a newest snapshot older than this are None. None: 2.5 × interval_seconds."""
+    bearer_token_file: str | None = None
+    """File holding a bearer token sent to every engine and exporter (vLLM --api-key). None: none."""
+    tls: TlsSettings = TlsSettings()
+
+    def effective_stale_after(self) -> float:
+        return self.stale_after_seconds or 2.5 * self.interval_seconds
+
+
+class DcgmSource(_Model):
+    kind: Literal["dcgm"]
+    url: str
+    """dcgm-exporter's metrics URL, e.g. http://127.0.0.1:9400/metrics."""
+    gpus: list[int] | None = None
+    """The GPU indices (label ``gpu``) this engine uses. None: every GPU the exporter reports."""
+    hostname: str | None = None
+    """Keep only series whose Hostname/hostname label matches (a shared exporter). None: all."""
+    slowdown_temp_c: float | None = None
+    """dcgm-exporter does not export the slowdown threshold; set it (NVML's value, e.g. 89 on an
+    H200) to get temp_margin_c. None: temp_margin_c is unknown for this target."""
+    sm_clock_max_mhz: float | None = None
+    """The GPUs' max SM clock, for sm_clock_ratio (dcgm-exporter does not export it). None: unknown."""
+
+
+class NvmlSource(_Model):
+    kind: Literal["nvml"]
+    devices: list[int] | None = None
+    """NVML device indices this engine uses. None: all devices on this host."""
+
+
+class NoGpuSource(_Model):
+    kind: Literal["none"]
+
+
+GpuSource = Annotated[DcgmSource | NvmlSource | NoGpuSource, Field(discriminator="kind")]
+
+
+class Target(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+    """Replica name, used in logs, plans and metric labels."""
+    kind: Literal["vllm", "sglang"] = "vllm"
+    """Which engine speaks at metrics_url."""
+    metrics_url: str = Field(pattern=r"^https?://")
+    """The engine's Prometheus endpoint, e.g. http://127.0.0.1:8000/metrics."""
+    base_url: str | None = Field(None, pattern=r"^https?://")
+    """Where /health, /v1/models and /version live. None: metrics_url without /metrics."""
+    gpu: GpuSource = NoGpuSource(kind="none")
+    """Where this engine's GPU telemetry comes from."""
+
+
+class TunerSettings(_Model):
+    """The whole configuration file."""
+
+    mode: Literal["observe", "recommend", "apply"] = "observe"
+    """observe: collect and expose signals; recommend: also plan, log and serve recommendations
+    (a true dry run, never touches an engine); apply: also roll the changes out."""
+    targets: list[Target] = Field(min_length=1)
+    """The engine replicas this tuner watches."""
+    scrape: ScrapeSettings = ScrapeSettings()
+    rule_files: list[str] = ["rules/default.yaml"]
+    """Rule files, relative to this config file's directory unless absolute."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> TunerSettings:
+        names = [t.name for t in self.targets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"target names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _what(err: Any) -> str:
+    msg = str(err["msg"])
+    if err["type"] == "extra_forbidden":
+        return "unknown field (not part of the schema; see `vllm-tuner config-schema`)"
+    if err["type"] == "missing":
+        return "required field is missing"
+    if "input" in err and err["type"] not in ("model_type",):
+        given = repr(err["input"])
+        return f"{msg}; got {given[:80]}"
+    return msg
+
+
+def parse(data: Any, *, file: str = "<config>") -> TunerSettings:
+    if data is None:
+        raise ConfigError(file, [("", "the file is empty; expected a mapping with at least `targets:`")])
+    if not isinstance(data, dict):
+        raise ConfigError(file, [("", f"expected a mapping at the top level, got {type(data).__name__}")])
+    try:
+        return TunerSettings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(file, [(_where(e["loc"]), _what(e)) for e in exc.errors()]) from exc
+
+
+def load(path: str | Path) -> TunerSettings:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(path), [("", f"cannot read the file: {exc.strerror or exc}")]) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from exc
+    return parse(data, file=str(path))
+
+
+def schema() -> dict[str, Any]:
+    return TunerSettings.model_json_schema()

@@ -1,0 +1,1 @@
+"""The daemon: wiring sources, the pure core and actuators into cycles."""

@@ -1,0 +1,59 @@
+"""The exception tree of vllm-tuner.
+
+::
+
+    TunerError
+    ├── ConfigError            bad configuration or rule file; the CLI exits 2
+    ├── SourceError            a scrape or read failed; no decision from that window (transient)
+    └── ActuatorError          an actuator could not act
+        ├── TemporaryActuatorError(delay=)   try again after ``delay`` seconds
+        └── PermanentActuatorError           do not retry; a human must look
+
+A guard that says "no" is a ``Verdict`` value, never an exception. Each exception builds its
+message from its fields and keeps them, so callers can inspect ``err.path`` or ``err.url``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TunerError(Exception):
+    """Base of every error vllm-tuner raises on purpose."""
+
+
+class ConfigError(TunerError):
+    """A configuration or rule file is invalid.
+
+    ``problems`` holds ``(field path, what was wrong / expected)`` pairs.
+    """
+
+    def __init__(self, file: str, problems: Sequence[tuple[str, str]]) -> None:
+        self.file = file
+        self.problems = list(problems)
+        lines = [f"{file}: {len(self.problems)} problem(s)"]
+        lines += [f"  - {where or '<top level>'}: {what}" for where, what in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class SourceError(TunerError):
+    """Reading a source failed; the window it belongs to is invalid."""
+
+    def __init__(self, source: str, reason: str) -> None:
+        self.source = source
+        self.reason = reason
+        super().__init__(f"{source}: {reason}")
+
+
+class ActuatorError(TunerError):
+    """An actuator could not do what it was asked."""
+
+
+class TemporaryActuatorError(ActuatorError):
+    def __init__(self, message: str, *, delay: float = 30.0) -> None:
+        self.delay = delay
+        super().__init__(f"{message} (retry in {delay:g}s)")
+
+
+class PermanentActuatorError(ActuatorError):
+    pass

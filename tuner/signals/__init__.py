@@ -1,0 +1,156 @@
+"""Signals: named, engine-agnostic values computed from a window of snapshots by pure functions.
+
+The names are the public vocabulary of rule files (see ``VOCABULARY`` and docs/signals.md).
+A missing value is ``None`` with a human-readable ``reason`` — never 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """One named value.
+
+    ``reason`` explains a ``None`` value (or qualifies a real one, e.g. "lower bound").
+    Quantiles from histograms carry the bucket they fell into: ``bounds`` = (lower, upper) and
+    ``resolution`` = upper - lower, so rules can refuse values that are coarser than they need.
+    """
+
+    value: float | None
+    reason: str | None = None
+    resolution: float | None = None
+    bounds: tuple[float, float] | None = None
+
+    @property
+    def is_known(self) -> bool:
+        return self.value is not None
+
+
+def missing(reason: str) -> Signal:
+    return Signal(None, reason)
+
+
+SignalSet = Mapping[str, Signal]
+
+
+@dataclass(frozen=True, slots=True)
+class Definition:
+    unit: str
+    source: str
+    computation: str
+    kind: str = "engine"  # "engine" | "config" | "gpu"
+
+
+# The vocabulary. docs/signals.md is generated from (and tested against) this table.
+VOCABULARY: Mapping[str, Definition] = {
+    # --- engine load -------------------------------------------------------------------------
+    "requests_running": Definition(
+        "requests", "vllm:num_requests_running | sglang:num_running_reqs",
+        "latest value, summed over data-parallel engines"),
+    "requests_running_max": Definition(
+        "requests", "vllm:num_requests_running | sglang:num_running_reqs", "maximum over the window"),
+    "requests_waiting": Definition(
+        "requests", "vllm:num_requests_waiting | sglang:num_queue_reqs",
+        "latest value, summed over data-parallel engines"),
+    "requests_waiting_max": Definition(
+        "requests", "vllm:num_requests_waiting | sglang:num_queue_reqs", "maximum over the window"),
+    "kv_cache_usage": Definition(
+        "ratio 0..1", "vllm:kv_cache_usage_perc (old: vllm:gpu_cache_usage_perc) | sglang:token_usage",
+        "latest value; the fullest data-parallel engine"),
+    "kv_cache_usage_max": Definition(
+        "ratio 0..1", "as kv_cache_usage", "maximum over the window"),
+    "request_rate": Definition(
+        "requests/s", "vllm:request_success_total (all finished_reason) | sglang:num_requests_total",
+        "Δcount / Δt over the window"),
+    "prompt_tokens_per_s": Definition(
+        "tokens/s", "vllm:prompt_tokens_total | sglang:prompt_tokens_total", "Δcount / Δt"),
+    "generation_tokens_per_s": Definition(
+        "tokens/s", "vllm:generation_tokens_total | sglang:generation_tokens_total", "Δcount / Δt"),
+    "preemptions_per_s": Definition(
+        "preemptions/s", "vllm:num_preemptions_total | sglang:num_retracted_requests_total",
+        "Δcount / Δt"),
+    "requests_rejected_per_s": Definition(
+        "requests/s", 'http_requests_total{handler=~"/v1/(chat/)?completions",status="4xx"}',
+        "Δcount / Δt; rejected requests (too long, bad max_tokens) never reach the vllm: histograms"),
+    "prefix_cache_hit_rate": Definition(
+        "ratio 0..1", "vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total",
+        "Δhits / Δqueries over the window"),
+    "queue_time_mean_s": Definition(
+        "s", "vllm:request_queue_time_seconds | sglang:queue_time_seconds", "Δsum / Δcount"),
+    "queue_time_p50_s": Definition(
+        "s", "as queue_time_mean_s", "quantile of bucket deltas; vLLM's first bucket is 0–0.3 s, so check "
+        "its bounds"),
+    "queue_time_p95_s": Definition(
+        "s", "as queue_time_mean_s", "quantile of bucket deltas; vLLM's first bucket is 0–0.3 s, so check "
+        "its bounds"),
+    "ttft_mean_s": Definition(
+        "s", "vllm:time_to_first_token_seconds | sglang:time_to_first_token_seconds", "Δsum / Δcount"),
+    "ttft_p50_s": Definition(
+        "s", "as ttft_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
+    "ttft_p95_s": Definition(
+        "s", "as ttft_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
+    "itl_mean_s": Definition(
+        "s", "vllm:inter_token_latency_seconds (old: vllm:time_per_output_token_seconds) | "
+        "sglang:inter_token_latency_seconds", "Δsum / Δcount"),
+    "itl_p95_s": Definition(
+        "s", "as itl_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
+    "e2e_mean_s": Definition(
+        "s", "vllm:e2e_request_latency_seconds | sglang:e2e_request_latency_seconds", "Δsum / Δcount"),
+    "e2e_p95_s": Definition(
+        "s", "as e2e_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
+    "prompt_tokens_p99": Definition(
+        "tokens", "vllm:request_prompt_tokens | sglang:prompt_tokens_histogram",
+        "upper bound of the bucket holding the 99th percentile of the window's requests (conservative)"),
+    "prompt_tokens_max": Definition(
+        "tokens", "as prompt_tokens_p99",
+        "upper bound of the highest non-empty bucket since the engine started (cumulative)"),
+    "max_tokens_p99": Definition(
+        "tokens", "vllm:request_params_max_tokens",
+        "upper bound of the bucket holding the 99th percentile of the window's requests (conservative)"),
+    "max_tokens_max": Definition(
+        "tokens", "vllm:request_params_max_tokens",
+        "upper bound of the highest non-empty bucket since the engine started (cumulative)"),
+    "idle_seconds": Definition(
+        "s", "running, waiting and request_success",
+        "time since the last snapshot that showed any request activity (≥ the window span if none)"),
+    "window_seconds": Definition("s", "snapshot times", "span between the first and last snapshot"),
+    # --- engine live configuration ----------------------------------------------------------
+    "block_size": Definition("tokens", "vllm:cache_config_info{block_size}", "label value", "config"),
+    "num_gpu_blocks": Definition("blocks", "vllm:cache_config_info{num_gpu_blocks}", "label value",
+                                 "config"),
+    "kv_cache_size_tokens": Definition(
+        "tokens", "vllm:cache_config_info{kv_cache_size_tokens} (else num_gpu_blocks × block_size) | "
+        "sglang:max_total_num_tokens", "label value", "config"),
+    "kv_cache_max_concurrency": Definition(
+        "requests", "vllm:cache_config_info{kv_cache_max_concurrency} (else kv_cache_size_tokens / "
+        "max_model_len)", "how many max_model_len requests fit in the KV cache", "config"),
+    "gpu_memory_utilization": Definition(
+        "ratio 0..1", "vllm:cache_config_info{gpu_memory_utilization}", "label value", "config"),
+    "max_model_len": Definition(
+        "tokens", "GET /v1/models data[].max_model_len", "as served (not in /metrics)", "config"),
+    # --- GPU ---------------------------------------------------------------------------------
+    "gpu_temp_c": Definition("°C", "NVML temperature GPU | DCGM_FI_DEV_GPU_TEMP", "max over GPUs", "gpu"),
+    "mem_temp_c": Definition("°C", "NVML field MEMORY_TEMP | DCGM_FI_DEV_MEMORY_TEMP (0 = not reported)",
+                             "max over GPUs", "gpu"),
+    "temp_margin_c": Definition(
+        "°C", "NVML slowdown threshold (or configured slowdown_temp_c) − GPU temperature",
+        "min over GPUs", "gpu"),
+    "thermal_throttle": Definition(
+        "bool 0/1", "clock-event reasons & 0x60 (SW/HW thermal slowdown)", "any GPU", "gpu"),
+    "power_capped": Definition("bool 0/1", "clock-event reasons & 0x4 (SW power cap)", "any GPU", "gpu"),
+    "hw_slowdown": Definition(
+        "bool 0/1", "clock-event reasons & 0xC8 (HW slowdown, HW thermal, HW power brake)", "any GPU", "gpu"),
+    "sm_clock_ratio": Definition(
+        "ratio 0..1", "SM clock / max SM clock (NVML; DCGM needs sm_clock_max_mhz configured)",
+        "min over GPUs", "gpu"),
+    "power_w": Definition("W", "NVML power usage | DCGM_FI_DEV_POWER_USAGE", "max over GPUs", "gpu"),
+    "power_limit_w": Definition("W", "NVML enforced power limit", "min over GPUs", "gpu"),
+    "gpu_util": Definition("ratio 0..1", "NVML utilization.gpu | DCGM_FI_DEV_GPU_UTIL", "mean over GPUs",
+                           "gpu"),
+    "dram_active": Definition("ratio 0..1", "DCGM_FI_PROF_DRAM_ACTIVE", "mean over GPUs", "gpu"),
+    "sm_active": Definition("ratio 0..1", "DCGM_FI_PROF_SM_ACTIVE (not in dcgm-exporter's default CSV)",
+                            "mean over GPUs", "gpu"),
+}

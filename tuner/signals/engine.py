@@ -1,0 +1,313 @@
+"""Engine signals over a window of snapshots. Pure: snapshots (with their times) in, signals out."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from tuner.model import dialects, snapshots
+from tuner.model.engines import EngineInfo
+from tuner.signals import Signal, missing
+from tuner.signals import histograms as hist
+
+Snapshot = snapshots.Snapshot
+Labels = Mapping[str, str]
+
+WINDOW_SIGNALS = (
+    "requests_running_max", "requests_waiting_max", "kv_cache_usage_max",
+    "request_rate", "prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_per_s",
+    "requests_rejected_per_s", "prefix_cache_hit_rate",
+    "queue_time_mean_s", "queue_time_p50_s", "queue_time_p95_s", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p95_s",
+    "e2e_mean_s", "e2e_p95_s", "prompt_tokens_p99", "max_tokens_p99", "idle_seconds", "window_seconds",
+)
+LATEST_SIGNALS = ("requests_running", "requests_waiting", "kv_cache_usage", "prompt_tokens_max",
+                  "max_tokens_max")
+CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
+                  "gpu_memory_utilization", "max_model_len")
+ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS
+
+
+# --- reading one snapshot ---------------------------------------------------------------------
+
+def _first_present(snap: Snapshot, names: Sequence[str]) -> str | None:
+    for name in names:
+        if name in snap.series:
+            return name
+    return None
+
+
+def gauge(snap: Snapshot, dialect: dialects.Dialect, concept: str, *, how: str = "sum") -> float | None:
+    name = _first_present(snap, dialect.candidates(concept))
+    if name is None:
+        return None
+    values = [s.value for s in snap.samples(name)]
+    if not values:
+        return None
+    return max(values) if how == "max" else sum(values)
+
+
+def counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
+            where: Callable[[Labels], bool] | None = None) -> float | None:
+    for family in dialect.candidates(concept):
+        for name in (family + "_total", family):
+            if name in snap.series:
+                return sum(s.value for s in snap.samples(name) if where is None or where(s.labels))
+    return None
+
+
+def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str
+            ) -> tuple[list[tuple[float, float]], float, float] | None:
+    """Cumulative buckets summed over label sets, plus _sum and _count. None when absent."""
+    for family in dialect.candidates(concept):
+        samples = snap.samples(family + "_bucket")
+        if not samples:
+            continue
+        merged: dict[float, float] = {}
+        for s in samples:
+            try:
+                bound = float(s.labels["le"])
+            except (KeyError, ValueError):
+                continue
+            merged[bound] = merged.get(bound, 0.0) + s.value
+        total_sum = sum(s.value for s in snap.samples(family + "_sum"))
+        total_count = sum(s.value for s in snap.samples(family + "_count"))
+        return sorted(merged.items()), total_sum, total_count
+    return None
+
+
+def _cache_info(snap: Snapshot, dialect: dialects.Dialect) -> Mapping[str, str] | None:
+    name = _first_present(snap, dialect.candidates("cache_info"))
+    if name is None:
+        return None
+    samples = snap.samples(name)
+    return samples[0].labels if samples else None
+
+
+def _number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+# --- the window ------------------------------------------------------------------------------
+
+def compute(
+    window: Sequence[Snapshot],
+    *,
+    dialect: dialects.Dialect = dialects.VLLM,
+    info: EngineInfo | None = None,
+    now: float | None = None,
+    stale_after_seconds: float | None = None,
+    min_snapshots: int = 2,
+) -> dict[str, Signal]:
+    """All engine signals for one target. Every name in ``ALL_SIGNALS`` is present in the result."""
+    out: dict[str, Signal] = {}
+    snaps = sorted(window, key=lambda s: s.scraped_at)
+    valid = [s for s in snaps if s.ok]
+    if not snaps:
+        return {name: missing("no snapshots") for name in ALL_SIGNALS}
+
+    out.update(_config_signals(valid[-1] if valid else None, dialect, info))
+
+    latest = snaps[-1]
+    if not latest.ok:
+        why = f"latest scrape failed: {latest.error}"
+        out.update({name: missing(why) for name in LATEST_SIGNALS + WINDOW_SIGNALS})
+        return out
+    if now is not None and stale_after_seconds is not None and now - latest.scraped_at > stale_after_seconds:
+        why = f"stale: the latest scrape is {now - latest.scraped_at:.0f}s old (limit {stale_after_seconds:g}s)"
+        out.update({name: missing(why) for name in LATEST_SIGNALS + WINDOW_SIGNALS})
+        return out
+
+    out.update(_latest_signals(latest, dialect))
+
+    bad = [s for s in snaps if not s.ok]
+    if bad:
+        why = f"window invalid: the scrape at {bad[0].scraped_at:.0f} failed: {bad[0].error}"
+        out.update({name: missing(why) for name in WINDOW_SIGNALS})
+        return out
+    span = snaps[-1].scraped_at - snaps[0].scraped_at
+    if len(snaps) < min_snapshots or span <= 0:
+        why = f"too few snapshots: {len(snaps)} spanning {span:g}s (need ≥ {min_snapshots} over > 0s)"
+        out.update({name: missing(why) for name in WINDOW_SIGNALS})
+        return out
+
+    out.update(_window_signals(snaps, dialect, span))
+    return out
+
+
+def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
+    out: dict[str, Signal] = {}
+    for signal, concept, how in (
+        ("requests_running", "running", "sum"),
+        ("requests_waiting", "waiting", "sum"),
+        ("kv_cache_usage", "kv_usage", "max"),
+    ):
+        value = gauge(snap, d, concept, how=how)
+        out[signal] = Signal(value) if value is not None else missing(_absent(d, concept))
+    for signal, concept in (("prompt_tokens_max", "prompt_len"), ("max_tokens_max", "max_tokens")):
+        b = buckets(snap, d, concept)
+        out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(_absent(d, concept))
+    return out
+
+
+def _absent(d: dialects.Dialect, concept: str) -> str:
+    names = d.candidates(concept)
+    if not names:
+        return f"{d.kind} does not expose this"
+    return f"series {' / '.join(names)} absent"
+
+
+def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None
+                    ) -> dict[str, Signal]:
+    labels = _cache_info(snap, d) if snap is not None else None
+    where = " / ".join(d.candidates("cache_info")) or f"{d.kind} has no cache_config_info"
+
+    def label(key: str) -> Signal:
+        if labels is None:
+            return missing(f"{where} absent")
+        value = _number(labels.get(key))
+        return Signal(value) if value is not None else missing(f"{where} has no numeric {key!r}")
+
+    out = {
+        "block_size": label("block_size"),
+        "num_gpu_blocks": label("num_gpu_blocks"),
+        "gpu_memory_utilization": label("gpu_memory_utilization"),
+    }
+    if info is not None and info.max_model_len is not None:
+        out["max_model_len"] = Signal(float(info.max_model_len))
+    else:
+        out["max_model_len"] = missing(
+            (info.error if info is not None and info.error else None)
+            or "not in /metrics; read from GET /v1/models (live) or pass --max-model-len")
+
+    size = label("kv_cache_size_tokens")
+    if size.value is None and snap is not None:
+        capacity = gauge(snap, d, "kv_capacity_tokens")
+        if capacity is not None:
+            size = Signal(capacity)
+    blocks, block_size = out["num_gpu_blocks"].value, out["block_size"].value
+    if size.value is None and blocks is not None and block_size is not None:
+        size = Signal(blocks * block_size, "num_gpu_blocks × block_size")
+    out["kv_cache_size_tokens"] = size
+
+    concurrency = label("kv_cache_max_concurrency")
+    mml = out["max_model_len"].value
+    if concurrency.value is None and size.value is not None and mml:
+        concurrency = Signal(size.value / mml, "kv_cache_size_tokens / max_model_len")
+    out["kv_cache_max_concurrency"] = concurrency
+    return out
+
+
+def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float) -> dict[str, Signal]:
+    first, last = snaps[0], snaps[-1]
+    out: dict[str, Signal] = {"window_seconds": Signal(span)}
+
+    for signal, concept, how in (
+        ("requests_running_max", "running", "sum"),
+        ("requests_waiting_max", "waiting", "sum"),
+        ("kv_cache_usage_max", "kv_usage", "max"),
+    ):
+        values = [gauge(s, d, concept, how=how) for s in snaps]
+        known = [v for v in values if v is not None]
+        out[signal] = Signal(max(known)) if known else missing(_absent(d, concept))
+
+    restarted = _restart_between(snaps, d)
+
+    def rate(concept: str, where: Callable[[Labels], bool] | None = None) -> Signal:
+        series = [counter(s, d, concept, where) for s in snaps]
+        if any(v is None for v in series):
+            return missing(_absent(d, concept) if series[-1] is None else "series missing in part of the window")
+        if restarted:
+            return missing(restarted)
+        values = [v for v in series if v is not None]
+        for a, b, sa, sb in zip(values, values[1:], snaps, snaps[1:], strict=False):
+            if b < a:
+                return missing(f"counter reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
+                               "(engine restarted?)")
+        return Signal((values[-1] - values[0]) / span)
+
+    out["request_rate"] = rate("request_success")
+    out["prompt_tokens_per_s"] = rate("prompt_tokens")
+    out["generation_tokens_per_s"] = rate("generation_tokens")
+    out["preemptions_per_s"] = rate("preemptions")
+    handlers = d.completion_handlers
+    if handlers:
+        out["requests_rejected_per_s"] = rate(
+            "http_requests", lambda lb: lb.get("handler") in handlers and lb.get("status") == "4xx")
+    else:
+        out["requests_rejected_per_s"] = missing(f"{d.kind} does not expose per-handler HTTP status counts")
+
+    hits, queries = rate("prefix_hits"), rate("prefix_queries")
+    if hits.value is None or queries.value is None:
+        out["prefix_cache_hit_rate"] = missing(hits.reason or queries.reason or "absent")
+    elif queries.value <= 0:
+        out["prefix_cache_hit_rate"] = missing("no prefix-cache queries in the window")
+    else:
+        out["prefix_cache_hit_rate"] = Signal(hits.value / queries.value)
+
+    for prefix, concept in (("queue_time", "queue_time"), ("ttft", "ttft"), ("itl", "itl"), ("e2e", "e2e")):
+        window = _histogram_window(first, last, d, concept, restarted)
+        if isinstance(window, Signal):
+            for suffix in ("mean_s", "p50_s", "p95_s"):
+                out[f"{prefix}_{suffix}"] = window
+            continue
+        deltas, dsum, dcount = window
+        out[f"{prefix}_mean_s"] = Signal(dsum / dcount) if dcount > 0 else missing("no observations in the window")
+        out[f"{prefix}_p50_s"] = hist.quantile(0.50, deltas)
+        out[f"{prefix}_p95_s"] = hist.quantile(0.95, deltas)
+
+    for signal, concept in (("prompt_tokens_p99", "prompt_len"), ("max_tokens_p99", "max_tokens")):
+        window = _histogram_window(first, last, d, concept, restarted)
+        out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
+
+    out["idle_seconds"] = _idle(snaps, d)
+    return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
+
+
+def _histogram_window(first: Snapshot, last: Snapshot, d: dialects.Dialect, concept: str,
+                      restarted: str | None) -> Signal | tuple[list[tuple[float, float]], float, float]:
+    new, old = buckets(last, d, concept), buckets(first, d, concept)
+    if new is None:
+        return missing(_absent(d, concept))
+    if restarted:
+        return missing(restarted)
+    if old is None:
+        return missing("series appeared during the window")
+    deltas = hist.delta(new[0], old[0])
+    if deltas is None:
+        return missing("bucket counts went down or bucket layout changed (engine restarted?)")
+    dsum, dcount = new[1] - old[1], new[2] - old[2]
+    if dcount < 0 or dsum < 0:
+        return missing("histogram count went down (engine restarted?)")
+    return deltas, dsum, dcount
+
+
+def _restart_between(snaps: Sequence[Snapshot], d: dialects.Dialect) -> str | None:
+    starts = [gauge(s, d, "process_start") for s in snaps]
+    for a, b, sb in zip(starts, starts[1:], snaps[1:], strict=False):
+        if a is not None and b is not None and a != b:
+            return f"engine restarted inside the window (process start time changed by {sb.scraped_at:.0f})"
+    return None
+
+
+def _idle(snaps: Sequence[Snapshot], d: dialects.Dialect) -> Signal:
+    """Seconds since the last snapshot that showed activity; the window span if none did."""
+    finished = [counter(s, d, "request_success") for s in snaps]
+    last_active: float | None = None
+    for i, snap in enumerate(snaps):
+        running = gauge(snap, d, "running") or 0.0
+        waiting = gauge(snap, d, "waiting") or 0.0
+        moved = i > 0 and finished[i] is not None and finished[i - 1] is not None and finished[i] != finished[i - 1]
+        if running > 0 or waiting > 0 or moved:
+            last_active = snap.scraped_at
+    if gauge(snaps[-1], d, "running") is None:
+        return missing(_absent(d, "running"))
+    end = snaps[-1].scraped_at
+    if last_active is None:
+        return Signal(end - snaps[0].scraped_at, "no activity in the whole window: at least this long")
+    return Signal(end - last_active)

@@ -1,0 +1,74 @@
+"""Histogram arithmetic over cumulative Prometheus buckets, the way ``histogram_quantile`` does it.
+
+Buckets are ``(upper bound, cumulative count)`` pairs sorted by bound, the last one ``+Inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tuner.signals import Signal, missing
+
+Buckets = Sequence[tuple[float, float]]
+
+
+def delta(new: Buckets, old: Buckets | None) -> list[tuple[float, float]] | None:
+    """Bucket-wise ``new - old``. ``None`` when the layouts differ or a count went down (reset)."""
+    if old is None:
+        return list(new)
+    if [b for b, _ in new] != [b for b, _ in old]:
+        return None
+    out = []
+    for (bound, n), (_, o) in zip(new, old, strict=True):
+        if n < o:
+            return None
+        out.append((bound, n - o))
+    return out
+
+
+def quantile(q: float, buckets: Buckets, *, conservative: bool = False) -> Signal:
+    """The q-quantile of cumulative ``buckets``.
+
+    Linear interpolation inside the bucket, as Prometheus does; the lowest bucket starts at 0.
+    The result carries the bucket's bounds and width: a p95 inside vLLM's first 0.3 s queue
+    bucket says "somewhere in 0–0.3 s", and ``resolution`` lets a rule refuse it.
+    With ``conservative=True`` the bucket's *upper* bound is returned instead (used for token
+    lengths that set a floor: never under-estimate).
+    """
+    if not buckets or not math.isinf(buckets[-1][0]):
+        return missing("histogram has no +Inf bucket")
+    total = buckets[-1][1]
+    if total <= 0:
+        return missing("no observations in the window")
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return Signal(lower, f"above the highest finite bucket: ≥ {lower:g}", None, (lower, bound))
+            if conservative:
+                return Signal(bound, "upper bound of its bucket", bound - lower, (lower, bound))
+            in_bucket = count - below
+            frac = (rank - below) / in_bucket if in_bucket > 0 else 1.0
+            return Signal(lower + (bound - lower) * frac, None, bound - lower, (lower, bound))
+        lower, below = bound, count
+    return missing("quantile not found")  # unreachable with a +Inf bucket
+
+
+def highest_nonempty_bound(buckets: Buckets) -> Signal:
+    """Upper bound of the highest bucket that holds any observation."""
+    if not buckets or buckets[-1][1] <= 0:
+        return missing("no observations")
+    previous = 0.0
+    lower = 0.0
+    top: tuple[float, float] | None = None
+    for bound, count in buckets:
+        if count > previous:
+            top = (lower, bound)
+        previous, lower = count, bound
+    assert top is not None
+    lo, hi = top
+    if math.isinf(hi):
+        return Signal(lo, f"above the highest finite bucket: ≥ {lo:g}", None, top)
+    return Signal(hi, "upper bound of its bucket", hi - lo, top)

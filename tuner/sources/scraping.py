@@ -1,0 +1,124 @@
+"""HTTP scraping of Prometheus text endpoints (engines, dcgm-exporter) with httpx.
+
+``scrape()`` never raises: every failure — refused connection, timeout, HTTP 500, an HTML page, a
+truncated or oversized body — comes back as a Snapshot whose ``error`` says what happened, so the
+window that holds it is marked invalid and the cycle says why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from tuner.errors import SourceError
+from tuner.model import snapshots
+
+ACCEPT = "text/plain;version=0.0.4;q=0.9,*/*;q=0.1"
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    connect_timeout_seconds: float = 2.0
+    read_timeout_seconds: float = 5.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    bearer_token: str | None = field(default=None, repr=False)
+    verify: bool | str = True  # False, True, or a CA bundle path
+    client_cert: str | None = None
+
+    def timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(self.read_timeout_seconds, connect=self.connect_timeout_seconds)
+
+
+def make_client(settings: HttpSettings, *, transport: httpx.BaseTransport | None = None) -> httpx.Client:
+    headers = {"Accept": ACCEPT, "User-Agent": "vllm-tuner"}
+    if settings.bearer_token:
+        headers["Authorization"] = f"Bearer {settings.bearer_token}"
+    return httpx.Client(
+        timeout=settings.timeout(), headers=headers, verify=settings.verify, cert=settings.client_cert,
+        transport=transport, follow_redirects=False,
+    )
+
+
+def fetch_text(client: httpx.Client, url: str, *, max_body_bytes: int) -> str:
+    """GET ``url`` and return its body as text; raises SourceError with a clear reason."""
+    try:
+        with client.stream("GET", url) as response:
+            if response.status_code != 200:
+                snippet = _head(response, 512).decode("utf-8", "replace")[:120].strip()
+                raise SourceError(url, f"HTTP {response.status_code}" + (f": {snippet!r}" if snippet else ""))
+            declared = response.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+                raise SourceError(url, f"body of {int(declared)} bytes exceeds the limit of {max_body_bytes}")
+            chunks: list[bytes] = []
+            size = 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise SourceError(url, f"body exceeds the limit of {max_body_bytes} bytes; stopped reading")
+                chunks.append(chunk)
+            content_type = response.headers.get("content-type", "")
+    except SourceError:
+        raise
+    except httpx.TimeoutException as exc:
+        raise SourceError(url, f"timed out ({type(exc).__name__})") from exc
+    except httpx.ConnectError as exc:
+        raise SourceError(url, f"cannot connect: {exc}") from exc
+    except httpx.RemoteProtocolError as exc:
+        raise SourceError(url, f"connection broke mid-response (truncated body?): {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise SourceError(url, f"{type(exc).__name__}: {exc}") from exc
+    body = b"".join(chunks)
+    if "html" in content_type.lower() or body.lstrip()[:15].lower().startswith((b"<!doctype", b"<html")):
+        raise SourceError(url, f"got an HTML page (content-type {content_type or 'unset'}), not metrics")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(url, f"body is not UTF-8 text: {exc}") from exc
+    return text
+
+
+def _head(response: httpx.Response, limit: int) -> bytes:
+    """At most ``limit`` bytes of a streamed body (for error messages)."""
+    got = b""
+    for chunk in response.iter_bytes():
+        got += chunk
+        if len(got) >= limit:
+            break
+    return got[:limit]
+
+
+def scrape(
+    client: httpx.Client,
+    url: str,
+    *,
+    max_body_bytes: int,
+    keep_prefixes: tuple[str, ...] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> snapshots.Snapshot:
+    """One scrape of a Prometheus text endpoint; never raises."""
+    scraped_at = clock()
+    try:
+        text = fetch_text(client, url, max_body_bytes=max_body_bytes)
+    except SourceError as exc:
+        return snapshots.Snapshot.failed(scraped_at, exc.reason, source=url)
+    if not text.strip():
+        return snapshots.Snapshot.failed(scraped_at, "empty body", source=url)
+    if not text.endswith("\n"):
+        # prometheus_client always ends the exposition with a newline; a body without one was cut.
+        return snapshots.Snapshot.failed(scraped_at, "body does not end with a newline (truncated?)", source=url)
+    return snapshots.parse(text, scraped_at, source=url, keep_prefixes=keep_prefixes)
+
+
+def base_url(metrics_url: str) -> str:
+    """``http://h:8000/metrics`` → ``http://h:8000``."""
+    parts = urlsplit(metrics_url)
+    path = parts.path
+    for suffix in ("/metrics/", "/metrics"):
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+            break
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
