@@ -71,7 +71,7 @@ SGLANG = Dialect(
             "request_success": ("sglang:num_requests",),
             "queue_time": ("sglang:queue_time_seconds",),
             "ttft": ("sglang:time_to_first_token_seconds",),
-            "itl": ("sglang:inter_token_latency_seconds",),
+            "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
             "e2e": ("sglang:e2e_request_latency_seconds",),
             "prompt_len": ("sglang:prompt_tokens_histogram",),
             "max_tokens": (),

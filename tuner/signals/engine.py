@@ -165,11 +165,11 @@ def _absent(d: dialects.Dialect, concept: str) -> str:
 def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None
                     ) -> dict[str, Signal]:
     labels = _cache_info(snap, d) if snap is not None else None
-    where = " / ".join(d.candidates("cache_info")) or f"{d.kind} has no cache_config_info"
+    where = " / ".join(d.candidates("cache_info"))
 
     def label(key: str) -> Signal:
         if labels is None:
-            return missing(f"{where} absent")
+            return missing(f"{where} absent" if where else f"{d.kind} does not expose cache_config_info")
         value = _number(labels.get(key))
         return Signal(value) if value is not None else missing(f"{where} has no numeric {key!r}")
 

@@ -58,7 +58,8 @@ def _fmt(value: float | None) -> str:
 
 def table(signals: Mapping[str, Signal], *, title: str = "") -> str:
     rows = []
-    for name, s in signals.items():
+    order = {name: i for i, name in enumerate(VOCABULARY)}
+    for name, s in sorted(signals.items(), key=lambda kv: order.get(kv[0], len(order))):
         unit = VOCABULARY[name].unit if name in VOCABULARY else ""
         note = s.reason or ""
         if s.bounds is not None and s.reason is None:
