@@ -71,3 +71,41 @@ def table(signals: Mapping[str, Signal], *, title: str = "") -> str:
     lines = [title] if title else []
     lines += [f"{n:<{w0}}  {v:>{w1}}  {u:<{w2}}  {note}".rstrip() for n, v, u, note in rows]
     return "\n".join(lines)
+
+
+DOCS_HEADER = """\
+# Signals
+
+Signals are the public vocabulary of rule files: named, engine-agnostic values computed by pure
+functions over a window of two or more snapshots (engine) or over the latest readings (GPU).
+
+- A value that cannot be computed is `null` with a reason (series absent, too few snapshots, a
+  counter reset, a failed scrape in the window, stale data) — never 0 and never a negative rate.
+- Quantiles come from histogram bucket *deltas* over the window, interpolated linearly inside the
+  bucket as Prometheus' `histogram_quantile` does, and carry the bucket's `bounds` and `resolution`
+  (its width). vLLM's queue and e2e buckets start at 0.3 s: a `queue_time_p95_s` inside `0–0.3` is
+  "somewhere below 300 ms", not a measurement. Prefer the `_mean_s` signals where buckets are coarse;
+  rules can refuse coarse values with `max_resolution`.
+- Token-length quantiles (`prompt_tokens_p99`, `max_tokens_p99`) report the bucket's *upper* bound, so
+  a `--max-model-len` floor built on them is never too low. vLLM's token buckets are 1-2-5 steps capped
+  at the current max_model_len.
+- Engine series are summed over data-parallel `engine` labels (KV usage: the fullest engine).
+- GPU signals aggregate the engine's GPUs worst-first: max temperature, min margin, any-of flags.
+
+Generated from `tuner/signals/__init__.py:VOCABULARY` (a test keeps this file in sync).
+
+| signal | unit | source | computation |
+|---|---|---|---|
+"""
+
+
+def vocabulary_markdown() -> str:
+    rows = []
+    for kind, heading in (("engine", "engine load and latency"), ("config", "engine live configuration"),
+                          ("gpu", "GPU")):
+        rows.append(f"| **{heading}** | | | |")
+        for name, d in VOCABULARY.items():
+            if d.kind == kind:
+                rows.append(f"| `{name}` | {d.unit} | {d.source.replace('|', '&#124;')} | "
+                            f"{d.computation.replace('|', '&#124;')} |")
+    return DOCS_HEADER + "\n".join(rows) + "\n"

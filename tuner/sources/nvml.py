@@ -9,6 +9,7 @@ Imports stdlib and (lazily) pynvml only, so it also runs on a bare GPU box (see 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import time
@@ -74,10 +75,8 @@ class NvmlSource:
             return
         self._indices = None
         self._handles.clear()
-        try:
+        with contextlib.suppress(Exception):
             self._nvml.nvmlShutdown()
-        except Exception as exc:
-            log.debug("nvmlShutdown failed: %s", _describe(exc))
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -89,23 +88,21 @@ class NvmlSource:
         try:
             if self._nvml is None:
                 self._nvml = importlib.import_module("pynvml")
-        except Exception as exc:
+        except ImportError as exc:
             self._unavailable(f"pynvml not importable ({_describe(exc)})")
             return None
         nvml = self._nvml
         try:
             nvml.nvmlInit()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - LibraryNotFound, DriverNotLoaded, ... all mean "no NVML"
             self._unavailable(_describe(exc))
             return None
         try:
             wanted = self._wanted if self._wanted is not None else range(int(nvml.nvmlDeviceGetCount()))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self._unavailable(f"cannot count GPUs ({_describe(exc)})")
-            try:
+            with contextlib.suppress(Exception):
                 nvml.nvmlShutdown()
-            except Exception:
-                pass
             return None
         self._indices = list(wanted)
         return nvml
@@ -119,8 +116,9 @@ class NvmlSource:
         if handle is None:
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            except Exception as exc:
-                return GpuReading(index=index, source=SOURCE, read_at=now, error=f"no handle: {_describe(exc)}")
+            except Exception as exc:  # noqa: BLE001 - one lost GPU must not hide the others
+                error = f"no handle: {_describe(exc)}"
+                return GpuReading(index=index, source=SOURCE, read_at=now, error=error)
             self._handles[index] = handle
 
         def const(name: str) -> Any:
@@ -129,7 +127,7 @@ class NvmlSource:
         def call(fn: str, *args: Any) -> Any:
             try:
                 return getattr(nvml, fn)(handle, *args)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - NotSupported & co: this field stays None
                 log.debug("GPU %d: %s failed: %s", index, fn, _describe(exc))
                 return None
 
@@ -148,7 +146,7 @@ class NvmlSource:
             uuid=call("nvmlDeviceGetUUID"),
             name=call("nvmlDeviceGetName"),
             gpu_temp_c=num(call("nvmlDeviceGetTemperature", const("NVML_TEMPERATURE_GPU"))),
-            mem_temp_c=self._mem_temp(call("nvmlDeviceGetFieldValues", [const("NVML_FI_DEV_MEMORY_TEMP")]), const),
+            mem_temp_c=self._mem_temp(call("nvmlDeviceGetFieldValues", [const("NVML_FI_DEV_MEMORY_TEMP")])),
             slowdown_temp_c=threshold("NVML_TEMPERATURE_THRESHOLD_SLOWDOWN"),
             shutdown_temp_c=threshold("NVML_TEMPERATURE_THRESHOLD_SHUTDOWN"),
             mem_max_temp_c=threshold("NVML_TEMPERATURE_THRESHOLD_MEM_MAX"),
@@ -162,12 +160,11 @@ class NvmlSource:
             clocks_event_reasons=self._event_reasons(call),
         )
 
-    @staticmethod
-    def _mem_temp(values: Any, const: Callable[[str], Any]) -> float | None:
+    def _mem_temp(self, values: Any) -> float | None:
         if not values:
             return None
         field = values[0]
-        if field.nvmlReturn != const("NVML_SUCCESS"):
+        if field.nvmlReturn != getattr(self._nvml, "NVML_SUCCESS", 0):
             return None
         return float(getattr(field.value, _VALUE_MEMBERS.get(field.valueType, "uiVal")))
 

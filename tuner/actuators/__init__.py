@@ -1,0 +1,1 @@
+"""Actuators: the only code that changes the world (engine processes, units, load balancers)."""

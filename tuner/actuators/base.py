@@ -1,0 +1,66 @@
+"""The actuator contract: what the rollout needs from whatever runs the engine replicas.
+
+One contract, several implementations (``process``: the tuner supervises local engine processes;
+``systemd``: engines are instances of ``vllm@.service``; ``fake``: in-memory, for the unit tier).
+It is shaped so that a Kubernetes actuator fits later without changing it: a replica is addressed
+by name, arguments are an argv list (never a shell string), and every call is bounded by a deadline.
+
+Drain hooks are a separate contract (``Drainer``): taking a replica out of the load balancer is not
+the same job as restarting it, and users combine them freely (systemd + nginx, process + command…).
+
+Errors: ``TemporaryActuatorError(delay=)`` for "try again later", ``PermanentActuatorError`` for
+"a human must look" (tuner.errors).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+class State(enum.Enum):
+    RUNNING = "running"  # the process/unit is up (not necessarily healthy: ask the engine)
+    STOPPED = "stopped"  # cleanly stopped, or never started
+    FAILED = "failed"  # exited on its own with an error, or failed to start
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    name: str
+    state: State
+    pid: int | None = None
+    argv: tuple[str, ...] | None = None  # the engine arguments it runs with (after the executable)
+    detail: str = ""  # exit code, systemd Result=, last log line…
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    name: str
+    base_url: str  # where /health, /v1/models and /metrics live, e.g. http://127.0.0.1:8001
+
+
+@runtime_checkable
+class Actuator(Protocol):
+    """Runs engine replicas. Every method is synchronous and bounded by its deadline."""
+
+    def replicas(self) -> Sequence[Replica]: ...
+
+    def status(self, name: str) -> ReplicaStatus: ...
+
+    def start(self, name: str, argv: Sequence[str]) -> None:
+        """Start the replica with these engine arguments (not waiting for health)."""
+
+    def stop(self, name: str, *, timeout_seconds: float) -> ReplicaStatus:
+        """SIGTERM (or the platform's equivalent), then SIGKILL after ``timeout_seconds``."""
+
+
+@runtime_checkable
+class Drainer(Protocol):
+    """Routes traffic away from a replica and back."""
+
+    def drain(self, name: str) -> None: ...
+
+    def undrain(self, name: str) -> None: ...
