@@ -33,7 +33,7 @@ def _read_file(path: str) -> str:
 
 
 def _file_snapshots(paths: Sequence[str], spacing: float, kind: str) -> list[snapshots.Snapshot]:
-    keep = dialects.DIALECTS[kind].keep_prefixes
+    keep = dialects.DIALECTS[kind].parse_prefixes()
     return [snapshots.parse(_read_file(p), i * spacing, source=p, keep_prefixes=keep)
             for i, p in enumerate(paths)]
 

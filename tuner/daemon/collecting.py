@@ -56,7 +56,7 @@ class Collector:
 
     def scrape_engine(self) -> snapshots.Snapshot:
         return scraping.scrape(self.client, self.target.metrics_url, max_body_bytes=self.max_body_bytes,
-                               keep_prefixes=self.dialect.keep_prefixes, clock=self.clock)
+                               keep_prefixes=self.dialect.parse_prefixes(), clock=self.clock)
 
     def engine_info(self) -> EngineInfo:
         return engines.engine_info(self.client, self.base_url, self.target.kind)

@@ -20,13 +20,18 @@ class Dialect:
     # concept -> candidate family names (gauges as-is, counters WITHOUT the `_total` suffix,
     # histograms by base name). Absent concept: empty tuple.
     names: MappingProxyType[str, tuple[str, ...]]
-    # prefixes worth parsing at all (everything else is dropped before the parser runs)
-    keep_prefixes: tuple[str, ...]
+    # extra name prefixes worth parsing besides the families in ``names``
+    keep_prefixes: tuple[str, ...] = ()
     # handlers whose 4xx count as rejected generation requests (http_requests_total)
     completion_handlers: tuple[str, ...] = ()
 
     def candidates(self, concept: str) -> tuple[str, ...]:
         return self.names.get(concept, ())
+
+    def parse_prefixes(self) -> tuple[str, ...]:
+        """Name prefixes of every family this dialect reads; everything else is skipped unparsed."""
+        families = sorted({name for names in self.names.values() for name in names})
+        return tuple(families) + self.keep_prefixes
 
 
 VLLM = Dialect(
@@ -54,7 +59,7 @@ VLLM = Dialect(
             "process_start": ("process_start_time_seconds",),
         }
     ),
-    keep_prefixes=("vllm:", "http_requests_total", "process_start_time_seconds"),
+    keep_prefixes=(),
     completion_handlers=("/v1/completions", "/v1/chat/completions"),
 )
 
@@ -83,7 +88,7 @@ SGLANG = Dialect(
             "process_start": ("process_start_time_seconds",),
         }
     ),
-    keep_prefixes=("sglang:", "process_start_time_seconds"),
+    keep_prefixes=(),
 )
 
 DIALECTS: MappingProxyType[str, Dialect] = MappingProxyType({"vllm": VLLM, "sglang": SGLANG})
