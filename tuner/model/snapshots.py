@@ -115,6 +115,20 @@ def _labels(text: str) -> Labels | None:
 _ALLOWED_SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", "_sum", "_bucket")}
 
 
+_SELECTORS: dict[tuple[str, ...], re.Pattern[str]] = {}
+
+
+def _selector(prefixes: tuple[str, ...]) -> re.Pattern[str]:
+    """One regex that finds the wanted sample lines and their HELP/TYPE lines, so the lines the tuner
+    never reads do not even reach the Python loop."""
+    pattern = _SELECTORS.get(prefixes)
+    if pattern is None:
+        alternatives = "|".join(re.escape(p) for p in prefixes)
+        pattern = re.compile(rf"^(?:# (?:HELP|TYPE) )?(?:{alternatives})[^\n]*", re.MULTILINE)
+        _SELECTORS[prefixes] = pattern
+    return pattern
+
+
 def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict[str, list[Sample]] | None:
     """Parse the common exposition shape; None as soon as a line is not plainly of that shape.
 
@@ -127,7 +141,9 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
     allowed: tuple[str, ...] = ()
-    for line in text.split("\n"):
+    lines = (text.split("\n") if keep_prefixes is None
+             else (m.group(0) for m in _selector(keep_prefixes).finditer(text)))
+    for line in lines:
         if not line or line[0] == "#":
             if not line:
                 continue
@@ -143,7 +159,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict
                     family_type = parts[3]
                 allowed = tuple(family + x for x in _ALLOWED_SUFFIXES.get(family_type, ("",)))
             continue
-        if keep_prefixes is not None and (not line.startswith(keep_prefixes) or "_created" in line.split("{", 1)[0]):
+        if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
             continue
         m = _LINE.fullmatch(line)
         if m is None:

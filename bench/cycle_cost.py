@@ -1,0 +1,107 @@
+"""CPU cost of one tuner cycle's parse + signal work, and the memory of the windows it keeps.
+
+Prints figures; asserts nothing. Inputs are copies of real captures (tests/fixtures): a vLLM 0.32
+exposition from the queue-bound scenario and a full dcgm-exporter scrape replicated to 8 GPUs (the
+`gpu`/`UUID` labels changed per copy). Each engine copy gets its own `model_name`, so label sets are
+not shared between targets more than they would be in a real fleet of distinct models.
+
+    python bench/cycle_cost.py [--cycles 15] [--targets 512] [--window 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tuner.model import dcgm, dialects, snapshots  # noqa: E402
+from tuner.signals import engine as engine_signals  # noqa: E402
+from tuner.signals import gpu as gpu_signals  # noqa: E402
+
+FIX = ROOT / "tests" / "fixtures"
+
+
+def engine_texts() -> list[str]:
+    files = sorted((FIX / "vllm" / "queue-bound").glob("*.prom"))
+    return [f.read_text() for f in files]
+
+
+def dcgm_8gpu_text() -> str:
+    text = (FIX / "dcgm" / "rtx4000ada-k8s-full.prom").read_text()
+    body = [line for line in text.splitlines() if line and not line.startswith("#")]
+    out = []
+    for gpu in range(8):
+        for line in body:
+            out.append(line.replace('gpu="0"', f'gpu="{gpu}"').replace("GPU-a8394b51", f"GPU-a8394b5{gpu}"))
+    return "\n".join(out) + "\n"
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def one_engine_cycle(texts: list[str], dcgm_text: str, window: int, cycles: int) -> list[float]:
+    prefixes = dialects.VLLM.parse_prefixes()
+    dprefixes = dcgm.dcgm_keep_prefixes()
+    hist = [snapshots.parse(texts[i % len(texts)], i * 30.0, keep_prefixes=prefixes) for i in range(window)]
+    costs = []
+    for c in range(cycles):
+        t0 = time.process_time()
+        snap = snapshots.parse(texts[c % len(texts)], (window + c) * 30.0, keep_prefixes=prefixes)
+        hist = [*hist[1:], snap]
+        dsnap = snapshots.parse(dcgm_text, (window + c) * 30.0, keep_prefixes=dprefixes)
+        readings = dcgm.readings_from_snapshot(dsnap, slowdown_temp_c=89.0)
+        signals = engine_signals.compute(hist)
+        signals.update(gpu_signals.compute(readings))
+        costs.append(time.process_time() - t0)
+        assert len(readings) == 8 and signals["requests_running"].value is not None
+    return costs
+
+
+def fleet_cycle(texts: list[str], targets: int, window: int, cycles: int) -> tuple[list[float], float, float]:
+    prefixes = dialects.VLLM.parse_prefixes()
+    per_target = [[t.replace('model_name="', f'model_name="m{i}-') for t in texts] for i in range(targets)]
+    gc.collect()
+    before = rss_mib()
+    windows = [[snapshots.parse(per_target[i][k % len(texts)], k * 30.0, keep_prefixes=prefixes)
+                for k in range(window)] for i in range(targets)]
+    held = rss_mib() - before
+    costs = []
+    for c in range(cycles):
+        t0 = time.process_time()
+        for i in range(targets):
+            snap = snapshots.parse(per_target[i][c % len(texts)], (window + c) * 30.0, keep_prefixes=prefixes)
+            windows[i] = [*windows[i][1:], snap]
+            engine_signals.compute(windows[i])
+        costs.append(time.process_time() - t0)
+    return costs, held, rss_mib()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cycles", type=int, default=15)
+    ap.add_argument("--targets", type=int, default=512)
+    ap.add_argument("--window", type=int, default=10, help="snapshots kept per target (300 s at 30 s)")
+    args = ap.parse_args()
+    texts = engine_texts()
+    dtext = dcgm_8gpu_text()
+    print(f"inputs: vLLM capture {len(texts[0]) / 1024:.0f} KiB ({texts[0].count(chr(10))} lines), "
+          f"dcgm 8 GPUs {len(dtext) / 1024:.0f} KiB ({dtext.count(chr(10))} lines); window {args.window}")
+    one = one_engine_cycle(texts, dtext, args.window, max(args.cycles, 30))
+    print(f"one engine + 8 GPUs: median {statistics.median(one) * 1000:.2f} ms CPU per cycle "
+          f"(min {min(one) * 1000:.2f}, max {max(one) * 1000:.2f}; target ≤ 20 ms)")
+    fleet, held, peak = fleet_cycle(texts, args.targets, args.window, args.cycles)
+    print(f"{args.targets} engine targets: median {statistics.median(fleet):.3f} s CPU per cycle "
+          f"(min {min(fleet):.3f}, max {max(fleet):.3f}; target ≤ 1.5 s)")
+    print(f"memory: {held:.0f} MiB for {args.targets}×{args.window} snapshots; peak RSS {peak:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
