@@ -1,0 +1,118 @@
+"""The tuner's own endpoint over real HTTP: /metrics, /healthz, /status, /recommendations."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.unit.test_cycle import RAISE, FakePlanner, Harness
+from tuner.daemon import httpserver
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Setup = tuple[Harness, httpserver.TunerHttpServer, Clock, dict[str, bool]]
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=10) as client:  # one client: building an SSL context per request is slow
+        yield client
+
+
+@pytest.fixture
+def setup() -> Iterator[Setup]:
+    h = Harness("recommend")
+    clock = Clock(h.now)
+    flags = {"alive": True, "busy": False}
+    server = httpserver.TunerHttpServer(metrics=h.metrics, state=h.state, max_age_seconds=90,
+                                        is_alive=lambda: flags["alive"], is_busy=lambda: flags["busy"], port=0,
+                                        clock=clock)
+    with server:
+        yield h, server, clock, flags
+
+
+def test_binds_loopback_by_default(http: httpx.Client) -> None:
+    assert httpserver.DEFAULT_HOST == "127.0.0.1"
+    h = Harness()
+    with httpserver.TunerHttpServer(metrics=h.metrics, state=h.state, max_age_seconds=90, port=0) as server:
+        assert server.host == "127.0.0.1"
+        assert server.url.startswith("http://127.0.0.1:")
+
+
+def test_healthz_before_during_and_after(http: httpx.Client, setup: Setup) -> None:
+    h, server, clock, flags = setup
+    r = http.get(f"{server.url}/healthz")
+    assert r.status_code == 200 and r.json()["reason"] == "starting: no cycle finished yet"
+    first = h.run(planner=FakePlanner(RAISE))
+    clock.now = first.finished_at + 30
+    r = http.get(f"{server.url}/healthz")
+    assert r.status_code == 200 and r.json()["last_cycle"] == 1
+    clock.now += 120  # no cycle for 150 s: the loop is wedged
+    r = http.get(f"{server.url}/healthz")
+    assert r.status_code == 503
+    assert "the last cycle finished 150s ago (limit 90s)" in r.json()["reason"]
+    flags["busy"] = True  # …unless a cycle is running (a rolling restart takes minutes)
+    r = http.get(f"{server.url}/healthz")
+    assert r.status_code == 200 and r.json()["cycle_running"] is True
+    clock.now -= 120
+    flags["alive"] = False  # stopping, stuck, or the scheduler died
+    assert http.get(f"{server.url}/healthz").status_code == 503
+
+
+def test_no_cycle_for_too_long_after_start_is_unhealthy(
+        http: httpx.Client, setup: tuple[Harness, httpserver.TunerHttpServer, Clock, list[bool]]) -> None:
+    h, server, clock, _ = setup
+    clock.now = h.state.started_at + 91
+    assert http.get(f"{server.url}/healthz").status_code == 503
+
+
+def test_metrics_is_the_own_registry(http: httpx.Client, setup: Setup) -> None:
+    h, server, _, _ = setup
+    h.run(planner=FakePlanner(RAISE))
+    r = http.get(f"{server.url}/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert families["tuner_cycle_duration_seconds"].type == "histogram"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in families["tuner_signal"].samples}
+    assert samples[("tuner_signal", (("signal", "requests_waiting"), ("target", "engine-0")))] == 112
+    assert "python_gc_objects_collected_total" not in r.text  # not the global registry
+
+
+def test_status_and_recommendations(http: httpx.Client, setup: Setup) -> None:
+    h, server, _, _ = setup
+    empty = http.get(f"{server.url}/status").json()
+    assert empty["cycle"] is None and empty["targets"] == {}
+    assert http.get(f"{server.url}/recommendations").json()["recommendations"] == []
+    h.run(planner=FakePlanner(RAISE))
+    status = http.get(f"{server.url}/status").json()
+    assert status["cycle"] == 1
+    assert status["mode"] == "recommend"
+    target = status["targets"]["engine-0"]
+    assert target["signals"]["requests_waiting"] == 112
+    assert target["reasons"]["request_rate"].startswith("too few snapshots")
+    assert target["engine"]["max_model_len"] == 4096
+    assert target["plan"]["changes"][0]["to"] == "16"
+    assert status["pending"] == {}
+    recs = http.get(f"{server.url}/recommendations").json()
+    assert recs["recommendations"][0]["flag"] == "--max-num-seqs"
+    assert recs["recommendations"][0]["target"] == "engine-0"
+
+
+def test_unknown_paths_are_404_with_a_list(http: httpx.Client, setup: Setup) -> None:
+    _, server, _, _ = setup
+    r = http.get(f"{server.url}/nope")
+    assert r.status_code == 404
+    assert "/recommendations" in json.loads(r.text)["endpoints"]
+    assert http.head(f"{server.url}/healthz").status_code == 200

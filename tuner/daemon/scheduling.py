@@ -1,0 +1,197 @@
+"""APScheduler 3.x wiring, and nothing else: run one step every ``interval_seconds``; stop gracefully.
+
+- The cycle is an interval job with ``max_instances=1`` and ``coalesce=True``: a cycle that runs long
+  (a rolling restart) delays the next one instead of overlapping it, and the missed runs collapse into
+  one. The first cycle runs at once.
+- SIGTERM / SIGINT: no new cycle starts; the running one is told to stop (``should_stop()`` turns true,
+  and the cycle and the rollout return between their steps); once it has returned — or
+  ``stop_timeout_seconds`` passed, or a second signal came — ``on_stop`` persists the state and
+  ``run()`` returns 0 (1 if persisting failed).
+- systemd: ``READY=1`` once the scheduler runs, ``STATUS=`` with each cycle's summary, ``WATCHDOG=1``
+  at half the period systemd asked for while the loop is healthy (a cycle finished recently, or the
+  running one is not stuck), ``STOPPING=1`` on the way out.
+
+The signal handler only records the signal; the main thread polls for it. (Setting a
+``threading.Event`` from a handler can deadlock when the signal lands inside that Event's own lock.)
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from types import FrameType
+from typing import Any
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from tuner.daemon import notify
+
+log = logging.getLogger("tuner.scheduling")
+
+_POLL_SECONDS = 0.2
+
+
+class Loop:
+    """Runs ``step()`` every ``interval_seconds`` on a ``BackgroundScheduler``.
+
+    ``step`` should check ``loop.should_stop()`` between its own steps. Its return value's
+    ``summary`` attribute (if any) becomes the systemd STATUS line.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[], object],
+        *,
+        interval_seconds: float,
+        on_stop: Callable[[], None] | None = None,
+        notifier: notify.Notifier | None = None,
+        watchdog_seconds: float | None = None,
+        stop_timeout_seconds: float = 120.0,
+        stuck_after_seconds: float | None = None,
+    ) -> None:
+        if interval_seconds <= 0:
+            raise ValueError(f"interval_seconds must be > 0, got {interval_seconds}")
+        self.step = step
+        self.interval_seconds = interval_seconds
+        self.on_stop = on_stop
+        self.notifier = notifier if notifier is not None else notify.Notifier()
+        self.watchdog_seconds = watchdog_seconds if watchdog_seconds is not None else notify.watchdog_seconds()
+        self.stop_timeout_seconds = stop_timeout_seconds
+        # A cycle running longer than this is stuck: the watchdog stops pinging and systemd restarts
+        # us. A rolling restart legitimately takes minutes, hence the generous default.
+        self.stuck_after_seconds = stuck_after_seconds or max(1800.0, 10 * interval_seconds)
+        self._scheduler: BackgroundScheduler | None = None
+        self._stop = threading.Event()
+        self._busy = threading.Lock()
+        self._signals_seen = 0
+        self._started_mono: float | None = None
+        self._running_since: float | None = None
+        self._last_finished: float | None = None
+        self.cycles = 0
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def stop_event(self) -> threading.Event:
+        """Set once a stop was requested (within ``_POLL_SECONDS`` of a signal): hand it to code that
+        waits, e.g. the rollout driver's ``stop_event``."""
+        return self._stop
+
+    def should_stop(self) -> bool:
+        return self._stop.is_set() or self._signals_seen > 0
+
+    def is_alive(self) -> bool:
+        """The scheduler runs, no stop was requested, and the current cycle (if any) is not stuck."""
+        if self._scheduler is None or not self._scheduler.running or self.should_stop():
+            return False
+        since = self._running_since
+        return since is None or time.monotonic() - since < self.stuck_after_seconds
+
+    def is_busy(self) -> bool:
+        """A cycle is running right now (a rolling restart keeps it running for minutes)."""
+        return self._running_since is not None
+
+    def seconds_since_last_cycle(self) -> float | None:
+        """Since the last cycle finished (or, before the first, since the loop started)."""
+        ref = self._last_finished if self._last_finished is not None else self._started_mono
+        return None if ref is None else time.monotonic() - ref
+
+    # -- running --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the scheduler in the background (the first cycle runs at once)."""
+        if self._scheduler is not None:
+            raise RuntimeError("the loop was already started")
+        scheduler = BackgroundScheduler(
+            executors={"default": ThreadPoolExecutor(2)},  # the cycle + the watchdog ping
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+            timezone=UTC,
+        )
+        scheduler.add_job(self._tick, IntervalTrigger(seconds=self.interval_seconds, timezone=UTC),
+                          id="cycle", name="tuner cycle", next_run_time=datetime.now(UTC),
+                          max_instances=1, coalesce=True)
+        if self.watchdog_seconds:
+            scheduler.add_job(self._ping, IntervalTrigger(seconds=max(0.5, self.watchdog_seconds / 2),
+                                                          timezone=UTC),
+                              id="watchdog", name="sd_notify watchdog", max_instances=1, coalesce=True)
+        self._started_mono = time.monotonic()
+        scheduler.start()
+        self._scheduler = scheduler
+        self.notifier.ready(f"running a cycle every {self.interval_seconds:g}s")
+
+    def run(self, *, install_signal_handlers: bool = True) -> int:
+        """Block until SIGTERM/SIGINT (or ``request_stop()``), then stop gracefully; the exit code."""
+        previous: dict[int, Any] = {}
+        if install_signal_handlers:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.signal(signum, self._on_signal)
+        try:
+            self.start()
+            while not self.should_stop():
+                self._stop.wait(_POLL_SECONDS)
+            return self.stop()
+        finally:
+            for restored, handler in previous.items():
+                signal.signal(restored, handler)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> int:
+        """No new cycles; wait for the running one (bounded); persist; 0 on success."""
+        first_signals = self._signals_seen
+        self._stop.set()
+        self.notifier.stopping("stopping: finishing the current step")
+        if self._scheduler is not None and self._scheduler.running:
+            self._scheduler.shutdown(wait=False)
+        deadline = time.monotonic() + self.stop_timeout_seconds
+        finished = False
+        while time.monotonic() < deadline:
+            if self._busy.acquire(timeout=_POLL_SECONDS):
+                self._busy.release()
+                finished = True
+                break
+            if self._signals_seen > first_signals:
+                log.warning("second stop signal: not waiting for the current cycle any longer")
+                break
+        if not finished:
+            log.warning("the current cycle did not return within %.0fs; persisting state anyway",
+                        self.stop_timeout_seconds)
+        code = 0
+        if self.on_stop is not None:
+            try:
+                self.on_stop()
+            except Exception:
+                log.exception("persisting state on stop failed")
+                code = 1
+        log.info("stopped after %d cycle(s)", self.cycles)
+        return code
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals_seen += 1  # only record it; see the module docstring
+
+    def _tick(self) -> None:
+        if self.should_stop():
+            return
+        with self._busy:
+            self._running_since = time.monotonic()
+            try:
+                result = self.step()
+            except Exception:
+                log.exception("cycle failed")
+                result = None
+            finally:
+                self._running_since = None
+                self._last_finished = time.monotonic()
+                self.cycles += 1
+        summary = getattr(result, "summary", None)
+        if isinstance(summary, str):
+            self.notifier.status(summary)
+
+    def _ping(self) -> None:
+        if self.is_alive():
+            self.notifier.watchdog()

@@ -1,0 +1,102 @@
+"""The tuner's own Prometheus series (``tuner_*``), in a registry of their own.
+
+Never the global ``REGISTRY``: tests create a fresh ``TunerMetrics()`` each, and a process embedding
+the tuner keeps its own metrics apart. Label values that are free text (reasons) are kept short by the
+caller: a reason label is a guard name or a rule's short reason, never a sentence with numbers in it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from tuner.signals import Signal
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest() writes
+
+# A cycle is a scrape of every target plus planning: well under a second when healthy, up to the
+# scrape timeouts (seconds) when a target hangs, minutes when it includes a rolling restart.
+CYCLE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0)
+
+
+class TunerMetrics:
+    """Every ``tuner_*`` series. Thread-safe (prometheus_client is; the label bookkeeping is locked)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.cycle_duration = Histogram(
+            "tuner_cycle_duration_seconds", "Duration of one tuner cycle (scrape, signals, plan, act).",
+            buckets=CYCLE_BUCKETS, registry=r)
+        self.step_duration = Histogram(
+            "tuner_cycle_step_duration_seconds", "Duration of one step of a cycle.", ["step"],
+            buckets=CYCLE_BUCKETS, registry=r)
+        self.decisions = Counter(
+            "tuner_decisions", "Decisions by rule, outcome (recommended, applied, deferred, held) and "
+            "reason (the guard or short reason).", ["rule", "outcome", "reason"], registry=r)
+        self.restarts = Counter(
+            "tuner_restarts", "Engine restarts by target and result.", ["target", "result"], registry=r)
+        self.scrape_errors = Counter(
+            "tuner_scrape_errors", "Failed reads by target and source (engine, engine_info, gpu).",
+            ["target", "source"], registry=r)
+        self.signal = Gauge(
+            "tuner_signal", "The latest known value of each signal; absent while unknown.",
+            ["target", "signal"], registry=r)
+        self.engine_arg = Gauge(
+            "tuner_engine_arg_info", "Engine arguments: kind=current as running, kind=recommended as planned.",
+            ["target", "flag", "value", "kind"], registry=r)
+        self.last_cycle = Gauge(
+            "tuner_last_cycle_timestamp_seconds", "When the last cycle finished (seconds since the epoch).",
+            registry=r)
+        self._lock = threading.Lock()
+        self._signal_labels: dict[str, set[str]] = {}
+        self._arg_labels: dict[str, set[tuple[str, str, str]]] = {}
+
+    def observe_cycle(self, seconds: float, *, finished_at: float) -> None:
+        self.cycle_duration.observe(seconds)
+        self.last_cycle.set(finished_at)
+
+    def observe_step(self, step: str, seconds: float) -> None:
+        self.step_duration.labels(step=step).observe(seconds)
+
+    def count_decision(self, *, rule: str, outcome: str, reason: str) -> None:
+        self.decisions.labels(rule=rule, outcome=outcome, reason=reason).inc()
+
+    def count_restart(self, *, target: str, result: str) -> None:
+        self.restarts.labels(target=target, result=result).inc()
+
+    def count_scrape_error(self, *, target: str, source: str) -> None:
+        self.scrape_errors.labels(target=target, source=source).inc()
+
+    def set_signals(self, target: str, signals: Mapping[str, Signal]) -> None:
+        """Known values become gauges; a signal that became unknown is removed, not set to 0."""
+        known = {name: s.value for name, s in signals.items() if s.value is not None}
+        with self._lock:
+            for name in self._signal_labels.get(target, set()) - known.keys():
+                self.signal.remove(target, name)
+            for name, value in known.items():
+                assert value is not None
+                self.signal.labels(target=target, signal=name).set(value)
+            self._signal_labels[target] = set(known)
+
+    def set_engine_args(self, target: str, *, current: Mapping[str, str],
+                        recommended: Mapping[str, str]) -> None:
+        """Replace the target's ``tuner_engine_arg_info`` series (info-style: value 1, value in a label)."""
+        wanted = {(flag, value, "current") for flag, value in current.items()}
+        wanted |= {(flag, value, "recommended") for flag, value in recommended.items()}
+        with self._lock:
+            for flag, value, kind in self._arg_labels.get(target, set()) - wanted:
+                self.engine_arg.remove(target, flag, value, kind)
+            for flag, value, kind in wanted:
+                self.engine_arg.labels(target=target, flag=flag, value=value, kind=kind).set(1)
+            self._arg_labels[target] = wanted
+
+    def forget_target(self, target: str) -> None:
+        self.set_signals(target, {})
+        self.set_engine_args(target, current={}, recommended={})
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
