@@ -149,3 +149,11 @@ def test_fast_path_agrees_with_reference_or_defers(families):
     if expected is not None:  # where the reference accepts, we read exactly the same samples
         assert snap.ok
         assert _ours(snap) == expected
+
+
+def test_junk_is_caught_even_when_no_wanted_line_is_in_it():
+    snap = snapshots.parse("<html><body>502 Bad Gateway</body></html>\n", 0.0, keep_prefixes=("vllm:",))
+    assert not snap.ok
+    other = snapshots.parse("node_load1 0.5\n", 0.0, keep_prefixes=("vllm:",))
+    assert other.ok
+    assert other.series == {}

@@ -198,7 +198,11 @@ def parse(
     (``None`` downstream) rather than as a number.
     """
     fast = _fast_parse(text, keep_prefixes)
-    if keep_prefixes is not None and fast is None:
+    if fast == {} and keep_prefixes is not None:
+        # Nothing we read was there. Is it exposition at all (another exporter) or junk (an HTML
+        # page, a proxy's error text)? Only the full reference parse can tell; this case is rare.
+        fast = None
+    elif keep_prefixes is not None and fast is None:
         text = _wanted_lines(text, keep_prefixes)
     if fast is not None:
         return Snapshot(scraped_at=scraped_at, series=MappingProxyType({k: tuple(v) for k, v in fast.items()}),
