@@ -222,6 +222,8 @@ def parse(
             f"not Prometheus text exposition ({type(exc).__name__}: {exc}); body starts {first!r}",
             source=source,
         )
+    if keep_prefixes is not None:
+        index = {k: v for k, v in index.items() if k.startswith(keep_prefixes) and "_created" not in k}
     return Snapshot(
         scraped_at=scraped_at,
         series=MappingProxyType({k: tuple(v) for k, v in index.items()}),
