@@ -61,6 +61,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.dcgm_metrics:
         readings, gpu_unavailable = _file_gpus(args.dcgm_metrics, args.slowdown_temp_c)
+    elif args.nvml and args.engine_metrics:
+        from tuner.sources import nvml
+
+        source = nvml.NvmlSource()
+        readings = source.read()
+        gpu_unavailable = None if readings else f"NVML unavailable: {source.unavailable_reason or 'no devices'}"
 
     if args.engine_metrics:
         snaps = _file_snapshots(args.engine_metrics, args.window_seconds, kind)

@@ -103,3 +103,17 @@ def test_bad_yaml_names_the_line(tmp_path):
     proc = run("check-config", str(cfg), check=False)
     assert proc.returncode == 2
     assert "line" in proc.stderr and "not valid YAML" in proc.stderr
+
+
+def test_nvml_without_a_driver_says_so_once_and_goes_on():
+    out = json.loads(run("inspect", "--engine-metrics", str(QUEUE / "000.prom"), "--nvml", "--format", "json").stdout)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pytest.skip("this machine has an NVIDIA driver")
+    except Exception:
+        pass
+    assert out["signals"]["gpu_temp_c"] is None
+    assert out["reasons"]["gpu_temp_c"].startswith("NVML unavailable")
+    assert out["signals"]["requests_running"] is not None
