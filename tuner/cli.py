@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from tuner import __version__, config
+from tuner import __version__, cli_decide, config
 from tuner.errors import ConfigError
 from tuner.model import dcgm, dialects, snapshots
 from tuner.model.engines import EngineInfo
@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=2, help="live scrapes per target (default 2)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.set_defaults(func=cmd_inspect)
+
+    cli_decide.register(sub)
 
     p = sub.add_parser("check-config", help="validate a config file and print the effective config")
     p.add_argument("file")

@@ -97,6 +97,9 @@ VOCABULARY: Mapping[str, Definition] = {
         "sglang:inter_token_latency_seconds", "Δsum / Δcount"),
     "itl_p95_s": Definition(
         "s", "as itl_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
+    "itl_p99_s": Definition(
+        "s", "as itl_mean_s", "quantile of bucket deltas; catches prefill stalls that a p95 hides (a few "
+        "percent of gaps of 1-2.5 s while long prompts are prefilled)"),
     "e2e_mean_s": Definition(
         "s", "vllm:e2e_request_latency_seconds | sglang:e2e_request_latency_seconds", "Δsum / Δcount"),
     "e2e_p95_s": Definition(

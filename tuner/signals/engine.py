@@ -17,7 +17,7 @@ WINDOW_SIGNALS = (
     "requests_running_max", "requests_waiting_max", "kv_cache_usage_max",
     "request_rate", "prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_per_s",
     "requests_rejected_per_s", "prefix_cache_hit_rate",
-    "queue_time_mean_s", "queue_time_p50_s", "queue_time_p95_s", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p95_s",
+    "queue_time_mean_s", "queue_time_p50_s", "queue_time_p95_s", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p95_s", "itl_p99_s",
     "e2e_mean_s", "e2e_p95_s", "prompt_tokens_p99", "max_tokens_p99", "idle_seconds", "window_seconds",
 )
 LATEST_SIGNALS = ("requests_running", "requests_waiting", "kv_cache_usage", "prompt_tokens_max",
@@ -253,13 +253,14 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     for prefix, concept in (("queue_time", "queue_time"), ("ttft", "ttft"), ("itl", "itl"), ("e2e", "e2e")):
         window = _histogram_window(first, last, d, concept, restarted)
         if isinstance(window, Signal):
-            for suffix in ("mean_s", "p50_s", "p95_s"):
+            for suffix in ("mean_s", "p50_s", "p95_s", "p99_s"):
                 out[f"{prefix}_{suffix}"] = window
             continue
         deltas, dsum, dcount = window
         out[f"{prefix}_mean_s"] = Signal(dsum / dcount) if dcount > 0 else missing("no observations in the window")
         out[f"{prefix}_p50_s"] = hist.quantile(0.50, deltas)
         out[f"{prefix}_p95_s"] = hist.quantile(0.95, deltas)
+        out[f"{prefix}_p99_s"] = hist.quantile(0.99, deltas)
 
     for signal, concept in (("prompt_tokens_p99", "prompt_len"), ("max_tokens_p99", "max_tokens")):
         window = _histogram_window(first, last, d, concept, restarted)

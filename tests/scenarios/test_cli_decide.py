@@ -1,0 +1,136 @@
+"""``recommend`` and ``replay`` on the real captures, through their argparse wiring."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tests.scenarios.support import REPO, scenario_dir
+from tuner import cli_decide
+from tuner.errors import ConfigError
+
+
+def run(argv, capsys):
+    parser = argparse.ArgumentParser(prog="vllm-tuner")
+    cli_decide.register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(argv)
+    rc = ns.func(ns)
+    return rc, capsys.readouterr().out
+
+
+def files(name):
+    d = scenario_dir(name)
+    out = []
+    for p in sorted(d.glob("*.prom")):
+        out += ["--engine-metrics", str(p)]
+    return out
+
+
+def test_recommend_json_on_the_queue_bound_capture(capsys):
+    rc, out = run(["recommend", *files("queue-bound"), "--args", "--max-model-len 2048 --max-num-seqs 4",
+                   "--format", "json"], capsys)
+    assert rc == 0
+    data = json.loads(out)
+    (rec,) = data["recommendations"]
+    assert {k: rec[k] for k in ("flag", "from", "to", "rule")} == {
+        "flag": "--max-num-seqs", "from": "4", "to": "8", "rule": "queue-slot-bound"}
+    assert "queue_time_mean_s" in rec["reason"]
+    assert data["held"] == [] and data["restart_needed"] is True
+    assert data["signals"]["requests_running_max"] == 4
+    assert data["args_after"] == ["--max-model-len", "2048", "--max-num-seqs", "8"]
+
+
+def test_recommend_table_explains_each_decision(capsys):
+    rc, out = run(["recommend", *files("kv-bound"), "--platform", "cpu",
+                   "--gpu-readings", str(REPO / "tests/fixtures/nvml/h200-matmul.json"), "--gpu-sample", "40"],
+                  capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("recommend (vllm): ") and " snapshots over " in lines[0]
+    assert any(line.startswith("  CHANGE  --max-num-seqs ") and "kv-preemption-cap" in line for line in lines)
+    assert any(line.startswith("  HELD    kv-more-memory [experimental]") for line in lines)
+    assert "restart needed: yes" in out
+    # a power-capped H200 reading freezes nothing
+    assert "[thermal]" not in out
+
+
+def test_recommend_with_a_throttling_gpu_holds_load_adding_changes(capsys, tmp_path):
+    reading = {"index": 0, "source": "nvml", "read_at": 0, "gpu_temp_c": 87, "slowdown_temp_c": 89,
+               "clocks_event_reasons": 0x20 | 0x4}
+    (tmp_path / "gpu.json").write_text(json.dumps([reading]))
+    _, out = run(["recommend", *files("queue-bound"), "--gpu-readings", str(tmp_path / "gpu.json"),
+                   "--format", "json"], capsys)
+    data = json.loads(out)
+    assert data["recommendations"] == []
+    (held,) = data["held"]
+    assert held["rule"] == "queue-slot-bound" and held["guard"] == "thermal"
+    assert "thermal throttling" in held["reason"] and "2 °C below" in held["reason"]
+
+
+def test_recommend_needs_two_snapshots(capsys):
+    rc, out = run(["recommend", "--engine-metrics", str(scenario_dir("idle") / "000.prom")], capsys)
+    assert rc == 2 and "at least two snapshots" in out
+
+
+def test_replay_prints_the_timeline(capsys):
+    rc, out = run(["replay", str(scenario_dir("queue-bound"))], capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("replay ") and "--max-num-seqs 4" in lines[0]
+    assert sum("--max-num-seqs 4→8 (queue-slot-bound); restart needed" in line for line in lines) == 1
+    assert lines[-1].endswith("--max-num-seqs 8")
+
+
+def test_replay_json_and_verbose(capsys):
+    rc, out = run(["replay", str(scenario_dir("idle")), "--format", "json"], capsys)
+    data = json.loads(out)
+    assert [c["held"][0]["guard"] for c in data["cycles"]] == ["idle", "idle"]
+    rc, out = run(["replay", str(scenario_dir("latency-bound")), "-v", "--rules",
+                   str(REPO / "rules" / "seed-h100.yaml")], capsys)
+    assert rc == 0 and "UNKNOWN" in out
+
+
+def test_replay_unix_second_file_names(tmp_path, capsys):
+    src = scenario_dir("queue-bound")
+    times = json.loads((src / "meta.json").read_text())["scraped_at"]
+    for i, t in enumerate(times):
+        (tmp_path / f"{t:.3f}.prom").write_text((src / f"{i:03d}.prom").read_text())
+    rc, out = run(["replay", str(tmp_path), "--args", "--max-num-seqs 4 --max-model-len 2048"], capsys)
+    assert rc == 0 and "--max-num-seqs 4→8" in out
+
+
+def test_decisions_file_and_defaults(tmp_path, capsys):
+    (tmp_path / "d.yaml").write_text("decisions:\n  safety: {max_restarts_per_hour: 0}\n")
+    _, out = run(["recommend", *files("queue-bound"), "--decisions", str(tmp_path / "d.yaml"),
+                   "--args", "--max-model-len 2048", "--default=--max-num-seqs=4", "--format", "json"], capsys)
+    data = json.loads(out)
+    assert data["recommendations"] == [] and data["held"][0]["guard"] == "budget"
+    (tmp_path / "bad.yaml").write_text("thermal: {nope: 1}\n")
+    with pytest.raises(ConfigError):
+        run(["recommend", *files("queue-bound"), "--decisions", str(tmp_path / "bad.yaml")], capsys)
+
+
+def test_bad_inputs(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="not a directory"):
+        run(["replay", str(tmp_path / "nope")], capsys)
+    with pytest.raises(ConfigError, match=r"no \*\.prom files"):
+        run(["replay", str(tmp_path)], capsys)
+    (tmp_path / "g.json").write_text("{}")
+    with pytest.raises(ConfigError, match="GPU readings"):
+        run(["recommend", *files("idle"), "--gpu-readings", str(tmp_path / "g.json")], capsys)
+    (tmp_path / "r.yaml").write_text("rules: [{id: X}]")
+    with pytest.raises(ConfigError, match=r"r\.yaml"):
+        run(["recommend", *files("idle"), "--rules", str(tmp_path / "r.yaml")], capsys)
+
+
+def test_recommend_with_a_dcgm_file(capsys):
+    dcgm = REPO / "tests" / "fixtures" / "dcgm" / "h100x8-vllm-k8s-grep.prom"
+    rc, out = run(["recommend", *files("queue-bound"), "--dcgm-metrics", str(dcgm), "--slowdown-temp-c", "87",
+                   "--format", "json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and data["signals"]["gpu_temp_c"] is not None
+    rc, out = run(["recommend", *files("queue-bound"), "--dcgm-metrics", str(scenario_dir("idle") / "000.prom"),
+                   "--format", "json"], capsys)
+    assert "no DCGM GPU series" in json.loads(out)["reasons"]["gpu_temp_c"]

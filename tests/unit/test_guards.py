@@ -1,0 +1,232 @@
+"""Guards, including the thermal guard against a real H200 NVML recording and a fake NVML in throttle states."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.fake_nvml import FakeGpu, FakeNvml
+from tuner.model import gpus, knobs
+from tuner.model.gpus import GpuReading
+from tuner.planning import guards
+from tuner.planning import history as history_mod
+from tuner.planning.history import Change, History
+from tuner.signals import Signal, missing
+from tuner.signals import gpu as gpu_signals
+from tuner.sources.nvml import NvmlSource
+
+H200 = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "h200-matmul.json"
+THERMAL = guards.ThermalSettings()
+SAFETY = guards.SafetySettings()
+IDLE = guards.IdleSettings()
+
+
+def sig(**values):
+    return {k: missing("absent") if v is None else Signal(float(v)) for k, v in values.items()}
+
+
+def nvml_signals(fake):
+    return gpu_signals.compute(NvmlSource(nvml=fake, clock=lambda: 1000.0).read())
+
+
+# --- thermal ---------------------------------------------------------------------------------------------
+
+def test_real_h200_power_capped_at_full_load_is_not_thermal():
+    recording = json.loads(H200.read_text())
+    fake = FakeNvml.from_recording(recording)
+    loaded = 0
+    for i, sample in enumerate(recording["samples"]):
+        fake.load_sample(i)
+        signals = nvml_signals(fake)
+        assert guards.hot(signals, THERMAL) is None, (i, signals)
+        v = guards.thermal(signals, THERMAL, adds_load=True)
+        assert v.allowed, v
+        if sample["phase"] == "load" and signals["power_capped"].value == 1:
+            loaded += 1
+            assert v.reason == "power-capped, which is not thermal"
+            assert signals["temp_margin_c"].value >= 15  # 69-72 °C against a 89 °C slowdown
+    assert loaded > 40  # the recording really is at its power cap under load
+    assert not fake.replay_misses
+
+
+def test_real_h200_readings_from_the_recording_json_agree():
+    sample = json.loads(H200.read_text())["samples"][40]
+    readings = [GpuReading(**r) for r in sample["readings"]]
+    signals = gpu_signals.compute(readings)
+    assert signals["power_capped"].value == 1 and signals["thermal_throttle"].value == 0
+    assert guards.thermal(signals, THERMAL, adds_load=True).allowed
+
+
+@pytest.mark.parametrize("bits", [gpus.SW_THERMAL_SLOWDOWN, gpus.HW_THERMAL_SLOWDOWN,
+                                  gpus.SW_THERMAL_SLOWDOWN | gpus.SW_POWER_CAP])
+def test_fake_nvml_thermal_throttle_freezes_load_adding_changes(bits):
+    fake = FakeNvml([FakeGpu(temp_c=86, clocks_event_reasons=bits, power_mw=700_000)])
+    signals = nvml_signals(fake)
+    v = guards.thermal(signals, THERMAL, adds_load=True)
+    assert not v.allowed and v.guard == "thermal"
+    assert "thermal throttling" in v.reason and "GPU 86 °C, 3 °C below its slowdown temperature" in v.reason
+    assert v.reason.startswith("frozen: ") and v.reason.endswith("this change adds load")
+    ok = guards.thermal(signals, THERMAL, adds_load=False)
+    assert ok.allowed and "adds no load" in ok.reason
+
+
+def test_fake_nvml_power_cap_alone_is_not_thermal():
+    fake = FakeNvml([FakeGpu(temp_c=65, clocks_event_reasons=gpus.SW_POWER_CAP, power_mw=699_000)])
+    assert guards.thermal(nvml_signals(fake), THERMAL, adds_load=True).allowed
+
+
+def test_margin_absolute_limit_and_hw_slowdown():
+    assert "2 °C below" in guards.hot(sig(temp_margin_c=2, gpu_temp_c=87), THERMAL)
+    assert guards.hot(sig(temp_margin_c=6, gpu_temp_c=83), THERMAL) is None
+    seed = guards.ThermalSettings(max_temp_c=82)
+    assert "≥ max_temp_c 82" in guards.hot(sig(temp_margin_c=6, gpu_temp_c=83), seed)
+    assert "hardware slowdown" in guards.hot(sig(hw_slowdown=1), THERMAL)
+    assert guards.hot(sig(hw_slowdown=1), guards.ThermalSettings(freeze_on_hw_slowdown=False)) is None
+    # no GPU telemetry at all: nothing to freeze on
+    assert guards.thermal(sig(temp_margin_c=None, thermal_throttle=None), THERMAL, adds_load=True).allowed
+
+
+# --- window and idle -------------------------------------------------------------------------------------
+
+def test_window_needs_rates():
+    v = guards.window({"window_seconds": missing("too few snapshots: 1 spanning 0s")})
+    assert not v.allowed and "too few snapshots" in v.reason
+    v = guards.window({"window_seconds": Signal(30), "request_rate": missing("engine restarted inside the window")})
+    assert not v.allowed and "restarted" in v.reason
+    assert guards.window(sig(window_seconds=30, request_rate=1)).allowed
+
+
+def test_idle_needs_enough_requests():
+    v = guards.idle(sig(window_seconds=60, request_rate=0.1), IDLE)
+    assert not v.allowed and "6 requests finished in the 1m window (need ≥ 10)" in v.reason
+    assert guards.idle(sig(window_seconds=60, request_rate=1), IDLE).allowed
+    assert not guards.idle(sig(window_seconds=60), IDLE).allowed
+    assert guards.requests_in_window(sig(window_seconds=10, request_rate=2)) == 20
+
+
+def test_idle_since_carries_across_windows():
+    h = History()
+    assert guards.idle_since(sig(idle_seconds=0), h, now=100) is None
+    assert guards.idle_since(sig(idle_seconds=30), h, now=100) == 70
+    lower_bound = {"idle_seconds": Signal(300, "no activity in the whole window: at least this long")}
+    assert guards.idle_since(lower_bound, History(idle_since=50), now=1000) == 50
+    assert guards.idle_since(lower_bound, History(idle_since=900), now=1000) == 700
+    assert guards.idle_since({}, History(idle_since=5), now=10) == 5
+
+
+def test_keep_warm_after_long_idle_and_not_again_too_soon():
+    a = guards.keep_warm({}, History(), IDLE, now=1000, since=300)
+    assert a.kind == "keep-warm" and a.requests == 10 and a.max_tokens == 1 and "idle for 11m40s" in a.reason
+    assert guards.keep_warm({}, History(), IDLE, now=1000, since=500) is None
+    assert guards.keep_warm({}, History(last_keep_warm=900), IDLE, now=1000, since=0) is None
+    assert guards.keep_warm({}, History(), IDLE, now=1000, since=None) is None
+    never = guards.IdleSettings(keep_warm_after_seconds=None)
+    assert guards.keep_warm({}, History(), never, now=1000, since=0) is None
+
+
+def test_warm_up():
+    a = guards.warm_up(IDLE, reason="r")
+    assert a.after_restart and a.as_dict()["kind"] == "warm-up"
+    assert guards.warm_up(guards.IdleSettings(warm_up_after_restart=False), reason="r") is None
+
+
+# --- safety ----------------------------------------------------------------------------------------------
+
+def change(knob="max_num_seqs", direction=1, rule="queue-slot-bound"):
+    return Change(flag="--max-num-seqs", knob=knob, from_value=4, to_value=8, rule=rule, reason="", direction=direction)
+
+
+def test_cooldown_says_how_long_is_left():
+    h = history_mod.applied(History(), [change()], now=1000)
+    v = guards.cooldown("max_num_seqs", "--max-num-seqs", h, rule_cooldown_seconds=0, settings=SAFETY, now=1000 + 648)
+    assert not v.allowed and v.reason == "cooldown 4m12s left (--max-num-seqs changed 10m48s ago by queue-slot-bound)"
+    longer = guards.cooldown("max_num_seqs", "--max-num-seqs", h, rule_cooldown_seconds=3600, settings=SAFETY,
+                             now=1000 + 1000)
+    assert not longer.allowed and "43m20s left" in longer.reason
+    assert guards.cooldown("max_num_seqs", "f", h, rule_cooldown_seconds=0, settings=SAFETY, now=1900).allowed
+    assert guards.cooldown("block_size", "f", h, rule_cooldown_seconds=0, settings=SAFETY, now=1001).allowed
+
+
+def test_hysteresis_blocks_only_reversals():
+    h = history_mod.applied(History(), [change(direction=1)], now=0)
+    assert guards.hysteresis("max_num_seqs", "--max-num-seqs", 1, h, settings=SAFETY, now=60).allowed
+    v = guards.hysteresis("max_num_seqs", "--max-num-seqs", -1, h, settings=SAFETY, now=60)
+    assert not v.allowed and "was raised 4→8 by queue-slot-bound 1m ago; no reversal for 59m" in v.reason
+    assert guards.hysteresis("max_num_seqs", "f", -1, h, settings=SAFETY, now=3601).allowed
+    down = history_mod.applied(History(), [change(direction=-1)], now=0)
+    assert "was lowered" in guards.hysteresis("max_num_seqs", "f", 1, down, settings=SAFETY, now=1).reason
+
+
+def test_restart_budget_per_hour_and_day():
+    h = History(restarts=(0.0, 1000.0))
+    v = guards.restart_budget(h, SAFETY, now=1800)
+    assert not v.allowed and "2 restart(s) in the last hour (max 2); next in 30m" in v.reason
+    assert guards.restart_budget(h, SAFETY, now=3601).allowed
+    day = History(restarts=tuple(float(t) for t in range(0, 8 * 4000, 4000)))
+    v = guards.restart_budget(day, SAFETY, now=8 * 4000)
+    assert not v.allowed and "8 restart(s) in the last 24h" in v.reason
+    assert "0/2 this hour" in guards.restart_budget(History(), SAFETY, now=0).reason
+
+
+def test_crash_memory():
+    args = knobs.EngineArgs.from_string("--max-num-seqs 8")
+    h = history_mod.failed_to_start(History(), args, reason="CUDA out of memory")
+    v = guards.crash_memory(knobs.EngineArgs.from_string("--max-num-seqs=8"), h)
+    assert not v.allowed and "CUDA out of memory" in v.reason
+    assert guards.crash_memory(args.with_value("--max-num-seqs", 16), h).allowed
+
+
+def test_max_model_len_floor():
+    f = guards.max_model_len_floor(sig(prompt_tokens_p99=1000, max_tokens_p99=500, prompt_tokens_max=2000,
+                                       max_tokens_max=500), SAFETY)
+    assert f.tokens == 2202 and "prompt_tokens_max 2000 + 1 = 2001" in f.reason  # the largest need wins
+    f = guards.max_model_len_floor(sig(prompt_tokens_p99=1000, max_tokens_p99=1000), SAFETY)
+    assert f.tokens == 2200
+    f = guards.max_model_len_floor(sig(max_tokens_max=8192, prompt_tokens_max=100), SAFETY)
+    assert f.tokens == 9012  # clients asking max_tokens=8192 get a 400 below that
+    unknown = guards.max_model_len_floor(sig(prompt_tokens_p99=1000), SAFETY)
+    assert unknown.tokens is None and "max_tokens_p99" in unknown.reason
+    assert not guards.floor_check(4096, unknown).allowed
+    assert not guards.floor_check(2000, f).allowed
+    assert guards.floor_check(9012, f).allowed
+    above = {"prompt_tokens_max": Signal(2000, "above the highest finite bucket: ≥ 2000", None, (2000, float("inf"))),
+             "max_tokens_max": Signal(100)}
+    f = guards.max_model_len_floor(above, SAFETY)
+    assert f.tokens is None and "≥ 2000" in f.reason and "custom-histogram-buckets" in f.reason
+
+
+def test_engine_constraints():
+    bad = knobs.EngineArgs.from_string("--max-num-seqs 512 --max-num-batched-tokens 256")
+    v = guards.engine_constraints(bad, "vllm", platform=None, defaults={})
+    assert not v.allowed and v.guard == "engine"
+    assert guards.engine_constraints(knobs.EngineArgs(), "vllm", platform=None, defaults={}).allowed
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (59.4, "1m"), (252, "4m12s"), (7200, "2h"),
+                                               (90061, "1d1h"), (-5, "0s")])
+def test_duration(seconds, text):
+    assert guards.duration(seconds) == text
+
+
+# --- history ---------------------------------------------------------------------------------------------
+
+def test_history_updates_and_json_roundtrip():
+    h = History(streaks={"a": 2})
+    h = history_mod.applied(h, [change()], now=100)
+    assert h.streaks == {} and h.restarts == (100,) and h.changes["max_num_seqs"].to_value == "8"
+    assert history_mod.applied(h, [], now=200) is h
+    h = history_mod.restarted(h, now=200)
+    h = history_mod.rejected(h, knobs.EngineArgs.from_string("--block-size 64"), reason="no effect")
+    assert h.restarts_within(3600, now=250) == 2
+    h = history_mod.applied(h, [change()], now=200 + 86400)
+    assert h.restarts == (200 + 86400,)  # older than a day: pruned
+    again = history_mod.from_dict(json.loads(json.dumps(history_mod.to_dict(h))))
+    assert again == h
+    assert history_mod.from_dict({}) == History()
+
+
+def test_change_as_dict():
+    c = Change(flag="--block-size", knob="block_size", from_value=16, to_value=32, rule="r", reason="why",
+               direction=1, experimental=True)
+    assert c.as_dict() == {"flag": "--block-size", "from": "16", "to": "32", "rule": "r", "reason": "why",
+                           "experimental": True}

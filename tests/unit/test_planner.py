@@ -1,0 +1,334 @@
+"""The planner on synthetic signal sets: rules + guards → one Plan per cycle."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from tuner.model import gpus, knobs
+from tuner.model.knobs import EngineArgs
+from tuner.planning import guards, planner
+from tuner.planning import history as history_mod
+from tuner.planning.history import History
+from tuner.rules import loading
+from tuner.signals import Signal, missing
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = loading.load(REPO / "rules" / "default.yaml")
+SETTINGS = planner.DecisionSettings()
+
+
+def sig(**values):
+    return {k: v if isinstance(v, Signal) else (missing("absent") if v is None else Signal(float(v)))
+            for k, v in values.items()}
+
+
+BUSY = dict(window_seconds=60, request_rate=2, idle_seconds=0, prompt_tokens_per_s=500, itl_p95_s=0.02,
+            requests_rejected_per_s=0, thermal_throttle=0, hw_slowdown=0, temp_margin_c=30, gpu_temp_c=59,
+            power_capped=0)
+# H200 at --max-num-seqs 8: running = 8, 112-120 waiting, KV ~1 % (evidence-h200.md)
+QUEUE_BOUND = BUSY | dict(requests_running=8, requests_running_max=8, requests_waiting=115, requests_waiting_max=120,
+                          queue_time_mean_s=14.5, kv_cache_usage=0.01, kv_cache_usage_max=0.012, preemptions_per_s=0,
+                          kv_cache_max_concurrency=209)
+# H200 KV-bound: running 31-39 of 256, ~90 waiting, KV 0.97-0.999, preemptions climbing
+KV_BOUND = BUSY | dict(requests_running=35, requests_running_max=39, requests_waiting=90, requests_waiting_max=95,
+                       queue_time_mean_s=14.5, kv_cache_usage=0.99, kv_cache_usage_max=0.999, preemptions_per_s=0.8,
+                       kv_cache_max_concurrency=27, gpu_memory_utilization=0.2)
+
+
+def run(signals, args, *, cycles=3, history=None, rules=DEFAULT, settings=SETTINGS, kind="vllm", start=1000.0,
+        step=30.0, **kw):
+    """Plan ``cycles`` times on the same signals without applying; return the last plan."""
+    h = history or History()
+    p = None
+    for i in range(cycles):
+        p = planner.plan("engine-0", sig(**signals), EngineArgs.from_string(args), h, settings, rules=rules, kind=kind,
+                         now=start + i * step, **kw)
+        h = p.history
+    return p
+
+
+def rules_from(text):
+    return loading.parse(yaml.safe_load(text))
+
+
+def test_queue_bound_raises_max_num_seqs_after_sustaining():
+    p = run(QUEUE_BOUND, "--max-num-seqs 8", cycles=2)
+    assert not p.changes and [h.guard for h in p.held] == ["sustain"]
+    assert p.summary().startswith("cycle 2: no action (queue-slot-bound: true in 2 of 3 consecutive windows")
+    p = run(QUEUE_BOUND, "--max-num-seqs 8")
+    (c,) = p.changes
+    assert (c.flag, c.from_value, c.to_value, c.rule, c.adds_load) == ("--max-num-seqs", 8, 16, "queue-slot-bound", True)
+    assert "requests_running_max 8 ≥ 7.2 (0.9×--max-num-seqs 8)" in c.reason and "kv_cache_usage_max 0.012 < 0.8" in c.reason
+    assert p.restart_needed and p.args_after.argv() == ["--max-num-seqs", "16"]
+    assert [a.kind for a in p.actions] == ["warm-up"] and p.actions[0].after_restart
+    assert p.summary() == ("cycle 3: --max-num-seqs 8→16 (queue-slot-bound); restart needed; warm-up ×10 after the "
+                           "restart (the restart for --max-num-seqs)")
+    d = p.as_dict()
+    assert d["recommendations"][0] | {"reason": ""} == {"flag": "--max-num-seqs", "from": "8", "to": "16",
+                                                        "rule": "queue-slot-bound", "reason": ""}
+    assert d["restart_needed"] and d["args"] == ["--max-num-seqs", "16"]
+
+
+def test_queue_bound_is_capped_by_kv_concurrency():
+    p = run(QUEUE_BOUND | dict(requests_running_max=128, requests_running=128), "--max-num-seqs 128")
+    (c,) = p.changes
+    assert c.to_value == 209 and "capped at 209 by kv_cache_max_concurrency" in c.reason
+    p = run(QUEUE_BOUND | dict(requests_running_max=209), "--max-num-seqs 209")
+    assert not p.changes and p.held[0].guard == "bounds" and "upper bound 209" in p.held[0].reason
+
+
+def test_kv_bound_does_not_raise_but_caps_max_num_seqs():
+    p = run(KV_BOUND, "--max-num-seqs 256 --gpu-memory-utilization 0.2")
+    assert all(c.rule != "queue-slot-bound" for c in p.changes)
+    (c,) = p.changes
+    assert (c.rule, c.from_value, c.to_value) == ("kv-preemption-cap", 256, 39)
+    assert "preemptions_per_s 0.8 > 0" in c.reason
+    assert [(h.rule, h.guard) for h in p.held] == [("kv-more-memory", "sustain")]
+    # the queue rule is false, and the text says why
+    (o,) = [o for o in p.outcomes if o.rule == "queue-slot-bound"]
+    assert o.status == "false" and "requests_running_max 39 < 230.4" in o.reason
+
+
+def test_experimental_change_goes_out_alone():
+    p = run(KV_BOUND, "--max-num-seqs 256 --gpu-memory-utilization 0.2", cycles=5)
+    assert [c.rule for c in p.changes] == ["kv-preemption-cap"]
+    (h,) = [h for h in p.held if h.rule == "kv-more-memory"]
+    assert h.guard == "experimental" and "goes out alone" in h.reason
+    # once the cap is on cooldown, the experiment goes by itself
+    hist = history_mod.applied(History(), p.changes, now=0)
+    p = run(KV_BOUND, "--max-num-seqs 39 --gpu-memory-utilization 0.2", cycles=5, history=hist, start=10)
+    (c,) = p.changes
+    assert (c.flag, c.to_value, c.experimental) == ("--gpu-memory-utilization", 0.22, True)
+    assert c.verify.signal == "preemptions_per_s" and c.verify.expect == "decrease"
+    assert c.as_dict()["verify"]["expect"] == "decrease"
+
+
+def test_only_experimental_changes_keep_the_first():
+    rules = rules_from("""
+rules:
+  - {id: a, experimental: true, verify: {signal: itl_mean_s, expect: decrease}, priority: 9,
+     when: {all: [{signal: request_rate, op: '>', value: 0}]}, then: {flag: --block-size, op: set, value: 32}}
+  - {id: b, experimental: true, verify: {signal: itl_mean_s, expect: decrease},
+     when: {all: [{signal: request_rate, op: '>', value: 0}]}, then: {flag: --max-num-seqs, op: set, value: 32}}
+""")
+    p = run(BUSY, "--block-size 16 --max-num-seqs 8", cycles=1, rules=rules)
+    # the higher-priority one (b) goes; a waits
+    assert [c.rule for c in p.changes] == ["b"] and (p.held[0].rule, p.held[0].guard) == ("a", "experimental")
+
+
+def test_conflicts_on_one_flag_go_to_the_higher_priority():
+    rules = rules_from("""
+rules:
+  - {id: low, priority: 1, when: {all: [{signal: request_rate, op: '>', value: 0}]},
+     then: {flag: --max-num-seqs, op: set, value: 4}}
+  - {id: high, priority: 90, when: {all: [{signal: request_rate, op: '>', value: 0}]},
+     then: {flag: --max-num-seqs, op: set, value: 32}}
+  - {id: same-as-high, priority: 90, when: {all: [{signal: request_rate, op: '>', value: 0}]},
+     then: {flag: --max-running-requests, op: set, value: 64}}
+""")
+    p = run(BUSY, "--max-num-seqs 8", cycles=1, rules=rules)
+    assert [(c.rule, c.to_value) for c in p.changes] == [("high", 32)]
+    assert [(h.rule, h.guard) for h in p.held] == [("same-as-high", "conflict"), ("low", "conflict")]
+    assert "already changed this cycle by high" in p.held[0].reason
+
+
+def test_thermal_throttle_freezes_load_adding_changes_with_the_reason():
+    hot = QUEUE_BOUND | dict(thermal_throttle=1, temp_margin_c=2, gpu_temp_c=87)
+    p = run(hot, "--max-num-seqs 8")
+    assert not p.changes and not p.actions
+    (h,) = p.held
+    assert (h.rule, h.guard) == ("queue-slot-bound", "thermal")
+    assert "thermal throttling" in h.reason and "GPU 87 °C, 2 °C below its slowdown temperature" in h.reason
+    assert p.summary().startswith("cycle 3: no action (queue-slot-bound: frozen: thermal throttling")
+    # a change that adds no load still goes through
+    p = run(KV_BOUND | dict(thermal_throttle=1), "--max-num-seqs 256 --gpu-memory-utilization 0.2")
+    assert [c.rule for c in p.changes] == ["kv-preemption-cap"]
+
+
+def test_power_cap_alone_does_not_freeze():
+    p = run(QUEUE_BOUND | dict(power_capped=1, temp_margin_c=17, gpu_temp_c=72), "--max-num-seqs 8")
+    assert [c.rule for c in p.changes] == ["queue-slot-bound"]
+
+
+def test_thermal_step_down_is_optional_and_beats_hysteresis():
+    hot = BUSY | dict(thermal_throttle=1)
+    assert not run(hot, "--max-num-seqs 64", cycles=1).changes
+    settings = planner.DecisionSettings(thermal=guards.ThermalSettings(step_down=True))
+    raised = history_mod.applied(History(), [history_mod.Change(
+        flag="--max-num-seqs", knob="max_num_seqs", from_value=32, to_value=64, rule="queue-slot-bound", reason="",
+        direction=1)], now=0)
+    p = run(hot, "--max-num-seqs 64", cycles=1, settings=settings, history=raised, start=1000)
+    (c,) = p.changes
+    assert (c.rule, c.to_value, c.direction) == ("thermal-step-down", 48, -1) and "thermal throttling" in c.reason
+    assert not run(hot, "--max-num-seqs 1", cycles=1, settings=settings).changes
+    assert not run(hot, "", cycles=1, settings=settings).changes  # current value unknown
+
+
+def test_idle_window_decides_nothing_and_resets_streaks():
+    h = run(QUEUE_BOUND, "--max-num-seqs 8", cycles=2).history
+    assert h.streaks == {"queue-slot-bound": 2}
+    p = run(QUEUE_BOUND | dict(request_rate=0.1), "--max-num-seqs 8", cycles=1, history=h)
+    assert [(x.rule, x.guard) for x in p.held] == [("*", "idle")]
+    assert p.history.streaks == {} and p.outcomes == ()
+    assert p.summary() == "cycle 3: no action (no decision: 6 requests finished in the 1m window (need ≥ 10))"
+    p = run(QUEUE_BOUND | dict(request_rate=None), "--max-num-seqs 8", cycles=1)
+    assert p.held[0].guard == "window"
+
+
+def test_cooldown_and_hysteresis_after_an_applied_change():
+    p = run(QUEUE_BOUND, "--max-num-seqs 8")
+    h = history_mod.applied(p.history, p.changes, now=p.at)
+    # still queue-bound at 16: sustains again, then waits for the cooldown
+    p2 = run(QUEUE_BOUND | dict(requests_running_max=16), "--max-num-seqs 16", history=h, start=p.at + 30)
+    (held,) = p2.held
+    assert held.guard == "cooldown" and held.reason.startswith("cooldown 13m30s left")
+    # a lowering rule within the hysteresis period is held as a reversal
+    later = p.at + 1800
+    p3 = run(KV_BOUND | dict(requests_running_max=10), "--max-num-seqs 16 --gpu-memory-utilization 0.2",
+             history=h, start=later)
+    assert any(x.guard == "hysteresis" and x.rule == "kv-preemption-cap" for x in p3.held)
+
+
+def test_restart_budget_holds_everything():
+    h = History(restarts=(900.0, 950.0))
+    p = run(QUEUE_BOUND, "--max-num-seqs 8", history=h)
+    assert not p.changes and not p.restart_needed
+    (held,) = p.held
+    assert held.guard == "budget" and "2 restart(s) in the last hour" in held.reason
+    assert p.args_after == p.args_before
+
+
+def test_crash_memory_never_proposes_a_failed_command_line_again():
+    failed = history_mod.failed_to_start(History(), EngineArgs.from_string("--max-num-seqs 16"), reason="OOM at start")
+    p = run(QUEUE_BOUND, "--max-num-seqs 8", history=failed)
+    assert not p.changes and p.held[0].guard == "crash" and "OOM at start" in p.held[0].reason
+
+
+def test_engine_validation_blocks_a_refused_command_line():
+    rules = rules_from("""
+rules:
+  - {id: tiny-budget, when: {all: [{signal: request_rate, op: '>', value: 0}]},
+     then: {flag: --max-num-batched-tokens, op: set, value: 64}}
+""")
+    p = run(BUSY, "--max-num-seqs 256 --max-num-batched-tokens 2048", cycles=1, rules=rules)
+    assert not p.changes and p.held[0].guard == "engine" and "refuses to start" in p.held[0].reason
+
+
+def test_decode_latency_rules_do_not_undo_queue_rule():
+    slow = BUSY | dict(itl_p95_s=Signal(0.18, None, 0.05, (0.15, 0.2)), requests_running_max=64,
+                       requests_waiting_max=0, kv_cache_usage_max=0.5, preemptions_per_s=0)
+    p = run(slow, "--max-num-seqs 128 --max-num-batched-tokens 8192")
+    (c,) = p.changes
+    assert (c.rule, c.flag, c.to_value) == ("decode-latency-batched-tokens", "--max-num-batched-tokens", 4096)
+    off = run(slow, "--max-num-seqs 128 --no-enable-chunked-prefill --max-num-batched-tokens 8192")
+    assert [(c.rule, c.to_value) for c in off.changes] == [("decode-latency-chunked-prefill", True)]
+    assert off.args_after.get("--enable-chunked-prefill") is True
+    # queue pressure with slow decoding: the queue rule stays out (no headroom), no flapping
+    both = run(QUEUE_BOUND | dict(itl_p95_s=Signal(0.18, None, 0.05, (0.15, 0.2))), "--max-num-seqs 8")
+    assert all(c.rule != "queue-slot-bound" for c in both.changes)
+
+
+def test_decode_budget_never_below_max_num_seqs():
+    slow = BUSY | dict(itl_p95_s=0.3)
+    p = run(slow, "--max-num-seqs 600 --max-num-batched-tokens 1024")
+    (c,) = p.changes
+    assert c.to_value == 600 and "floored at 600 by --max-num-seqs" in c.reason
+
+
+SHRINK = """
+rules:
+  - {id: shrink, when: {all: [{signal: kv_cache_usage_max, op: '>', value: 0.9}]},
+     then: {flag: --max-model-len, op: scale, factor: 0.25}}
+"""
+
+
+def test_max_model_len_is_floored_by_observed_traffic():
+    traffic = KV_BOUND | dict(prompt_tokens_p99=5000, max_tokens_p99=1000, prompt_tokens_max=10000, max_tokens_max=2000)
+    p = run(traffic, "--max-model-len 32768", cycles=1, rules=rules_from(SHRINK))
+    (c,) = p.changes
+    assert c.to_value == 11002 and "floored at 11002 by observed need" in c.reason  # ⌈(10000 + 1) × 1.1⌉
+    # not known → no lowering at all
+    p = run(KV_BOUND, "--max-model-len 32768", cycles=1, rules=rules_from(SHRINK))
+    assert not p.changes and p.held[0].guard == "floor" and "observed need unknown" in p.held[0].reason
+    # already at the need → held
+    p = run(traffic, "--max-model-len 8192", cycles=1, rules=rules_from(SHRINK))
+    assert not p.changes and p.held[0].guard == "floor"
+
+
+def test_keep_warm_after_long_idle_then_not_again_right_away():
+    idle = dict(window_seconds=300, request_rate=0, idle_seconds=Signal(300, "no activity in the whole window"))
+    p = run(idle, "", cycles=1, start=10_000)
+    assert not p.actions and p.history.idle_since == 9_700
+    p = run(idle, "", cycles=11, start=10_000)  # 5 minutes later: idle for 10 min
+    (a,) = p.actions
+    assert a.kind == "keep-warm" and "idle for 10m (keep-warm after 10m)" in a.reason
+    assert p.summary().startswith("cycle 11: keep-warm ×10 (idle for 10m")
+    assert p.history.last_keep_warm == p.at
+    nxt = planner.plan("e", sig(**idle), EngineArgs(), p.history, SETTINGS, rules=DEFAULT, now=p.at + 30)
+    assert not nxt.actions
+
+
+def test_warm_up_once_after_an_external_restart():
+    p = run(BUSY | dict(request_rate=None), "", cycles=1, restarted_at=5000.0)
+    assert [(a.kind, a.after_restart) for a in p.actions] == [("warm-up", False)]
+    p2 = planner.plan("e", sig(**BUSY), EngineArgs(), p.history, SETTINGS, rules=DEFAULT, now=2000,
+                      restarted_at=5000.0)
+    assert not p2.actions
+
+
+def test_sglang_uses_its_own_flags():
+    p = run(QUEUE_BOUND, "--max-running-requests 8", kind="sglang")
+    (c,) = p.changes
+    assert c.flag == "--max-running-requests" and p.args_after.argv() == ["--max-running-requests", "16"]
+
+
+def test_unknown_current_value_is_held_as_bounds():
+    # the condition itself needs --max-num-seqs: unknown, with the reason in the outcome
+    p = run(QUEUE_BOUND | dict(requests_running_max=1000), "")
+    (o,) = [o for o in p.outcomes if o.rule == "queue-slot-bound"]
+    assert o.status == "unknown" and "--max-num-seqs unknown" in o.reason
+    # a change whose current value is unknown is held as bounds
+    rules = rules_from("""
+rules:
+  - {id: r, when: {all: [{signal: request_rate, op: '>', value: 0}]}, then: {flag: --max-num-seqs, op: scale, factor: 2}}
+""")
+    (h,) = run(BUSY, "", cycles=1, rules=rules).held
+    assert h.guard == "bounds" and "current value of --max-num-seqs is unknown" in h.reason
+
+
+def test_known_defaults_layers():
+    settings = planner.DecisionSettings(engine=planner.EngineFacts(platform="cpu", defaults={"--max-num-seqs": "64"}))
+    d = planner.known_defaults(sig(block_size=16, max_model_len=2048, gpu_memory_utilization=0.9), settings, "vllm")
+    assert d == {"chunked_prefill": True, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "block_size": 16,
+                 "gpu_memory_utilization": 0.9, "max_model_len": 2048}
+    p = run(QUEUE_BOUND | dict(requests_running_max=64), "", settings=settings)
+    assert [(c.from_value, c.to_value) for c in p.changes] == [(64, 128)]
+
+
+def test_decision_settings_validate():
+    with pytest.raises(ValidationError, match="FLAG=VALUE"):
+        planner.EngineFacts(defaults={"--nope": "1"})
+    with pytest.raises(ValidationError):
+        planner.DecisionSettings.model_validate({"thermal": {"margin": 3}})
+    assert planner.DecisionSettings.model_fields["thermal"].description is None or True
+    assert "slowdown" in (guards.ThermalSettings.model_fields["margin_c"].description or "")
+
+
+def test_no_rules_no_action():
+    p = run(BUSY, "", cycles=1, rules=())
+    assert p.is_noop and p.summary() == "cycle 1: no action (no rule matched)"
+
+
+def test_plan_is_pure_and_frozen():
+    a = run(QUEUE_BOUND, "--max-num-seqs 8")
+    b = run(QUEUE_BOUND, "--max-num-seqs 8")
+    assert a == b
+    with pytest.raises(AttributeError):
+        a.cycle = 3  # type: ignore[misc]
+
+
+def test_gpu_reason_bits_are_what_the_guard_reads():
+    assert gpus.THERMAL_MASK & gpus.SW_POWER_CAP == 0
+    assert knobs.KNOBS["max_num_seqs"].restart

@@ -1,0 +1,652 @@
+"""Engine command lines as values: parse, read, change and validate the flags the tuner turns.
+
+``EngineArgs`` is an immutable, ordered list of argv items. It keeps what it does not understand
+(positionals, unknown flags, their spelling: ``--flag value`` vs ``--flag=value``) so that
+``EngineArgs.parse(argv).argv() == list(argv)`` and a change touches exactly one item. Nothing here
+runs a shell: ``from_string`` only splits the CLI's ``--args`` text the way a shell would.
+
+The knobs (``KNOBS``) are engine-agnostic names with one flag per engine kind (``FLAGS``):
+
+============================  ==============================  ==================================
+knob                          vLLM                            SGLang
+============================  ==============================  ==================================
+max_num_seqs                  --max-num-seqs                  --max-running-requests
+max_model_len                 --max-model-len                 --context-length
+max_num_batched_tokens        --max-num-batched-tokens        --chunked-prefill-size
+block_size                    --block-size                    --page-size
+gpu_memory_utilization        --gpu-memory-utilization        --mem-fraction-static
+chunked_prefill (bool)        --[no-]enable-chunked-prefill   --chunked-prefill-size -1 = off
+============================  ==============================  ==================================
+
+Values are text in argv and numbers here: ``parse_int`` reads vLLM's human-readable integers
+(``1k`` = 1000, ``1K`` = 1024, ``25.6k`` = 25600; contracts.md §2). ``effective`` answers "what does
+the engine run with" when a flag is absent — vLLM's defaults depend on the platform (GPU memory,
+CPU), so the caller passes the defaults it knows (``documented_defaults`` plus live config signals);
+an unknown default is ``None`` with a reason, never a guess. ``validate`` implements vLLM's startup
+checks so a plan never proposes a command line the engine would refuse.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+EngineKind = Literal["vllm", "sglang"]
+Value = int | float | bool
+ValueType = Literal["int", "float", "bool"]
+Form = Literal["space", "equals", "bare", "positional"]
+
+
+# --- the knob table -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One tunable engine setting with its flag on each engine (``None``: the engine has none)."""
+
+    name: str
+    type: ValueType
+    vllm: str | None
+    sglang: str | None
+    description: str
+    aliases: tuple[str, ...] = ()  # other spellings the engines accept for the same setting
+    restart: bool = True  # every knob here is fixed at startup (contracts.md §3: no runtime endpoint)
+
+    def flag(self, kind: EngineKind) -> str | None:
+        return self.vllm if kind == "vllm" else self.sglang
+
+
+KNOBS: Mapping[str, Knob] = MappingProxyType({
+    k.name: k for k in (
+        Knob("max_num_seqs", "int", "--max-num-seqs", "--max-running-requests",
+             "sequence slots: the most requests the scheduler runs at once"),
+        Knob("max_model_len", "int", "--max-model-len", "--context-length",
+             "the longest prompt + output a request may have (tokens)"),
+        Knob("max_num_batched_tokens", "int", "--max-num-batched-tokens", "--chunked-prefill-size",
+             "tokens per scheduler step (the prefill chunk budget)"),
+        Knob("block_size", "int", "--block-size", "--page-size", "tokens per KV-cache block/page"),
+        Knob("gpu_memory_utilization", "float", "--gpu-memory-utilization", "--mem-fraction-static",
+             "fraction of GPU memory the engine may take (weights + activations + KV cache)",
+             aliases=("--device-memory-utilization",)),
+        Knob("chunked_prefill", "bool", "--enable-chunked-prefill", "--chunked-prefill-size",
+             "split long prompts into chunks that share steps with decoding"),
+    )
+})
+
+# SGLang has no boolean for chunked prefill: ``--chunked-prefill-size -1`` turns it off.
+_SGLANG_CHUNKING_OFF = "-1"
+
+
+def _by_flag(kind: EngineKind) -> Mapping[str, Knob]:
+    out: dict[str, Knob] = {}
+    for knob in KNOBS.values():
+        flag = knob.flag(kind)
+        if flag is None:
+            continue
+        # For SGLang --chunked-prefill-size is first of all the batched-token budget.
+        out.setdefault(flag, knob)
+        if kind == "vllm":
+            for alias in knob.aliases:
+                out.setdefault(alias, knob)
+    return MappingProxyType(out)
+
+
+FLAGS: Mapping[EngineKind, Mapping[str, Knob]] = MappingProxyType(
+    {"vllm": _by_flag("vllm"), "sglang": _by_flag("sglang")}
+)
+"""flag name → knob, per engine kind."""
+
+
+def knob_for(flag: str) -> Knob | None:
+    """The knob a flag names, in either engine's spelling (``--max-running-requests`` → max_num_seqs)."""
+    flag = normalize_flag(flag)
+    if flag in KNOBS:  # a knob name is accepted too
+        return KNOBS[flag]
+    for table in FLAGS.values():
+        if flag in table:
+            return table[flag]
+    return None
+
+
+def known_flags() -> list[str]:
+    return sorted({f for table in FLAGS.values() for f in table})
+
+
+# vLLM flags that take no value (argparse store_true / BooleanOptionalAction). A bare token after one of
+# these is a positional, not its value. Unknown flags followed by a non-flag token are read as
+# ``--flag value``, which is what argparse does for every flag that takes a value.
+BOOLEAN_FLAGS: frozenset[str] = frozenset({
+    "--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager", "--trust-remote-code",
+    "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
+    "--async-scheduling", "--enable-lora", "--enable-prompt-tokens-details",
+    "--enable-server-load-tracking", "--disable-custom-all-reduce", "--enable-expert-parallel",
+    "--disable-frontend-multiprocessing", "--enable-auto-tool-choice", "--disable-fastapi-docs",
+    "--skip-tokenizer-init", "--disable-sliding-window", "--disable-cascade-attn",
+    "--enable-metrics", "--disable-radix-cache", "--enable-mixed-chunk", "--enable-torch-compile",
+    "--disable-cuda-graph", "--enable-dp-attention", "--collect-tokens-histogram",
+})
+
+
+def normalize_flag(flag: str) -> str:
+    """``--max_num_seqs`` → ``--max-num-seqs`` (vLLM's parser accepts both spellings)."""
+    if flag.startswith("--"):
+        return "--" + flag[2:].replace("_", "-")
+    return flag
+
+
+def _is_boolean(flag: str) -> bool:
+    if flag in BOOLEAN_FLAGS:
+        return True
+    return flag.startswith("--no-") and "--" + flag[5:] in BOOLEAN_FLAGS
+
+
+# --- human-readable integers -------------------------------------------------------------------------
+
+_HUMAN = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>[kKmMgGtT]?)$")
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_int(text: str) -> int:
+    """vLLM's human-readable int: ``8192``, ``8k`` (8000), ``8K`` (8192), ``25.6k`` (25600), ``-1``.
+
+    Lower-case suffixes are decimal, upper-case binary; a fraction must give a whole number and is
+    not allowed with a binary suffix (as in vLLM's ``human_readable_int``). Raises ValueError.
+    """
+    s = text.strip()
+    if re.fullmatch(r"-?\d+", s):
+        return int(s)
+    m = _HUMAN.match(s)
+    if m is None:
+        raise ValueError(f"not an integer: {text!r} (expected e.g. 8192, 8k = 8000 or 8K = 8192)")
+    num, unit = m.group("num"), m.group("unit")
+    power = _POWERS[unit.lower()]
+    if unit.isupper():
+        if "." in num:
+            raise ValueError(f"{text!r}: a fraction needs a decimal suffix (k, m, g), not a binary one")
+        return int(num) * int(1024**power)
+    value = float(num) * float(1000**power)
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
+def format_value(value: Value) -> str:
+    """The argv text for a value: ``True``/``False`` → ``true``/``false``, 0.90 → ``0.9``, 512 → ``512``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if value.is_integer():
+        return str(int(value))
+    return f"{value:.6g}"
+
+
+def _parse_value(knob: Knob, text: str) -> Value:
+    if knob.type == "int":
+        return parse_int(text)
+    if knob.type == "float":
+        value = float(text)
+        if math.isnan(value) or math.isinf(value):
+            raise ValueError(f"not a finite number: {text!r}")
+        return value
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+# --- EngineArgs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One argv item: a positional, ``--flag``, ``--flag value`` or ``--flag=value``."""
+
+    flag: str | None  # as written; None for a positional
+    value: str | None
+    form: Form
+
+    def tokens(self) -> list[str]:
+        if self.form == "positional":
+            return [self.value or ""]
+        assert self.flag is not None
+        if self.form == "bare":
+            return [self.flag]
+        if self.form == "equals":
+            return [f"{self.flag}={self.value}"]
+        return [self.flag, self.value or ""]
+
+    @property
+    def key(self) -> str | None:
+        return normalize_flag(self.flag) if self.flag is not None else None
+
+
+def _is_flag_token(token: str) -> bool:
+    if token.startswith("--") and len(token) > 2:
+        return True
+    # -tp 2, -O3; but not -1 or -0.5 (negative values)
+    return token.startswith("-") and len(token) > 1 and not re.match(r"^-\.?\d", token)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """An engine command line. Immutable: every change returns a new value."""
+
+    items: tuple[Item, ...] = ()
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, argv: Sequence[str]) -> EngineArgs:
+        items: list[Item] = []
+        i = 0
+        tokens = list(argv)
+        while i < len(tokens):
+            token = tokens[i]
+            if token == "--":  # everything after is positional
+                items.extend(Item(None, t, "positional") for t in tokens[i:])
+                break
+            if not _is_flag_token(token):
+                items.append(Item(None, token, "positional"))
+                i += 1
+                continue
+            if token.startswith("--") and "=" in token:
+                flag, _, value = token.partition("=")
+                items.append(Item(flag, value, "equals"))
+                i += 1
+                continue
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            if nxt is None or _is_flag_token(nxt) or _is_boolean(normalize_flag(token)):
+                items.append(Item(token, None, "bare"))
+                i += 1
+            else:
+                items.append(Item(token, nxt, "space"))
+                i += 2
+        return cls(tuple(items))
+
+    @classmethod
+    def from_string(cls, text: str) -> EngineArgs:
+        """Split like a POSIX shell (quotes, escapes) — nothing is ever run through one."""
+        return cls.parse(shlex.split(text))
+
+    def argv(self) -> list[str]:
+        return [t for item in self.items for t in item.tokens()]
+
+    def __str__(self) -> str:
+        return shlex.join(self.argv())
+
+    def fingerprint(self) -> tuple[tuple[str, str], ...]:
+        """Order- and spelling-independent identity (crash memory keys on it)."""
+        out = []
+        for item in self.items:
+            if item.form == "positional":
+                out.append(("", item.value or ""))
+            else:
+                out.append((item.key or "", "" if item.value is None else item.value))
+        return tuple(sorted(out))
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _find(self, flag: str) -> int | None:
+        """Index of the last item for ``flag`` (argparse: the last one wins), incl. ``--no-`` forms."""
+        key = normalize_flag(flag)
+        negative = "--no-" + key[2:] if key.startswith("--") else None
+        found = None
+        for i, item in enumerate(self.items):
+            if item.key == key or (negative is not None and item.key == negative):
+                found = i
+        return found
+
+    def has(self, flag: str) -> bool:
+        return self._find(flag) is not None
+
+    def get(self, flag: str) -> str | bool | None:
+        """The flag's text value; ``True``/``False`` for a bare ``--flag``/``--no-flag``; None if absent."""
+        i = self._find(flag)
+        if i is None:
+            return None
+        item = self.items[i]
+        if item.form == "bare":
+            return not (item.key or "").startswith("--no-") or normalize_flag(flag).startswith("--no-")
+        return item.value
+
+    def flags(self) -> list[str]:
+        return [item.key for item in self.items if item.key is not None]
+
+    # -- changing --------------------------------------------------------------------------------
+    def with_value(self, flag: str, value: Value | str | None) -> EngineArgs:
+        """Set ``flag`` (replacing every occurrence in place, keeping its spelling) or append it.
+
+        ``True``/``False`` on a boolean flag writes ``--flag`` / ``--no-flag``; ``None`` removes it.
+        """
+        if value is None:
+            return self.without(flag)
+        key = normalize_flag(flag)
+        boolean = isinstance(value, bool) and (_is_boolean(key) or key.startswith("--enable-"))
+        if boolean:
+            new = Item(key if value else "--no-" + key[2:], None, "bare")
+        else:
+            text = value if isinstance(value, str) else format_value(value)
+            new = Item(key, text, "space")
+        items = list(self.items)
+        at = self._find(flag)
+        if at is None:
+            return EngineArgs((*items, new))
+        old = items[at]
+        if not boolean and old.form == "equals":
+            new = Item(old.flag, new.value, "equals")
+        elif not boolean and old.flag is not None and old.form == "space":
+            new = Item(old.flag, new.value, "space")
+        items[at] = new
+        # drop earlier duplicates so the value is unambiguous
+        kept = [it for i, it in enumerate(items) if i == at or not self._same(it, key)]
+        return EngineArgs(tuple(kept))
+
+    @staticmethod
+    def _same(item: Item, key: str) -> bool:
+        return item.key is not None and (item.key == key or item.key == "--no-" + key[2:])
+
+    def without(self, flag: str) -> EngineArgs:
+        key = normalize_flag(flag)
+        return EngineArgs(tuple(it for it in self.items if not self._same(it, key)))
+
+
+# --- knob values on a command line --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Effective:
+    """What the engine runs with for one knob, and where that came from."""
+
+    value: Value | None
+    source: Literal["args", "default", "unknown"]
+    reason: str | None = None
+
+    @property
+    def is_known(self) -> bool:
+        return self.value is not None
+
+
+def _knob(knob: Knob | str) -> Knob:
+    if isinstance(knob, Knob):
+        return knob
+    found = knob_for(knob)
+    if found is None:
+        raise KeyError(f"unknown knob or flag {knob!r}; known: {', '.join(known_flags())}")
+    return found
+
+
+def flag_of(knob: Knob | str, kind: EngineKind) -> str | None:
+    return _knob(knob).flag(kind)
+
+
+def explicit(args: EngineArgs, knob: Knob | str, kind: EngineKind = "vllm") -> Value | None:
+    """The knob's value as written on the command line, parsed; None if absent (or ``auto``).
+
+    Raises ValueError for text the engine would refuse (``--max-num-seqs lots``).
+    """
+    k = _knob(knob)
+    flag = k.flag(kind)
+    if flag is None:
+        return None
+    candidates = [flag, *(k.aliases if kind == "vllm" else ())]
+    raw: str | bool | None = None
+    for f in candidates:
+        raw = args.get(f)
+        if raw is not None:
+            break
+    if raw is None:
+        return None
+    if kind == "sglang" and k.name == "chunked_prefill":
+        return raw != _SGLANG_CHUNKING_OFF
+    if isinstance(raw, bool):
+        if k.type != "bool":
+            raise ValueError(f"{flag} needs a value")
+        return raw
+    if k.name == "max_model_len" and raw.strip().lower() in ("auto", "-1"):
+        return None  # "fit to memory": only the live engine knows
+    if kind == "sglang" and k.name == "max_num_batched_tokens" and raw.strip() == _SGLANG_CHUNKING_OFF:
+        return None  # chunking off: no chunk budget
+    return _parse_value(k, raw)
+
+
+def effective(knob: Knob | str, args: EngineArgs, *, kind: EngineKind = "vllm",
+              defaults: Mapping[str, Value] | None = None) -> Effective:
+    """The value the engine runs with: the command line's, else ``defaults[knob name]``, else unknown.
+
+    ``defaults`` is keyed by knob name (``max_num_seqs``) or by flag; build it from
+    ``documented_defaults`` and the live config signals (block_size, gpu_memory_utilization,
+    max_model_len come from the running engine).
+    """
+    k = _knob(knob)
+    flag = k.flag(kind)
+    if flag is None:
+        return Effective(None, "unknown", f"{kind} has no flag for {k.name}")
+    try:
+        value = explicit(args, k, kind)
+    except ValueError as exc:
+        return Effective(None, "unknown", f"{flag}: {exc}")
+    if value is not None:
+        return Effective(value, "args")
+    for key in (k.name, flag):
+        if defaults is not None and key in defaults:
+            return Effective(defaults[key], "default")
+    raw = args.get(flag)
+    if k.name == "max_model_len" and isinstance(raw, str):
+        return Effective(None, "unknown", f"{flag} {raw}: fitted to memory at startup; pass the served value")
+    return Effective(None, "unknown", f"{flag} is not on the command line and its default is not known "
+                     "here (it depends on the platform; pass it explicitly or as a known default)")
+
+
+def with_knob(args: EngineArgs, knob: Knob | str, value: Value, *, kind: EngineKind = "vllm") -> EngineArgs:
+    """``args`` with the knob set to ``value``, spelled the way ``kind`` wants it."""
+    k = _knob(knob)
+    flag = k.flag(kind)
+    if flag is None:
+        raise KeyError(f"{kind} has no flag for {k.name}")
+    if kind == "sglang" and k.name == "chunked_prefill":
+        if value:
+            return args.without(flag) if args.get(flag) == _SGLANG_CHUNKING_OFF else args
+        return args.with_value(flag, _SGLANG_CHUNKING_OFF)
+    if k.type == "bool":
+        return args.with_value(flag, bool(value))
+    if k.type == "int":
+        return args.with_value(flag, int(value))
+    return args.with_value(flag, float(value))
+
+
+def documented_defaults(
+    kind: EngineKind = "vllm",
+    *,
+    platform: str | None = None,
+    gpu_memory_gib: float | None = None,
+    gpu_name: str | None = None,
+    parallel: int = 1,
+) -> dict[str, Value]:
+    """The defaults vLLM documents for ``vllm serve`` (contracts.md §2), as far as the inputs allow.
+
+    ``platform`` "cuda" needs ``gpu_memory_gib`` (per GPU) for the scheduler budgets; "cpu" does not.
+    ``parallel`` is TP × PP. Anything that cannot be derived is left out (→ unknown in ``effective``).
+    The KV block size on CUDA depends on the attention backend: read it from the live
+    ``vllm:cache_config_info`` instead (the ``block_size`` signal).
+    """
+    out: dict[str, Value] = {"chunked_prefill": True}  # generative decoder models (the tuner's case)
+    if kind != "vllm":
+        return out
+    if platform == "cpu":
+        out.update(max_num_seqs=128 * parallel, max_num_batched_tokens=2048 * parallel, block_size=128)
+    elif platform == "cuda" and gpu_memory_gib is not None:
+        is_a100 = gpu_name is not None and "A100" in gpu_name.upper()
+        if gpu_memory_gib >= 160:
+            seqs, batched = 1024, 16384
+        elif gpu_memory_gib >= 70 and not is_a100:
+            seqs, batched = 1024, 8192
+        else:
+            seqs, batched = 256, 2048
+        out.update(max_num_seqs=min(seqs, batched), max_num_batched_tokens=batched)
+    return out
+
+
+# --- startup validation ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSizes:
+    """Block sizes an attention backend accepts: a set, or multiples of a number."""
+
+    multiple_of: int | None = None
+    allowed: frozenset[int] | None = None
+    note: str = ""
+
+    def accepts(self, size: int) -> bool:
+        if size <= 0:
+            return False
+        if self.allowed is not None and size not in self.allowed:
+            return False
+        return self.multiple_of is None or size % self.multiple_of == 0
+
+    def describe(self) -> str:
+        if self.allowed is not None:
+            return "one of " + ", ".join(str(s) for s in sorted(self.allowed))
+        if self.multiple_of is not None:
+            return f"a multiple of {self.multiple_of}"
+        return "a positive integer"
+
+
+# contracts.md §2 "Block-size constraints by platform". "cuda" means FlashAttention/Triton (the default
+# backends for standard models); name the backend for the others.
+BLOCK_SIZES: Mapping[str, BlockSizes] = MappingProxyType({
+    "cuda": BlockSizes(multiple_of=16, note="FlashAttention/Triton"),
+    "cuda-flashattention": BlockSizes(multiple_of=16),
+    "cuda-triton": BlockSizes(multiple_of=16),
+    "cuda-flashinfer": BlockSizes(allowed=frozenset({16, 32, 64})),
+    "cuda-flashinfer-blackwell": BlockSizes(allowed=frozenset({16, 32, 64, 128, 256, 512, 1024})),
+    "cuda-flashmla": BlockSizes(allowed=frozenset({64})),
+    "cuda-cutlass-mla": BlockSizes(allowed=frozenset({128})),
+    "cuda-flashinfer-mla": BlockSizes(allowed=frozenset({32, 64})),
+    "cpu": BlockSizes(note="any size; not a multiple of 32 only warns"),
+})
+
+PLATFORMS = tuple(BLOCK_SIZES)
+
+
+def block_size_ok(size: int, platform: str | None) -> bool:
+    if size <= 0:
+        return False
+    rule = BLOCK_SIZES.get(platform or "")
+    return rule is None or rule.accepts(size)
+
+
+def validate(args: EngineArgs, kind: EngineKind = "vllm", *, platform: str | None,
+             defaults: Mapping[str, Value] | None = None) -> list[str]:
+    """Why the engine would refuse to start with ``args`` (empty: it would start).
+
+    vLLM (config/scheduler.py, config/cache.py): max_num_batched_tokens ≥ max_num_seqs always;
+    ≥ max_model_len when chunked prefill is off (only an *explicit* budget — a defaulted one is raised
+    to max_model_len by vLLM itself); gpu-memory-utilization in (0, 1]; block size per platform
+    (``BLOCK_SIZES``); --max-num-active-seqs ≤ max_num_seqs. Values that cannot be known (absent, no
+    default) are not checked.
+    """
+    problems: list[str] = []
+    values: dict[str, Effective] = {}
+    for name, knob in KNOBS.items():
+        flag = knob.flag(kind)
+        if flag is None:
+            continue
+        try:
+            explicit(args, knob, kind)
+        except ValueError as exc:
+            problems.append(f"{flag}: {exc}")
+            continue
+        values[name] = effective(knob, args, kind=kind, defaults=defaults)
+
+    def num(name: str) -> float | None:
+        e = values.get(name)
+        if e is None or e.value is None or isinstance(e.value, bool):
+            return None
+        return float(e.value)
+
+    def flag_of_knob(name: str) -> str:
+        return KNOBS[name].flag(kind) or name
+
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
+        v = num(name)
+        if v is not None and values[name].source == "args" and v < 1:
+            problems.append(f"{flag_of_knob(name)} {format_value(v)}: must be a positive integer")
+
+    gmu = num("gpu_memory_utilization")
+    if gmu is not None and not 0 < gmu <= 1:
+        problems.append(f"{flag_of_knob('gpu_memory_utilization')} {format_value(gmu)}: must be in (0, 1] "
+                        "(a fraction of the GPU's memory)")
+
+    if kind == "sglang":
+        return problems
+
+    seqs, mml, batched = num("max_num_seqs"), num("max_model_len"), num("max_num_batched_tokens")
+    if batched is not None and seqs is not None and batched < seqs:
+        problems.append(
+            f"--max-num-batched-tokens {format_value(batched)} < --max-num-seqs {format_value(seqs)}: vLLM "
+            "refuses to start (every running sequence needs at least one token per step)")
+    chunked = values.get("chunked_prefill")
+    if (chunked is not None and chunked.value is False and batched is not None and mml is not None
+            and values["max_num_batched_tokens"].source == "args" and batched < mml):
+        problems.append(
+            f"--max-num-batched-tokens {format_value(batched)} < --max-model-len {format_value(mml)} with "
+            "chunked prefill off: vLLM refuses to start (a whole prompt must fit in one step); turn "
+            "chunked prefill on or raise the budget")
+    block = num("block_size")
+    if block is not None and values["block_size"].source == "args" and block >= 1:
+        rule = BLOCK_SIZES.get(platform or "")
+        if rule is not None and not rule.accepts(int(block)):
+            problems.append(f"--block-size {format_value(block)}: the {platform} attention backend needs "
+                            f"{rule.describe()}")
+    active = args.get("--max-num-active-seqs")
+    if isinstance(active, str) and seqs is not None:
+        try:
+            if parse_int(active) > seqs:
+                problems.append(f"--max-num-active-seqs {active} > --max-num-seqs {format_value(seqs)}: "
+                                "vLLM refuses to start")
+        except ValueError as exc:
+            problems.append(f"--max-num-active-seqs: {exc}")
+    return problems
+
+
+def changed_knobs(before: EngineArgs, after: EngineArgs, *, kind: EngineKind = "vllm") -> list[str]:
+    """Names of the knobs whose command-line value differs between two arg lists."""
+    out = []
+    for name, knob in KNOBS.items():
+        if knob.flag(kind) is None:
+            continue
+        try:
+            if explicit(before, knob, kind) != explicit(after, knob, kind):
+                out.append(name)
+        except ValueError:
+            out.append(name)
+    return out
+
+
+def merged_defaults(*layers: Mapping[str, Value] | None) -> dict[str, Value]:
+    """Later layers win; keys may be knob names or flags (normalised to knob names)."""
+    out: dict[str, Value] = {}
+    for layer in layers:
+        for key, value in (layer or {}).items():
+            k = knob_for(key)
+            out[k.name if k is not None else key] = value
+    return out
+
+
+def parse_defaults(pairs: Iterable[str]) -> dict[str, Value]:
+    """``["--max-num-seqs=256", "block_size=16"]`` → ``{"max_num_seqs": 256, "block_size": 16}``."""
+    out: dict[str, Value] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        knob = knob_for(key.strip())
+        if not sep or knob is None:
+            raise ValueError(f"{pair!r}: expected FLAG=VALUE with one of {', '.join(known_flags())}")
+        out[knob.name] = _parse_value(knob, text.strip())
+    return out

@@ -1,0 +1,353 @@
+"""Guards: one pure function per check, each answering with a ``Verdict`` that says why.
+
+A guard never raises and never acts. The planner asks them in this order and records the first "no"
+as the held reason (the same text goes to logs and the ``reason`` label of tuner_decisions_total):
+
+  window      the window is readable (rates known); otherwise no decision at all
+  idle        enough requests in the window to judge (min_requests_per_window); else no decision
+  thermal     hot GPU → freeze every change that adds load (``adds_load``); power cap alone is not heat
+  crash       the resulting command line never failed to start before (crash memory)
+  cooldown    the flag was not changed within max(rule cooldown, safety.cooldown_seconds)
+  hysteresis  the flag does not reverse direction within safety.hysteresis_seconds
+  floor       --max-model-len never below observed traffic need + margin (no request is rejected)
+  engine      vLLM's startup validation passes (knobs.validate)
+  budget      at most N restarts per hour and per day
+
+Why power_capped is not thermal: a real H200 under full matmul load sits at its 700 W cap
+(clock-event reason 0x4, SM clock 1470 of 1980 MHz) at 69-72 °C, 17 °C below its 89 °C slowdown
+threshold (tests/fixtures/nvml/h200-matmul.json). Freezing on the power cap would freeze every busy
+GPU. Thermal means: ``thermal_throttle`` (SW/HW thermal slowdown bits), the temperature margin, or
+HW slowdown (0x8/0x40/0x80: the board protecting itself).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.model import knobs
+from tuner.planning.history import History
+from tuner.signals import Signal, SignalSet
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ThermalSettings(_Model):
+    margin_c: float = Field(default=5.0, ge=0)
+    """Freeze load-adding changes while the hottest GPU is fewer than this many °C below its NVML
+    slowdown temperature (signal temp_margin_c). On an H200 (slowdown 89 °C) the default freezes
+    from 84 °C; the busiest measured H200 ran at 72 °C."""
+    max_temp_c: float | None = None
+    """Also freeze above this absolute GPU temperature (the seed used 82). None: margin only, which
+    adapts to each GPU model's own threshold."""
+    freeze_on_hw_slowdown: bool = True
+    """Treat hardware slowdown (HW slowdown, HW thermal, HW power brake bits) as thermal."""
+    step_down: bool = False
+    """While thermally throttled, also propose lowering --max-num-seqs (a restart, so off by default)."""
+    step_down_factor: float = Field(default=0.75, gt=0, lt=1)
+    """Multiplier for the thermal step-down of --max-num-seqs."""
+    step_down_min: int = Field(default=1, ge=1)
+    """The thermal step-down never goes below this many sequences."""
+
+
+class IdleSettings(_Model):
+    min_requests_per_window: int = Field(default=10, ge=0)
+    """A window with fewer finished requests (request_rate × window_seconds) decides nothing: its
+    latencies and quantiles are noise."""
+    keep_warm_after_seconds: float | None = Field(default=600.0, gt=0)
+    """After this long without any request, plan keep-warm requests (then again after as long).
+    None: never."""
+    keep_warm_requests: int = Field(default=10, ge=1)
+    """How many tiny requests one keep-warm sends (the seed sent 10)."""
+    keep_warm_max_tokens: int = Field(default=1, ge=1)
+    """max_tokens of each keep-warm request."""
+    warm_up_after_restart: bool = True
+    """Plan a warm-up (keep_warm_requests tiny requests) right after every engine restart."""
+
+
+class SafetySettings(_Model):
+    cooldown_seconds: float = Field(default=900.0, ge=0)
+    """A flag is not changed again within this long after its last change (a rule's own cooldown
+    may be longer; the longer wins). 15 min ≈ 10 restarts' worth of start-up on an H200 (73-84 s)."""
+    hysteresis_seconds: float = Field(default=3600.0, ge=0)
+    """A flag is not moved the opposite way within this long after a change (stops flapping
+    between e.g. a throughput rule and a latency rule)."""
+    max_restarts_per_hour: int = Field(default=2, ge=0)
+    """Restarts the tuner may cause per rolling hour (every change set is one restart)."""
+    max_restarts_per_day: int = Field(default=8, ge=0)
+    """Restarts the tuner may cause per rolling 24 h."""
+    max_model_len_margin: float = Field(default=0.10, ge=0)
+    """--max-model-len stays ≥ (observed need) × (1 + this)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    allowed: bool
+    guard: str
+    reason: str
+
+
+def allow(guard: str, reason: str = "") -> Verdict:
+    return Verdict(True, guard, reason)
+
+
+def deny(guard: str, reason: str) -> Verdict:
+    return Verdict(False, guard, reason)
+
+
+ActionKind = Literal["keep-warm", "warm-up"]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """Something the shell should do besides changing flags (send tiny requests)."""
+
+    kind: ActionKind
+    reason: str
+    requests: int = 10
+    max_tokens: int = 1
+    after_restart: bool = False  # do it once the restarted engine is healthy
+
+    def as_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "reason": self.reason, "requests": self.requests,
+                "max_tokens": self.max_tokens, "after_restart": self.after_restart}
+
+
+def duration(seconds: float) -> str:
+    """``252`` → ``4m12s``; ``7200`` → ``2h``; ``59.4`` → ``59s``."""
+    s = max(0, math.ceil(seconds))
+    d, rem = divmod(s, 86400)
+    h, rem = divmod(rem, 3600)
+    m, sec = divmod(rem, 60)
+    parts = [f"{v}{u}" for v, u in ((d, "d"), (h, "h"), (m, "m"), (sec, "s")) if v]
+    return "".join(parts[:2]) or "0s"
+
+
+def _v(signals: SignalSet, name: str) -> float | None:
+    sig = signals.get(name)
+    return None if sig is None else sig.value
+
+
+def _why(signals: SignalSet, name: str) -> str:
+    sig: Signal | None = signals.get(name)
+    return (sig.reason if sig is not None else None) or "not computed"
+
+
+# --- window and idle ------------------------------------------------------------------------------
+
+
+def window(signals: SignalSet) -> Verdict:
+    """Rates need a valid window: no decisions from a failed, stale or restarted one."""
+    if _v(signals, "window_seconds") is None:
+        return deny("window", f"no decision: {_why(signals, 'window_seconds')}")
+    if _v(signals, "request_rate") is None:
+        return deny("window", f"no decision: request_rate unknown ({_why(signals, 'request_rate')})")
+    return allow("window")
+
+
+def requests_in_window(signals: SignalSet) -> float | None:
+    rate, span = _v(signals, "request_rate"), _v(signals, "window_seconds")
+    return None if rate is None or span is None else rate * span
+
+
+def idle(signals: SignalSet, settings: IdleSettings) -> Verdict:
+    n = requests_in_window(signals)
+    if n is None:
+        return deny("idle", "no decision: the number of requests in the window is unknown")
+    if n < settings.min_requests_per_window:
+        span = _v(signals, "window_seconds") or 0.0
+        return deny("idle", f"no decision: {n:.0f} requests finished in the {duration(span)} window "
+                    f"(need ≥ {settings.min_requests_per_window})")
+    return allow("idle", f"{n:.0f} requests in the window")
+
+
+def idle_since(signals: SignalSet, history: History, *, now: float) -> float | None:
+    """When the engine went idle, carried across windows (a window only sees its own span)."""
+    seconds = signals.get("idle_seconds")
+    if seconds is None or seconds.value is None:
+        return history.idle_since
+    if seconds.value <= 0:
+        return None
+    start = now - seconds.value
+    # "no activity in the whole window" is a lower bound: an earlier remembered start is better.
+    if seconds.reason and history.idle_since is not None and history.idle_since < start:
+        return history.idle_since
+    return start
+
+
+def keep_warm(signals: SignalSet, history: History, settings: IdleSettings, *, now: float,
+              since: float | None) -> Action | None:
+    """Tiny requests after a long idle so the first real request does not pay for cold caches."""
+    after = settings.keep_warm_after_seconds
+    if after is None or since is None:
+        return None
+    quiet = now - since
+    if quiet < after:
+        return None
+    if history.last_keep_warm is not None and now - history.last_keep_warm < after:
+        return None
+    return Action("keep-warm", f"idle for {duration(quiet)} (keep-warm after {duration(after)})",
+                  requests=settings.keep_warm_requests, max_tokens=settings.keep_warm_max_tokens)
+
+
+def warm_up(settings: IdleSettings, *, reason: str) -> Action | None:
+    if not settings.warm_up_after_restart:
+        return None
+    return Action("warm-up", reason, requests=settings.keep_warm_requests,
+                  max_tokens=settings.keep_warm_max_tokens, after_restart=True)
+
+
+# --- thermal -----------------------------------------------------------------------------------------
+
+
+def hot(signals: SignalSet, settings: ThermalSettings) -> str | None:
+    """Why the GPUs count as thermally stressed, or None. The power cap alone never does."""
+    reasons = []
+    if _v(signals, "thermal_throttle") == 1:
+        reasons.append("thermal throttling (clock-event reason SW/HW thermal slowdown)")
+    if settings.freeze_on_hw_slowdown and _v(signals, "hw_slowdown") == 1:
+        reasons.append("hardware slowdown (clock-event reason HW slowdown / power brake)")
+    margin = _v(signals, "temp_margin_c")
+    temp = _v(signals, "gpu_temp_c")
+    if margin is not None and margin < settings.margin_c:
+        at = f"GPU {temp:g} °C, " if temp is not None else ""
+        reasons.append(f"{at}{margin:g} °C below its slowdown temperature (keep ≥ {settings.margin_c:g} °C)")
+    if settings.max_temp_c is not None and temp is not None and temp >= settings.max_temp_c:
+        reasons.append(f"GPU {temp:g} °C ≥ max_temp_c {settings.max_temp_c:g} °C")
+    return "; ".join(reasons) or None
+
+
+def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -> Verdict:
+    why = hot(signals, settings)
+    if why is None:
+        note = ""
+        if _v(signals, "power_capped") == 1:
+            note = "power-capped, which is not thermal"
+        return allow("thermal", note)
+    if not adds_load:
+        return allow("thermal", f"hot ({why}) but this change adds no load")
+    return deny("thermal", f"frozen: {why}; this change adds load")
+
+
+# --- crash memory, cooldown, hysteresis, budget ----------------------------------------------------
+
+
+def crash_memory(args_after: knobs.EngineArgs, history: History) -> Verdict:
+    why = history.is_bad(args_after)
+    if why is not None:
+        return deny("crash", f"this command line failed before: {why}")
+    return allow("crash")
+
+
+def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
+             settings: SafetySettings, now: float) -> Verdict:
+    last = history.changes.get(knob)
+    if last is None:
+        return allow("cooldown")
+    period = max(rule_cooldown_seconds, settings.cooldown_seconds)
+    left = last.at + period - now
+    if left > 0:
+        return deny("cooldown", f"cooldown {duration(left)} left ({flag} changed {duration(now - last.at)} ago "
+                    f"by {last.rule})")
+    return allow("cooldown")
+
+
+def hysteresis(knob: str, flag: str, direction: int, history: History, *, settings: SafetySettings,
+               now: float) -> Verdict:
+    last = history.changes.get(knob)
+    if last is None or last.direction == direction or direction == 0:
+        return allow("hysteresis")
+    left = last.at + settings.hysteresis_seconds - now
+    if left > 0:
+        moved = "raised" if last.direction > 0 else "lowered"
+        return deny("hysteresis", f"{flag} was {moved} {last.from_value}→{last.to_value} by {last.rule} "
+                    f"{duration(now - last.at)} ago; no reversal for {duration(left)}")
+    return allow("hysteresis")
+
+
+def restart_budget(history: History, settings: SafetySettings, *, now: float) -> Verdict:
+    hour = history.restarts_within(3600, now=now)
+    day = history.restarts_within(86400, now=now)
+    if hour >= settings.max_restarts_per_hour:
+        oldest = min(t for t in history.restarts if now - t < 3600) if hour else now
+        return deny("budget", f"restart budget: {hour} restart(s) in the last hour (max "
+                    f"{settings.max_restarts_per_hour}); next in {duration(oldest + 3600 - now)}")
+    if day >= settings.max_restarts_per_day:
+        oldest = min(t for t in history.restarts if now - t < 86400) if day else now
+        return deny("budget", f"restart budget: {day} restart(s) in the last 24h (max "
+                    f"{settings.max_restarts_per_day}); next in {duration(oldest + 86400 - now)}")
+    return allow("budget", f"{hour}/{settings.max_restarts_per_hour} this hour, "
+                 f"{day}/{settings.max_restarts_per_day} today")
+
+
+# --- max-model-len floor, engine constraints ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    tokens: int | None
+    reason: str
+
+
+def max_model_len_floor(signals: SignalSet, settings: SafetySettings) -> Floor:
+    """The smallest --max-model-len that rejects no observed request, plus the margin.
+
+    vLLM returns 400 when ``max_tokens > max_model_len`` or when the prompt alone reaches it; when
+    prompt + max_tokens exceeds it, output is silently cut (contracts.md §4). So the need is the
+    largest of: prompt_tokens_p99 + max_tokens_p99 (typical requests complete), prompt_tokens_max + 1
+    and max_tokens_max (no request since start is refused). The token signals are bucket *upper*
+    bounds already; one that fell above the highest finite bucket is only a lower bound, so the need
+    is unknown. Without a prompt-length and a max_tokens signal the floor is unknown too, and no
+    lowering is allowed.
+    """
+    names = ("prompt_tokens_p99", "max_tokens_p99", "prompt_tokens_max", "max_tokens_max")
+    unbounded = [n for n in names if (s := signals.get(n)) is not None and s.value is not None
+                 and s.bounds is not None and math.isinf(s.bounds[1])]
+    if unbounded:
+        # "≥ 2000" (above the highest finite bucket) is a lower bound: the real need is not known.
+        n = unbounded[0]
+        return Floor(None, f"{n} is above its highest finite bucket (≥ {_v(signals, n):g}): the real need is "
+                           "unknown (set --custom-histogram-buckets for finer token buckets)")
+    p99, m99 = _v(signals, "prompt_tokens_p99"), _v(signals, "max_tokens_p99")
+    pmax, mmax = _v(signals, "prompt_tokens_max"), _v(signals, "max_tokens_max")
+    parts: list[tuple[float, str]] = []
+    if p99 is not None and m99 is not None:
+        parts.append((p99 + m99, f"prompt_tokens_p99 {p99:g} + max_tokens_p99 {m99:g}"))
+    if pmax is not None:
+        parts.append((pmax + 1, f"prompt_tokens_max {pmax:g} + 1"))
+    if mmax is not None:
+        parts.append((mmax, f"max_tokens_max {mmax:g}"))
+    have_prompt = p99 is not None or pmax is not None
+    have_output = m99 is not None or mmax is not None
+    if not (have_prompt and have_output):
+        missing = [n for n, v in (("prompt_tokens_p99", p99), ("prompt_tokens_max", pmax),
+                                  ("max_tokens_p99", m99), ("max_tokens_max", mmax)) if v is None]
+        return Floor(None, "observed need unknown (" + "; ".join(
+            f"{n}: {_why(signals, n)}" for n in missing) + ")")
+    need, what = max(parts)
+    tokens = math.ceil(need * (1 + settings.max_model_len_margin))
+    return Floor(tokens, f"{what} = {need:g}, + {settings.max_model_len_margin:.0%} margin = {tokens}")
+
+
+def floor_check(to_value: knobs.Value, floor: Floor, *, from_value: knobs.Value | None = None) -> Verdict:
+    if floor.tokens is None:
+        return deny("floor", f"--max-model-len not lowered: {floor.reason}")
+    if float(to_value) < floor.tokens:
+        if from_value is not None and float(from_value) <= floor.tokens:
+            return deny("floor", f"--max-model-len {knobs.format_value(from_value)} is already at the observed "
+                                 f"need: {floor.reason}")
+        return deny("floor", f"{knobs.format_value(to_value)} is below the observed need: {floor.reason}")
+    return allow("floor", floor.reason)
+
+
+def engine_constraints(args_after: knobs.EngineArgs, kind: knobs.EngineKind, *, platform: str | None,
+                       defaults: dict[str, knobs.Value]) -> Verdict:
+    problems = knobs.validate(args_after, kind, platform=platform, defaults=defaults)
+    if problems:
+        return deny("engine", "; ".join(problems))
+    return allow("engine")

@@ -1,0 +1,162 @@
+"""What the planner remembers between cycles, as one frozen value with pure update functions.
+
+The daemon keeps one ``History`` per target and threads it through::
+
+    p = planner.plan(target, signals, args, history, settings, rules=rules, now=now)
+    history = p.history                                    # streaks, idle, keep-warm: always
+    if applied:   history = history_mod.applied(history, p.changes, now=now)
+    if failed:    history = history_mod.failed_to_start(history, p.args_after, reason=...)
+
+Nothing here reads a clock or a file; ``to_dict``/``from_dict`` give a JSON shape for the daemon's
+state file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from tuner.model import knobs
+from tuner.rules.schema import Verify
+
+Fingerprint = tuple[tuple[str, str], ...]
+DAY_SECONDS = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One flag change of a plan: ``flag`` from → to, because ``rule`` said ``reason``."""
+
+    flag: str
+    knob: str
+    from_value: knobs.Value
+    to_value: knobs.Value
+    rule: str
+    reason: str
+    direction: int  # +1 up / on, -1 down / off
+    adds_load: bool = False
+    experimental: bool = False
+    verify: Verify | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "flag": self.flag, "from": knobs.format_value(self.from_value),
+            "to": knobs.format_value(self.to_value), "rule": self.rule, "reason": self.reason,
+        }
+        if self.experimental:
+            out["experimental"] = True
+        if self.verify is not None:
+            out["verify"] = self.verify.model_dump()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class FlagChange:
+    """The last applied change of one knob: when, which way, by which rule."""
+
+    at: float
+    direction: int
+    rule: str
+    from_value: str
+    to_value: str
+
+
+def _frozen(d: Mapping[Any, Any] | None = None) -> Mapping[Any, Any]:
+    return MappingProxyType(dict(d or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    cycle: int = 0
+    """Cycles planned so far (the summary line's number)."""
+    streaks: Mapping[str, int] = field(default_factory=_frozen)
+    """Rule id → consecutive windows its condition has been true."""
+    changes: Mapping[str, FlagChange] = field(default_factory=_frozen)
+    """Knob name → its last applied change (cooldown, hysteresis)."""
+    restarts: tuple[float, ...] = ()
+    """Times of restarts the tuner caused, newest last, the last day only (restart budget)."""
+    bad_args: Mapping[Fingerprint, str] = field(default_factory=_frozen)
+    """Crash memory: command lines (``EngineArgs.fingerprint``) that failed to start or were rolled
+    back, with why. Never proposed again."""
+    idle_since: float | None = None
+    """When the engine was last seen going idle (None: it is busy, or unknown)."""
+    last_keep_warm: float | None = None
+    """When the last keep-warm requests were planned."""
+    last_restart_seen: float | None = None
+    """Process start time of the last restart that got a warm-up."""
+
+    def restarts_within(self, seconds: float, *, now: float) -> int:
+        return sum(1 for t in self.restarts if now - t < seconds)
+
+    def is_bad(self, args: knobs.EngineArgs) -> str | None:
+        return self.bad_args.get(args.fingerprint())
+
+
+def applied(history: History, changes: Iterable[Change], *, now: float) -> History:
+    """The plan's changes went out (one restart). Streaks restart: older windows show the old engine."""
+    changes = list(changes)
+    if not changes:
+        return history
+    last = dict(history.changes)
+    for c in changes:
+        last[c.knob] = FlagChange(now, c.direction, c.rule, knobs.format_value(c.from_value),
+                                  knobs.format_value(c.to_value))
+    return replace(history, changes=_frozen(last), streaks=_frozen(),
+                   restarts=_recent((*history.restarts, now), now=now), idle_since=None)
+
+
+def restarted(history: History, *, now: float) -> History:
+    """A restart the tuner caused without a flag change (a rollback): it counts toward the budget."""
+    return replace(history, restarts=_recent((*history.restarts, now), now=now), streaks=_frozen())
+
+
+def failed_to_start(history: History, args: knobs.EngineArgs, *, reason: str) -> History:
+    """Crash memory: ``args`` never gets proposed again."""
+    bad = dict(history.bad_args)
+    bad[args.fingerprint()] = reason
+    return replace(history, bad_args=_frozen(bad))
+
+
+def rejected(history: History, args: knobs.EngineArgs, *, reason: str) -> History:
+    """An experiment that did not help (rolled back): treated like a failed start."""
+    return failed_to_start(history, args, reason=reason)
+
+
+def _recent(times: Iterable[float], *, now: float) -> tuple[float, ...]:
+    return tuple(t for t in times if now - t < DAY_SECONDS)
+
+
+# --- JSON ----------------------------------------------------------------------------------------------
+
+
+def to_dict(history: History) -> dict[str, Any]:
+    return {
+        "cycle": history.cycle,
+        "streaks": dict(history.streaks),
+        "changes": {k: {"at": c.at, "direction": c.direction, "rule": c.rule, "from": c.from_value,
+                        "to": c.to_value} for k, c in history.changes.items()},
+        "restarts": list(history.restarts),
+        "bad_args": [{"args": [list(p) for p in fp], "reason": why} for fp, why in history.bad_args.items()],
+        "idle_since": history.idle_since,
+        "last_keep_warm": history.last_keep_warm,
+        "last_restart_seen": history.last_restart_seen,
+    }
+
+
+def from_dict(data: Mapping[str, Any]) -> History:
+    changes = {k: FlagChange(float(c["at"]), int(c["direction"]), str(c["rule"]), str(c["from"]), str(c["to"]))
+               for k, c in dict(data.get("changes", {})).items()}
+    bad = {tuple((str(a), str(b)) for a, b in entry["args"]): str(entry["reason"])
+           for entry in data.get("bad_args", [])}
+    return History(
+        cycle=int(data.get("cycle", 0)),
+        streaks=_frozen({str(k): int(v) for k, v in dict(data.get("streaks", {})).items()}),
+        changes=_frozen(changes),
+        restarts=tuple(float(t) for t in data.get("restarts", [])),
+        bad_args=_frozen(bad),
+        idle_since=data.get("idle_since"),
+        last_keep_warm=data.get("last_keep_warm"),
+        last_restart_seen=data.get("last_restart_seen"),
+    )

@@ -1,0 +1,362 @@
+"""The planner: one cycle's signals + current args + history → one ``Plan``. Pure; ``now`` is passed in.
+
+How a cycle is decided (each step's "no" becomes a ``Held`` with the guard's reason):
+
+1. Gate the window: unreadable (failed/stale/restarted) or idle (< min requests) → no decision; every
+   streak resets. Keep-warm and post-restart warm-up actions are still planned.
+2. Evaluate every rule (``rules.evaluation``): streaks grow on true, reset on false/unknown. A rule
+   that is true but not yet for ``for`` windows is held as ``sustain``; one whose change is a no-op or
+   cannot be computed is held as ``bounds``.
+3. Optionally (``thermal.step_down``) add a thermal step-down of --max-num-seqs.
+4. Walk the proposals by priority (higher first, then file order). One change per flag: a later
+   proposal for a flag already changed is held as ``conflict``. Each proposal passes thermal, floor,
+   cooldown, hysteresis, crash memory and engine validation *on top of the changes accepted so far*.
+5. Experimental changes go out alone (their effect must be attributable): if anything else was
+   accepted, they wait (``experimental``); if several are, the first wins.
+6. The restart budget gates the whole change set (every change needs a restart).
+
+Invariants (tested with hypothesis): no change leaves its rule's bounds, no plan exceeds the restart
+budget, no --max-model-len change goes below the observed-need floor, and ``args_after`` passes
+``knobs.validate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tuner.model import knobs
+from tuner.planning import guards
+from tuner.planning.history import Change, History
+from tuner.rules import evaluation
+from tuner.rules.schema import Rule
+from tuner.signals import SignalSet
+
+THERMAL_RULE = "thermal-step-down"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class EngineFacts(_Model):
+    """What the tuner cannot read from /metrics but needs to know an absent flag's value."""
+
+    platform: str | None = None
+    """Attention platform for block-size validity and vLLM's defaults: cuda, cpu, cuda-flashinfer, ...
+    (see knobs.BLOCK_SIZES). None: block sizes are not checked beyond > 0."""
+    gpu_memory_gib: float | None = Field(default=None, gt=0)
+    """Memory per GPU, for vLLM's documented --max-num-seqs / --max-num-batched-tokens defaults
+    on CUDA (H200: 139). None: those defaults are unknown unless given in ``defaults``."""
+    gpu_name: str | None = None
+    """GPU model name (vLLM's defaults differ for A100)."""
+    parallel: int = Field(default=1, ge=1)
+    """Tensor × pipeline parallel size (scales the CPU defaults)."""
+    defaults: dict[str, str] = {}
+    """Known values of flags the command line leaves out, e.g. {"--max-num-seqs": "1024"}. These
+    win over the documented defaults; the live engine's own report (block size, memory fraction,
+    max model length) wins over both."""
+
+    @field_validator("defaults")
+    @classmethod
+    def _known(cls, v: dict[str, str]) -> dict[str, str]:
+        knobs.parse_defaults(f"{k}={val}" for k, val in v.items())  # raises ValueError with the list
+        return v
+
+
+class DecisionSettings(_Model):
+    """Guards and planner settings: the ``decisions:`` section of the config file."""
+
+    thermal: guards.ThermalSettings = guards.ThermalSettings()
+    idle: guards.IdleSettings = guards.IdleSettings()
+    safety: guards.SafetySettings = guards.SafetySettings()
+    engine: EngineFacts = EngineFacts()
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A rule that wanted something (or could not be evaluated) and a guard that said no, with why."""
+
+    rule: str  # "*" when the whole cycle was held
+    guard: str
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"rule": self.rule, "guard": self.guard, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    target: str
+    cycle: int
+    at: float
+    kind: knobs.EngineKind
+    changes: tuple[Change, ...]
+    held: tuple[Held, ...]
+    actions: tuple[guards.Action, ...]
+    args_before: knobs.EngineArgs
+    args_after: knobs.EngineArgs
+    outcomes: tuple[evaluation.Outcome, ...]
+    history: History
+    """The history after this cycle was observed (streaks, idle, keep-warm). If the changes are
+    applied, continue with ``history_mod.applied(plan.history, plan.changes, now=...)``."""
+
+    @property
+    def restart_needed(self) -> bool:
+        """Every knob is fixed at engine start (contracts.md §3), so any change means a restart."""
+        return bool(self.changes)
+
+    @property
+    def is_noop(self) -> bool:
+        return not self.changes and not self.actions
+
+    def summary(self) -> str:
+        """One line: ``cycle 812: no action (kv-pressure: cooldown 4m12s left)``."""
+        head = f"cycle {self.cycle}:"
+        parts: list[str] = []
+        if self.changes:
+            parts.append(", ".join(f"{c.flag} {knobs.format_value(c.from_value)}→"
+                                   f"{knobs.format_value(c.to_value)} ({c.rule})" for c in self.changes)
+                         + "; restart needed")
+        for a in self.actions:
+            parts.append(f"{a.kind} ×{a.requests}{' after the restart' if a.after_restart else ''} "
+                         f"({a.reason})")
+        if not parts:
+            why = self._main_hold()
+            return f"{head} no action ({why})"
+        return f"{head} " + "; ".join(parts)
+
+    def _main_hold(self) -> str:
+        order = ("window", "idle", "thermal", "budget", "crash", "engine", "floor", "cooldown", "hysteresis",
+                 "conflict", "experimental", "bounds", "sustain")
+        ranked = sorted(self.held, key=lambda h: order.index(h.guard) if h.guard in order else len(order))
+        if not ranked:
+            return "no rule matched"
+        h = ranked[0]
+        return h.reason if h.rule == "*" else f"{h.rule}: {h.reason}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "cycle": self.cycle,
+            "at": self.at,
+            "recommendations": [c.as_dict() for c in self.changes],
+            "held": [h.as_dict() for h in self.held],
+            "actions": [a.as_dict() for a in self.actions],
+            "restart_needed": self.restart_needed,
+            "args": self.args_after.argv(),
+            "summary": self.summary(),
+        }
+
+
+def known_defaults(signals: SignalSet, settings: DecisionSettings, kind: knobs.EngineKind
+                   ) -> dict[str, knobs.Value]:
+    """Values for flags absent from the command line: documented < configured < live engine."""
+    facts = settings.engine
+    documented = knobs.documented_defaults(kind, platform=facts.platform, gpu_memory_gib=facts.gpu_memory_gib,
+                                           gpu_name=facts.gpu_name, parallel=facts.parallel)
+    configured = knobs.parse_defaults(f"{k}={v}" for k, v in facts.defaults.items())
+    live: dict[str, knobs.Value] = {}
+    for signal, knob in (("block_size", "block_size"), ("gpu_memory_utilization", "gpu_memory_utilization"),
+                         ("max_model_len", "max_model_len")):
+        sig = signals.get(signal)
+        if sig is not None and sig.value is not None:
+            live[knob] = int(sig.value) if knobs.KNOBS[knob].type == "int" else sig.value
+    return knobs.merged_defaults(documented, configured, live)
+
+
+def thermal_step_down(signals: SignalSet, ctx: evaluation.Context, settings: guards.ThermalSettings
+                      ) -> evaluation.Proposal | None:
+    """While thermally throttled: --max-num-seqs × step_down_factor (never below step_down_min)."""
+    if not settings.step_down:
+        return None
+    why = guards.hot(signals, settings)
+    if why is None:
+        return None
+    current = ctx.flag_value("max_num_seqs")
+    if current.value is None or isinstance(current.value, bool):
+        return None
+    cur = int(current.value)
+    new = max(settings.step_down_min, int(cur * settings.step_down_factor))
+    if new >= cur:
+        return None
+    flag = ctx.flag_name("--max-num-seqs")
+    return evaluation.Proposal(
+        rule=THERMAL_RULE, knob="max_num_seqs", flag=flag, from_value=cur, to_value=new, direction=-1,
+        reason=f"{why}: fewer concurrent sequences, less heat", priority=1_000_000,
+    )
+
+
+def plan(
+    target: str,
+    signals: SignalSet,
+    args: knobs.EngineArgs,
+    history: History,
+    settings: DecisionSettings,
+    *,
+    rules: Iterable[Rule],
+    kind: knobs.EngineKind = "vllm",
+    now: float,
+    restarted_at: float | None = None,
+) -> Plan:
+    """Decide this cycle for one target.
+
+    ``signals``: engine + GPU signals of the current window. ``history``: from the previous cycle's
+    ``Plan.history`` (updated with ``history.applied`` if it was applied). ``restarted_at``: the
+    engine's process start time when the shell saw it change (plans a warm-up once per restart).
+    """
+    rules = list(rules)
+    cycle = history.cycle + 1
+    defaults = known_defaults(signals, settings, kind)
+    platform = settings.engine.platform
+    ctx = evaluation.Context(signals=signals, args=args, kind=kind, defaults=defaults, platform=platform)
+    held: list[Held] = []
+    actions: list[guards.Action] = []
+    outcomes: tuple[evaluation.Outcome, ...] = ()
+    accepted: list[Change] = []
+    args_after = args
+
+    gate = guards.window(signals)
+    if gate.allowed:
+        gate = guards.idle(signals, settings.idle)
+    if not gate.allowed:
+        held.append(Held("*", gate.guard, gate.reason))
+    else:
+        outcomes = evaluation.evaluate(rules, ctx, streaks=history.streaks)
+        proposals: list[evaluation.Proposal] = []
+        for o in outcomes:
+            if o.status == "fired" and o.proposal is not None:
+                proposals.append(o.proposal)
+            elif o.status == "sustaining":
+                held.append(Held(o.rule, "sustain", o.reason))
+            elif o.status in ("no-op", "blocked"):
+                held.append(Held(o.rule, "bounds", o.reason))
+        step_down = thermal_step_down(signals, ctx, settings.thermal)
+        if step_down is not None:
+            proposals.insert(0, step_down)
+        accepted, args_after, more_held = _choose(proposals, ctx, signals, history, settings, now=now)
+        held.extend(more_held)
+
+    if accepted:
+        budget = guards.restart_budget(history, settings.safety, now=now)
+        if not budget.allowed:
+            held.extend(Held(c.rule, budget.guard, budget.reason) for c in accepted)
+            accepted, args_after = [], args
+
+    since = guards.idle_since(signals, history, now=now)
+    last_keep_warm = history.last_keep_warm
+    last_restart_seen = history.last_restart_seen
+    new_restart = restarted_at is not None and restarted_at != history.last_restart_seen
+    if new_restart:
+        last_restart_seen = restarted_at
+    if accepted:
+        flags = ", ".join(c.flag for c in accepted)
+        warm = guards.warm_up(settings.idle, reason=f"the restart for {flags}")
+        if warm is not None:
+            actions.append(warm)
+    elif new_restart:
+        warm = guards.warm_up(settings.idle, reason="the engine restarted")
+        if warm is not None:
+            actions.append(replace(warm, after_restart=False))
+    else:
+        keep = guards.keep_warm(signals, history, settings.idle, now=now, since=since)
+        if keep is not None:
+            actions.append(keep)
+            last_keep_warm = now
+
+    next_history = replace(
+        history, cycle=cycle, streaks=_frozen(evaluation.next_streaks(outcomes)), idle_since=since,
+        last_keep_warm=last_keep_warm, last_restart_seen=last_restart_seen,
+    )
+    return Plan(target=target, cycle=cycle, at=now, kind=kind, changes=tuple(accepted), held=tuple(held),
+                actions=tuple(actions), args_before=args, args_after=args_after, outcomes=outcomes,
+                history=next_history)
+
+
+def _frozen(d: Mapping[str, int]) -> Mapping[str, int]:
+    return MappingProxyType(dict(d))
+
+
+def _floored(p: evaluation.Proposal, floor: guards.Floor) -> evaluation.Proposal:
+    """A --max-model-len lowering that undershoots the observed need is raised to the floor (if that is
+    still a lowering); the floor guard then only has to refuse what cannot be floored."""
+    if floor.tokens is None or float(p.to_value) >= floor.tokens or floor.tokens >= float(p.from_value):
+        return p
+    return replace(p, to_value=floor.tokens,
+                   reason=f"{p.reason}; floored at {floor.tokens} by observed need ({floor.reason})")
+
+
+def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluation.Context, signals: SignalSet,
+              history: History, settings: DecisionSettings, *, now: float, floor: guards.Floor | None
+              ) -> Iterator[guards.Verdict]:
+    """The guards one proposal must pass, in order (lazily: the first "no" is the reason)."""
+    yield guards.thermal(signals, settings.thermal, adds_load=p.adds_load)
+    if p.knob == "max_model_len" and p.direction < 0:
+        assert floor is not None
+        yield guards.floor_check(p.to_value, floor, from_value=p.from_value)
+    yield guards.cooldown(p.knob, p.flag, history, rule_cooldown_seconds=p.cooldown_seconds,
+                          settings=settings.safety, now=now)
+    if p.rule != THERMAL_RULE:  # cooling down beats not flapping
+        yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now)
+    yield guards.crash_memory(candidate, history)
+    yield guards.engine_constraints(candidate, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
+
+
+def _choose(
+    proposals: Sequence[evaluation.Proposal],
+    ctx: evaluation.Context,
+    signals: SignalSet,
+    history: History,
+    settings: DecisionSettings,
+    *,
+    now: float,
+) -> tuple[list[Change], knobs.EngineArgs, list[Held]]:
+    """Steps 4 and 5 of the module docstring."""
+    held: list[Held] = []
+    accepted: list[tuple[evaluation.Proposal, Change]] = []
+    args_after = ctx.args
+    floor: guards.Floor | None = None
+    order = {id(p): i for i, p in enumerate(proposals)}
+    for p in sorted(proposals, key=lambda p: (-p.priority, order[id(p)])):
+        taken = next((c for _, c in accepted if c.knob == p.knob), None)
+        if taken is not None:
+            held.append(Held(p.rule, "conflict", f"{p.flag} is already changed this cycle by {taken.rule} "
+                             "(higher priority)"))
+            continue
+        if p.knob == "max_model_len" and p.direction < 0:
+            floor = floor or guards.max_model_len_floor(signals, settings.safety)
+            p = _floored(p, floor)
+        candidate = knobs.with_knob(args_after, p.knob, p.to_value, kind=ctx.kind)
+        verdicts = _verdicts(p, candidate, ctx, signals, history, settings, now=now, floor=floor)
+        denied = next((v for v in verdicts if not v.allowed), None)
+        if denied is not None:
+            held.append(Held(p.rule, denied.guard, denied.reason))
+            continue
+        change = Change(flag=p.flag, knob=p.knob, from_value=p.from_value, to_value=p.to_value, rule=p.rule,
+                        reason=p.reason, direction=p.direction, adds_load=p.adds_load,
+                        experimental=p.experimental, verify=p.verify)
+        accepted.append((p, change))
+        args_after = candidate
+
+    experimental = [c for _, c in accepted if c.experimental]
+    if experimental and len(accepted) > 1:
+        regular = [c for _, c in accepted if not c.experimental]
+        keep = regular or experimental[:1]
+        for c in (c for _, c in accepted if c not in keep):
+            other = ", ".join(k.rule for k in keep)
+            held.append(Held(c.rule, "experimental", f"an experimental change goes out alone so its effect "
+                             f"can be measured; waiting for {other}"))
+        args_after = ctx.args
+        for c in keep:
+            args_after = knobs.with_knob(args_after, c.knob, c.to_value, kind=ctx.kind)
+        verdict = guards.engine_constraints(args_after, ctx.kind, platform=ctx.platform,
+                                            defaults=dict(ctx.defaults))
+        if not verdict.allowed:  # the kept subset alone is invalid: change nothing this cycle
+            held.extend(Held(c.rule, verdict.guard, verdict.reason) for c in keep)
+            return [], ctx.args, held
+        return keep, args_after, held
+    return [c for _, c in accepted], args_after, held

@@ -1,0 +1,349 @@
+"""Evaluating rules: (rules, signals, current args, streaks) → one ``Outcome`` per rule. Pure.
+
+Conditions use three-valued logic: true, false, or unknown (a signal is None, a flag's value is not
+known, a quantile is too coarse). Only *true* counts toward ``for: N``; unknown resets the streak like
+false does — a rule never fires on data it could not read.
+
+Coarse quantiles: with ``max_resolution`` set, a quantile whose bucket is wider is judged on the whole
+bucket — if every value in [lower, upper] satisfies the comparison it is true, if none does it is
+false, otherwise unknown. So "p95 queue time in the 0–0.3 s bucket" is a definite *no* for "> 0.5 s"
+and an honest *don't know* for "> 0.2 s".
+
+Every outcome carries a human reason that quotes the values it used, e.g.
+``queue_time_mean_s 4.1 > 0.2; requests_running_max 4 ≥ 3.6 (0.9×--max-num-seqs 4)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tuner.model import knobs
+from tuner.rules.schema import AllOf, AnyOf, Comparison, Ref, Rule, Verify
+from tuner.signals import SignalSet
+
+Value = knobs.Value
+Status = Literal["disabled", "not-applicable", "false", "unknown", "sustaining", "fired", "no-op", "blocked"]
+
+_SYMBOL = {"<": "<", "<=": "≤", ">": ">", ">=": "≥", "==": "=", "!=": "≠"}
+_NEGATION = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+def fmt(value: float | bool | None) -> str:
+    """Short human form: 4 → ``4``, 0.0123456 → ``0.01235``, True → ``on``."""
+    if value is None:
+        return "unknown"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if math.isinf(value):
+        return "∞" if value > 0 else "-∞"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What conditions and changes are evaluated against."""
+
+    signals: SignalSet
+    args: knobs.EngineArgs
+    kind: knobs.EngineKind = "vllm"
+    defaults: Mapping[str, Value] = field(default_factory=dict)
+    """Known defaults for flags absent from ``args`` (knob name → value)."""
+    platform: str | None = None
+    """For block-size validity (``knobs.BLOCK_SIZES``); None: any positive size."""
+
+    def flag_value(self, flag: str) -> knobs.Effective:
+        return knobs.effective(flag, self.args, kind=self.kind, defaults=self.defaults)
+
+    def flag_name(self, flag: str) -> str:
+        """The target engine's spelling of a flag given in either engine's spelling."""
+        knob = knobs.knob_for(flag)
+        return (knob.flag(self.kind) if knob is not None else None) or flag
+
+
+@dataclass(frozen=True, slots=True)
+class Truth:
+    value: bool | None
+    text: str
+
+
+def _number(value: Value | None) -> float | None:
+    if value is None:
+        return None
+    return float(value)
+
+
+def _ref_value(ctx: Context, name: str) -> tuple[float | None, str]:
+    """Current value of a signal or flag, and its text (or why it is unknown)."""
+    if name.startswith("-"):
+        eff = ctx.flag_value(name)
+        shown = ctx.flag_name(name)
+        if eff.value is None:
+            return None, f"{shown} unknown ({eff.reason})"
+        return _number(eff.value), f"{shown} {fmt(eff.value)}"
+    sig = ctx.signals.get(name)
+    if sig is None or sig.value is None:
+        why = sig.reason if sig is not None and sig.reason else "not computed"
+        return None, f"{name} unknown ({why})"
+    return sig.value, f"{name} {fmt(sig.value)}"
+
+
+def _compare(left: float, op: str, right: float) -> bool:
+    if op == "<":
+        return left < right
+    if op == "<=":
+        return left <= right
+    if op == ">":
+        return left > right
+    if op == ">=":
+        return left >= right
+    if op == "==":
+        return math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-12)
+    return not math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _check_comparison(c: Comparison, ctx: Context) -> Truth:
+    # right side
+    right = c.value
+    right_text = fmt(c.value)
+    if c.times is not None:
+        ref, ref_text = _ref_value(ctx, c.times)
+        if ref is None:
+            return Truth(None, ref_text)
+        right = c.value * ref
+        right_text = f"{fmt(right)} ({fmt(c.value)}×{ref_text})"
+
+    # left side
+    if c.flag is not None:
+        left, left_text = _ref_value(ctx, c.flag)
+        if left is None:
+            return Truth(None, left_text)
+        ok = _compare(left, c.op, right)
+        return Truth(ok, f"{left_text} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} {right_text}")
+
+    assert c.signal is not None
+    sig = ctx.signals.get(c.signal)
+    if sig is None or sig.value is None:
+        why = sig.reason if sig is not None and sig.reason else "not computed"
+        return Truth(None, f"{c.signal} unknown ({why})")
+    coarse = c.max_resolution is not None and sig.bounds is not None and (
+        sig.resolution is None or sig.resolution > c.max_resolution)
+    if coarse:
+        assert sig.bounds is not None
+        lo, hi = sig.bounds
+        at_lo, at_hi = _compare(lo, c.op, right), _compare(hi, c.op, right)
+        bucket = f"{c.signal} in bucket {fmt(lo)}–{fmt(hi)}"
+        if at_lo and at_hi:
+            return Truth(True, f"{bucket} {_SYMBOL[c.op]} {right_text}")
+        if not at_lo and not at_hi and c.op not in ("==", "!="):
+            return Truth(False, f"{bucket} {_SYMBOL[_NEGATION[c.op]]} {right_text}")
+        width = "unbounded" if sig.resolution is None else fmt(sig.resolution)
+        return Truth(None, f"{bucket}: too coarse to tell whether {_SYMBOL[c.op]} {right_text} "
+                           f"(bucket width {width} > {fmt(c.max_resolution)} allowed)")
+    ok = _compare(sig.value, c.op, right)
+    return Truth(ok, f"{c.signal} {fmt(sig.value)} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} {right_text}")
+
+
+def check(cond: Comparison | AllOf | AnyOf, ctx: Context) -> Truth:
+    """Three-valued truth of a condition, with the text of the deciding parts."""
+    if isinstance(cond, Comparison):
+        return _check_comparison(cond, ctx)
+    parts = [check(c, ctx) for c in (cond.all if isinstance(cond, AllOf) else cond.any)]
+    if isinstance(cond, AllOf):
+        falses = [p for p in parts if p.value is False]
+        if falses:
+            return Truth(False, falses[0].text)
+        unknown = [p for p in parts if p.value is None]
+        if unknown:
+            return Truth(None, unknown[0].text)
+        return Truth(True, "; ".join(p.text for p in parts))
+    trues = [p for p in parts if p.value is True]
+    if trues:
+        return Truth(True, trues[0].text)
+    unknown = [p for p in parts if p.value is None]
+    if unknown:
+        return Truth(None, unknown[0].text)
+    return Truth(False, " and ".join(p.text for p in parts))
+
+
+# --- proposals -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """A rule's wish to change one flag. The planner's guards decide whether it becomes a change."""
+
+    rule: str
+    knob: str
+    flag: str  # the target engine's spelling
+    from_value: Value
+    to_value: Value
+    direction: int  # +1 up / on, -1 down / off
+    reason: str
+    priority: int = 50
+    adds_load: bool = False
+    experimental: bool = False
+    verify: Verify | None = None
+    cooldown_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one rule made of this cycle. ``streak``: consecutive true windows including this one."""
+
+    rule: str
+    status: Status
+    streak: int
+    reason: str
+    proposal: Proposal | None = None
+
+
+def _bound(ctx: Context, refs: Iterable[Ref], static: float | None, *, pick: str
+           ) -> tuple[float | None, str | None, str | None]:
+    """The tightest bound: (value, what set it, why unknown)."""
+    best: float | None = static
+    source: str | None = None if static is None else f"{'max' if pick == 'min' else 'min'} {fmt(static)}"
+    for ref in refs:
+        raw, text = _ref_value(ctx, ref.name)
+        if raw is None:
+            return None, None, f"bound {ref.describe()}: {text}"
+        value = raw * ref.times + ref.plus
+        tighter = best is None or (value < best if pick == "min" else value > best)
+        if tighter:
+            best, source = value, f"{ref.describe()} = {fmt(value)}"
+    return best, source, None
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome:
+    """The change ``rule.then`` asks for, bounded; or why there is none (no-op / blocked)."""
+    then = rule.then
+    knob = then.knob
+    flag = knob.flag(ctx.kind) or then.flag
+    current = ctx.flag_value(then.flag)
+    sustained = f" (for {streak} windows)" if rule.when.for_ > 1 else ""
+    if current.value is None:
+        return Outcome(rule.id, "blocked", streak, f"{when_text}{sustained}; but the current value of "
+                       f"{flag} is unknown: {current.reason}")
+    cur = current.value
+
+    # toggles
+    if then.op == "toggle":
+        target_bool = (not bool(cur)) if then.value is None else bool(then.value)
+        if target_bool == bool(cur):
+            return Outcome(rule.id, "no-op", streak, f"{flag} is already {fmt(bool(cur))}")
+        return Outcome(rule.id, "fired", streak, f"{when_text}{sustained}", _proposal(
+            rule, knob.name, flag, cur, target_bool, 1 if target_bool else -1, f"{when_text}{sustained}", ctx))
+
+    c = float(cur)
+    # the raw target and the direction the rule means to move
+    target: float
+    if then.op == "set":
+        if then.value_from is not None:
+            raw, text = _ref_value(ctx, then.value_from.name)
+            if raw is None:
+                return Outcome(rule.id, "blocked", streak, f"{when_text}{sustained}; but the new value "
+                               f"comes from {text}")
+            target = raw * then.value_from.times + then.value_from.plus
+        else:
+            assert then.value is not None and not isinstance(then.value, bool)
+            target = float(then.value)
+        intent = _sign(target - c)
+    elif then.op == "scale":
+        assert then.factor is not None
+        target = c * then.factor
+        intent = _sign(then.factor - 1)
+        if knob.type == "int":
+            rounded = float(round(target))
+            if intent > 0 and rounded <= c:
+                rounded = c + 1
+            if intent < 0 and rounded >= c:
+                rounded = c - 1
+            target = rounded
+    else:  # step
+        assert then.values is not None
+        valid = sorted(v for v in set(then.values)
+                       if knob.name != "block_size" or knobs.block_size_ok(int(v), ctx.platform))
+        intent = 1 if then.direction == "up" else -1
+        candidates = [v for v in valid if v > c] if intent > 0 else [v for v in valid if v < c][::-1]
+        if not candidates:
+            return Outcome(rule.id, "no-op", streak, f"{flag} {fmt(c)} has no {then.direction}ward step in "
+                           f"{', '.join(fmt(v) for v in valid) or '(no valid values)'}")
+        target = candidates[0]
+    if intent == 0:
+        return Outcome(rule.id, "no-op", streak, f"{flag} is already {fmt(c)}")
+
+    lo, lo_src, lo_err = _bound(ctx, then.min_from, then.min, pick="max")
+    hi, hi_src, hi_err = _bound(ctx, then.max_from, then.max, pick="min")
+    if lo_err or hi_err:
+        return Outcome(rule.id, "blocked", streak, f"{when_text}{sustained}; but {lo_err or hi_err}")
+    if knob.type == "int":
+        lo = None if lo is None else float(math.ceil(lo - 1e-9))
+        hi = None if hi is None else float(math.floor(hi + 1e-9))
+    if lo is not None and hi is not None and lo > hi:
+        return Outcome(rule.id, "blocked", streak, f"{flag}: lower bound {fmt(lo)} ({lo_src}) is above the "
+                       f"upper bound {fmt(hi)} ({hi_src})")
+    bounded = target
+    note = ""
+    if hi is not None and bounded > hi:
+        bounded, note = hi, f"capped at {fmt(hi)} by {hi_src}"
+    if lo is not None and bounded < lo:
+        bounded, note = lo, f"floored at {fmt(lo)} by {lo_src}"
+    if knob.type == "float":
+        bounded = round(bounded, 4)
+    if _sign(bounded - c) != intent:
+        where = "upper" if intent > 0 else "lower"
+        src = hi_src if intent > 0 else lo_src
+        verb = "raise" if intent > 0 else "lower"
+        return Outcome(rule.id, "no-op", streak, f"{when_text}{sustained}; but {flag} {fmt(c)} is already at "
+                       f"or past its {where} bound {fmt(bounded)} ({src}); this rule only would {verb} it")
+    new: Value = int(bounded) if knob.type == "int" else bounded
+    old: Value = int(c) if knob.type == "int" else c
+    reason = f"{when_text}{sustained}" + (f"; {note}" if note else "")
+    return Outcome(rule.id, "fired", streak, reason,
+                   _proposal(rule, knob.name, flag, old, new, intent, reason, ctx))
+
+
+def _proposal(rule: Rule, knob: str, flag: str, old: Value, new: Value, direction: int, reason: str,
+              ctx: Context) -> Proposal:
+    return Proposal(
+        rule=rule.id, knob=knob, flag=flag, from_value=old, to_value=new, direction=direction,
+        reason=reason, priority=rule.priority, adds_load=rule.adds_load, experimental=rule.experimental,
+        verify=rule.verify, cooldown_seconds=rule.cooldown.total_seconds(),
+    )
+
+
+def evaluate_rule(rule: Rule, ctx: Context, *, streak_before: int = 0) -> Outcome:
+    if not rule.enabled:
+        return Outcome(rule.id, "disabled", 0, "disabled in the rule file")
+    if ctx.kind not in rule.engines:
+        return Outcome(rule.id, "not-applicable", 0, f"applies to {', '.join(rule.engines)}, not {ctx.kind}")
+    truth = check(rule.when.condition, ctx)
+    if truth.value is None:
+        return Outcome(rule.id, "unknown", 0, truth.text)
+    if truth.value is False:
+        return Outcome(rule.id, "false", 0, truth.text)
+    streak = streak_before + 1
+    if streak < rule.when.for_:
+        return Outcome(rule.id, "sustaining", streak,
+                       f"true in {streak} of {rule.when.for_} consecutive windows: {truth.text}")
+    return propose(rule, ctx, when_text=truth.text, streak=streak)
+
+
+def evaluate(rules: Iterable[Rule], ctx: Context, *, streaks: Mapping[str, int] | None = None
+             ) -> tuple[Outcome, ...]:
+    """Every rule's outcome this cycle. ``streaks``: each rule's consecutive-true count so far."""
+    before = streaks or {}
+    return tuple(evaluate_rule(r, ctx, streak_before=before.get(r.id, 0)) for r in rules)
+
+
+def next_streaks(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """The streaks to remember after this cycle (rules that were not true drop out)."""
+    return {o.rule: o.streak for o in outcomes if o.streak > 0}

@@ -1,0 +1,151 @@
+"""Loading rule files: YAML → validated ``RuleSet``, or a ``ConfigError`` naming file, rule and field.
+
+Errors read like::
+
+    rules/mine.yaml: 2 problem(s)
+      - rules[1] (id: queue-up).when.all[0].signal: unknown signal 'queue_ms'; similar: queue_time_mean_s, ...
+      - rules[2] (id: Bad_Id).id: String should match pattern '^[a-z][a-z0-9-]*$'; got 'Bad_Id'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tuner.errors import ConfigError
+from tuner.rules.schema import Rule, RuleFile
+
+_TAGS = frozenset({"compare", "all", "any"})
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSet:
+    """Validated rules from one or more files, in load order; ``origin`` maps rule id → file."""
+
+    rules: tuple[Rule, ...] = ()
+    origin: tuple[tuple[str, str], ...] = ()
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def get(self, rule_id: str) -> Rule | None:
+        for rule in self.rules:
+            if rule.id == rule_id:
+                return rule
+        return None
+
+    def file_of(self, rule_id: str) -> str | None:
+        return dict(self.origin).get(rule_id)
+
+    @property
+    def enabled(self) -> tuple[Rule, ...]:
+        return tuple(r for r in self.rules if r.enabled)
+
+
+def _where(loc: Sequence[Any], data: Any) -> str:
+    """``('rules', 2, 'when', 'all', 0, 'compare', 'signal')`` → ``rules[2] (id: x).when.all[0].signal``."""
+    parts: list[Any] = []
+    previous_was_index = False
+    for part in loc:
+        # A discriminated union puts its tag right after the list index; it is not a field name.
+        if previous_was_index and part in _TAGS and isinstance(part, str):
+            previous_was_index = False
+            continue
+        parts.append(part)
+        previous_was_index = isinstance(part, int)
+    out = ""
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            out += f"[{part}]"
+            if i == 1 and parts[0] == "rules":
+                rule_id = _rule_id(data, part)
+                if rule_id:
+                    out += f" (id: {rule_id})"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _rule_id(data: Any, index: int) -> str | None:
+    try:
+        value = data["rules"][index]["id"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return str(value) if value is not None else None
+
+
+def _what(err: Any) -> str:
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return "unknown field (see docs/rules.md for the rule format)"
+    if err["type"] == "missing":
+        return "required field is missing"
+    if "input" in err and err["type"] not in ("model_type", "value_error", "condition"):
+        given = repr(err["input"])
+        return f"{msg}; got {given[:80]}"
+    return msg
+
+
+def parse(data: Any, *, file: str = "<rules>") -> RuleSet:
+    """Validate already-parsed YAML. A bare list of rules is accepted as ``{rules: [...]}``."""
+    if isinstance(data, list):
+        data = {"rules": data}
+    if data is None:
+        raise ConfigError(file, [("", "the file is empty; expected `rules:` with a list of rules")])
+    if not isinstance(data, dict):
+        what = f"expected a mapping with `rules:` at the top level, got {type(data).__name__}"
+        raise ConfigError(file, [("", what)])
+    try:
+        parsed = RuleFile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(file, [(_where(e["loc"], data), _what(e)) for e in exc.errors()]) from exc
+    return RuleSet(tuple(parsed.rules), tuple((r.id, file) for r in parsed.rules))
+
+
+def load(path: str | Path) -> RuleSet:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(path), [("", f"cannot read the rule file: {exc.strerror or exc}")]) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from exc
+    return parse(data, file=str(path))
+
+
+def combine(sets: Iterable[RuleSet]) -> RuleSet:
+    """One RuleSet from several; a rule id defined in two files is an error naming both."""
+    rules: list[Rule] = []
+    origin: list[tuple[str, str]] = []
+    seen: dict[str, str] = {}
+    problems: list[tuple[str, str]] = []
+    last_file = "<rules>"
+    for rs in sets:
+        for rule in rs.rules:
+            file = rs.file_of(rule.id) or "<rules>"
+            last_file = file
+            if rule.id in seen:
+                problems.append((f"rule {rule.id}", f"already defined in {seen[rule.id]}"))
+                continue
+            seen[rule.id] = file
+            rules.append(rule)
+            origin.append((rule.id, file))
+    if problems:
+        raise ConfigError(last_file, problems)
+    return RuleSet(tuple(rules), tuple(origin))
+
+
+def load_all(paths: Iterable[str | Path]) -> RuleSet:
+    return combine(load(p) for p in paths)

@@ -1,0 +1,361 @@
+"""The rule-file schema (pydantic v2): what a rule may say, checked before anything runs.
+
+A rule file::
+
+    version: 1
+    rules:
+      - id: queue-slot-bound                 # ^[a-z][a-z0-9-]*$, unique across all loaded files
+        description: Requests queue while every sequence slot is busy and KV is not the limit.
+        priority: 50                         # higher wins a conflict on the same flag
+        adds_load: true                      # frozen by the thermal guard
+        cooldown: 15m                        # 90s, 15m, 2h, 1d or seconds
+        evidence: docs/evidence.md#queue-slot-bound
+        when:
+          for: 3                             # consecutive windows
+          all:
+            - {signal: queue_time_mean_s, op: ">", value: 0.2}
+            - {signal: requests_running_max, op: ">=", value: 0.9, times: --max-num-seqs}
+            - any: [...]
+        then:
+          flag: --max-num-seqs               # either engine's spelling; SGLang gets --max-running-requests
+          op: scale                          # set | scale | step | toggle
+          factor: 2
+          max: 1024
+          max_from: [{signal: kv_cache_max_concurrency}]
+
+Signals must be in ``tuner.signals.VOCABULARY`` and flags in ``tuner.model.knobs.FLAGS``; anything
+else fails validation with the file, the rule id and the field (see ``loading``).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from tuner.model import knobs
+from tuner.signals import VOCABULARY
+
+RULE_ID = r"^[a-z][a-z0-9-]*$"
+Op = Literal["<", "<=", ">", ">=", "==", "!="]
+EngineKind = Literal["vllm", "sglang"]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def _duration(value: Any) -> Any:
+    """``90``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1d"`` → timedelta (anything else: pydantic's own parsing)."""
+    if isinstance(value, bool):  # YAML's yes/no/on/off
+        raise ValueError("expected a duration such as 90s, 15m, 2h or 1d")  # noqa: TRY004 - pydantic wants ValueError
+    if isinstance(value, int | float):
+        return timedelta(seconds=value)
+    if isinstance(value, str) and not value.startswith("P"):  # "P..." is ISO 8601: pydantic parses it
+        m = _DURATION.match(value)
+        if m is None:
+            raise ValueError(f"expected a duration such as 90s, 15m, 2h or 1d; got {value!r}")
+        return timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(_duration)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
+                              populate_by_name=True)
+
+
+def _check_signal(name: str) -> str:
+    if name not in VOCABULARY:
+        close = [n for n in VOCABULARY if n.split("_")[0] == name.split("_")[0]]
+        hint = f"; similar: {', '.join(close[:6])}" if close else "; see docs/signals.md"
+        raise ValueError(f"unknown signal {name!r}{hint}")
+    return name
+
+
+def _check_flag(flag: str) -> str:
+    if knobs.knob_for(flag) is None:
+        raise ValueError(f"unknown flag {flag!r}; the tuner turns: {', '.join(knobs.known_flags())}")
+    return knobs.normalize_flag(flag)
+
+
+def _check_ref(ref: str) -> str:
+    """A ``times:`` reference: a flag (starts with ``-``) or a signal."""
+    return _check_flag(ref) if ref.startswith("-") else _check_signal(ref)
+
+
+class Comparison(_Model):
+    """``signal`` (or a ``flag``'s current value) compared with ``value`` [× the current value of ``times``]."""
+
+    signal: str | None = None
+    """A signal from the vocabulary (docs/signals.md)."""
+    flag: str | None = None
+    """Instead of a signal: the effective value of a flag (booleans compare as 1/0)."""
+    op: Op
+    """How the left side compares with the right side."""
+    value: float
+    """The constant on the right side, or the multiplier when ``times`` is given."""
+    times: str | None = None
+    """A flag (``--max-num-seqs``) or signal: the right side becomes ``value × its current value``."""
+    max_resolution: float | None = Field(default=None, gt=0)
+    """Refuse a histogram quantile whose bucket is wider than this (in the signal's unit): the
+    condition is then unknown, not true. None: accept any resolution."""
+
+    @field_validator("signal")
+    @classmethod
+    def _signal(cls, v: str | None) -> str | None:
+        return None if v is None else _check_signal(v)
+
+    @field_validator("flag")
+    @classmethod
+    def _flag(cls, v: str | None) -> str | None:
+        return None if v is None else _check_flag(v)
+
+    @field_validator("times")
+    @classmethod
+    def _times(cls, v: str | None) -> str | None:
+        return None if v is None else _check_ref(v)
+
+    @model_validator(mode="after")
+    def _one_side(self) -> Comparison:
+        if (self.signal is None) == (self.flag is None):
+            raise ValueError("give exactly one of `signal:` or `flag:`, e.g. "
+                             "{signal: queue_time_mean_s, op: \">\", value: 0.2}")
+        return self
+
+
+class AllOf(_Model):
+    all: list[Condition] = Field(min_length=1)
+    """True when every condition is true."""
+
+
+class AnyOf(_Model):
+    any: list[Condition] = Field(min_length=1)
+    """True when at least one condition is true."""
+
+
+def _condition_kind(v: Any) -> str | None:
+    if isinstance(v, dict):
+        if "all" in v:
+            return "all"
+        if "any" in v:
+            return "any"
+        return "compare"
+    if isinstance(v, AllOf):
+        return "all"
+    if isinstance(v, AnyOf):
+        return "any"
+    if isinstance(v, Comparison):
+        return "compare"
+    return None
+
+
+Condition = Annotated[
+    Annotated[Comparison, Tag("compare")] | Annotated[AllOf, Tag("all")] | Annotated[AnyOf, Tag("any")],
+    Discriminator(_condition_kind, custom_error_type="condition",
+                  custom_error_message="expected a condition: {signal, op, value}, {all: [...]} or {any: [...]}"),
+]
+
+
+class When(_Model):
+    """The rule's condition: ``all`` or ``any`` of conditions, sustained ``for`` consecutive windows."""
+
+    all: list[Condition] | None = None
+    """True when every condition is true."""
+    any: list[Condition] | None = None
+    """True when at least one condition is true."""
+    for_: int = Field(default=1, ge=1, alias="for")
+    """Consecutive evaluation windows (cycles) the condition must hold before the rule fires."""
+
+    @model_validator(mode="after")
+    def _one(self) -> When:
+        if (self.all is None) == (self.any is None):
+            raise ValueError("give exactly one of `all:` or `any:`")
+        if not (self.all or self.any):
+            raise ValueError("the condition list is empty")
+        return self
+
+    @property
+    def condition(self) -> AllOf | AnyOf:
+        return AllOf(all=self.all) if self.all is not None else AnyOf(any=self.any or [])
+
+
+class Ref(_Model):
+    """A value taken from the current signals or flags: ``times × (signal | flag) + plus``."""
+
+    signal: str | None = None
+    """A signal from the vocabulary."""
+    flag: str | None = None
+    """A flag's effective value."""
+    times: float = 1.0
+    """Multiplier."""
+    plus: float = 0.0
+    """Added after multiplying."""
+
+    @field_validator("signal")
+    @classmethod
+    def _signal(cls, v: str | None) -> str | None:
+        return None if v is None else _check_signal(v)
+
+    @field_validator("flag")
+    @classmethod
+    def _flag(cls, v: str | None) -> str | None:
+        return None if v is None else _check_flag(v)
+
+    @model_validator(mode="after")
+    def _one(self) -> Ref:
+        if (self.signal is None) == (self.flag is None):
+            raise ValueError("give exactly one of `signal:` or `flag:`")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.signal or self.flag or ""
+
+    def describe(self) -> str:
+        out = self.name if self.times == 1 else f"{self.times:g}×{self.name}"
+        return out + (f" {self.plus:+g}" if self.plus else "")
+
+
+class Then(_Model):
+    """What to change. Every change needs an engine restart (vLLM has no runtime endpoint for these)."""
+
+    flag: str
+    """The flag, in either engine's spelling; the knob table maps it to the target's engine."""
+    op: Literal["set", "scale", "step", "toggle"]
+    """set: to ``value`` / ``value_from``; scale: × ``factor``; step: to the next entry of ``values``
+    in ``direction``; toggle: a boolean flag to ``value`` (true/false; omitted: the opposite)."""
+    value: float | bool | None = None
+    """set: the new value; toggle: the state to switch to."""
+    value_from: Ref | None = None
+    """set: take the new value from a signal or flag (× times + plus)."""
+    factor: float | None = Field(default=None, gt=0)
+    """scale: the multiplier (2 doubles, 0.5 halves); ints are rounded, always moving by ≥ 1."""
+    values: list[float] | None = None
+    """step: the allowed values (the platform's validity check filters them, e.g. block sizes)."""
+    direction: Literal["up", "down"] | None = None
+    """step: which neighbour to move to."""
+    min: float | None = None
+    """Never go below this."""
+    max: float | None = None
+    """Never go above this."""
+    min_from: list[Ref] = []
+    """Dynamic lower bounds (the largest wins), e.g. ``[{flag: --max-num-seqs}]``."""
+    max_from: list[Ref] = []
+    """Dynamic upper bounds (the smallest wins), e.g. ``[{signal: kv_cache_max_concurrency}]``.
+    An unknown bound holds the rule (never guess a ceiling)."""
+
+    @field_validator("flag")
+    @classmethod
+    def _flag(cls, v: str) -> str:
+        return _check_flag(v)
+
+    @property
+    def knob(self) -> knobs.Knob:
+        knob = knobs.knob_for(self.flag)
+        assert knob is not None  # validated
+        return knob
+
+    @model_validator(mode="after")
+    def _op_fields(self) -> Then:
+        knob = self.knob
+        needs = {"set": "value or value_from", "scale": "factor", "step": "values and direction"}
+        if self.op == "set" and (self.value is None) == (self.value_from is None):
+            raise ValueError(f"op set needs exactly one of {needs['set']}")
+        if self.op == "scale" and self.factor is None:
+            raise ValueError("op scale needs `factor:` (e.g. 2 to double)")
+        if self.op == "step" and (not self.values or self.direction is None):
+            raise ValueError("op step needs `values:` (the allowed list) and `direction: up|down`")
+        if self.op == "toggle" and knob.type != "bool":
+            raise ValueError(f"op toggle needs a boolean flag; {self.flag} is {knob.type}")
+        if self.op != "toggle" and knob.type == "bool":
+            raise ValueError(f"{self.flag} is a boolean flag: use op toggle")
+        if self.op == "toggle" and self.value is not None and not isinstance(self.value, bool):
+            raise ValueError("op toggle: `value:` must be true or false")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min:g} > max {self.max:g}")
+        return self
+
+
+class Verify(_Model):
+    """How an experimental change is judged after the rollout (the rollout machine reads this)."""
+
+    signal: str
+    """The signal that must move."""
+    expect: Literal["decrease", "increase"]
+    """The direction that counts as better."""
+    min_change: float = Field(default=0.05, ge=0)
+    """Relative change needed to keep the change (0.05 = 5 %); less is rolled back."""
+
+    @field_validator("signal")
+    @classmethod
+    def _signal(cls, v: str) -> str:
+        return _check_signal(v)
+
+
+class Rule(_Model):
+    id: str = Field(pattern=RULE_ID)
+    """Lower-case words joined by dashes; appears in logs, plans and metric labels."""
+    description: str = ""
+    """One or two sentences: what the rule notices and why the change helps."""
+    enabled: bool = True
+    """A disabled rule is loaded and validated but never evaluated."""
+    engines: list[EngineKind] = ["vllm", "sglang"]
+    """Engine kinds the rule applies to."""
+    priority: int = 50
+    """Higher wins a conflict over the same flag in one cycle."""
+    when: When
+    then: Then
+    cooldown: Duration = timedelta(minutes=15)
+    """After this rule's change, the flag is not changed again for this long (the planner's per-flag
+    cooldown applies as well; the longer wins)."""
+    adds_load: bool = False
+    """The change lets the GPU do more work at once; the thermal guard freezes such changes."""
+    experimental: bool = False
+    """The effect is not established: the change goes out alone, is verified and rolled back unless
+    ``verify`` shows it helped."""
+    verify: Verify | None = None
+    """Required for experimental rules; optional for others."""
+    evidence: str | None = None
+    """Where the measured effect is written up, e.g. docs/evidence.md#queue-slot-bound."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Rule:
+        if self.experimental and self.verify is None:
+            raise ValueError("an experimental rule needs `verify: {signal: ..., expect: decrease|increase}`")
+        for kind in self.engines:
+            if self.then.knob.flag(kind) is None:
+                raise ValueError(f"{kind} has no flag for {self.then.flag}")
+        return self
+
+
+class RuleFile(_Model):
+    version: Literal[1] = 1
+    """Schema version of the file."""
+    rules: list[Rule]
+    """The rules, evaluated in file order (ties in priority go to the earlier rule)."""
+
+    @model_validator(mode="after")
+    def _unique(self) -> RuleFile:
+        ids = [r.id for r in self.rules]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"rule ids must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+
+AllOf.model_rebuild()
+AnyOf.model_rebuild()
+When.model_rebuild()
