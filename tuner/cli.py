@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from tuner import __version__, cli_decide, config
+from tuner import __version__, cli_decide, cli_demo, config
 from tuner.errors import ConfigError
 from tuner.model import dcgm, dialects, snapshots
 from tuner.model.engines import EngineInfo
@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     cli_decide.register(sub)
+    cli_demo.register(sub)
 
     p = sub.add_parser("check-config", help="validate a config file and print the effective config")
     p.add_argument("file")
