@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tuner.model import dcgm, dialects, snapshots  # noqa: E402
-from tuner.signals import engine as engine_signals  # noqa: E402
-from tuner.signals import gpu as gpu_signals  # noqa: E402
+from tuner.model import dcgm, dialects, snapshots
+from tuner.signals import engine as engine_signals
+from tuner.signals import gpu as gpu_signals
 
 FIX = ROOT / "tests" / "fixtures"
 

@@ -24,9 +24,8 @@ def raw(path: Path, name: str, **labels) -> float:
     """Sum of a series' values read straight from the exposition text (an independent reading)."""
     total = 0.0
     for line in path.read_text().splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 

@@ -63,7 +63,7 @@ _ERROR_NAMES = {
 class NVMLError(Exception):
     """Like pynvml's: ``NVMLError(code)`` builds the subclass for ``code``; ``.value`` is the code."""
 
-    _by_code: dict[int, type[NVMLError]] = {}  # noqa: RUF012
+    _by_code: dict[int, type[NVMLError]] = {}
     value: int
 
     def __new__(cls, value: int = NVML_ERROR_UNKNOWN, *args: Any) -> Self:

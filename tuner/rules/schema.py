@@ -58,7 +58,7 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 def _duration(value: Any) -> Any:
     """``90``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1d"`` → timedelta (anything else: pydantic's own parsing)."""
     if isinstance(value, bool):  # YAML's yes/no/on/off
-        raise ValueError("expected a duration such as 90s, 15m, 2h or 1d")  # noqa: TRY004 - pydantic wants ValueError
+        raise ValueError("expected a duration such as 90s, 15m, 2h or 1d")
     if isinstance(value, int | float):
         return timedelta(seconds=value)
     if isinstance(value, str) and not value.startswith("P"):  # "P..." is ISO 8601: pydantic parses it

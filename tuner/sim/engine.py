@@ -473,7 +473,7 @@ class SimEngine:
                  started_at: float | None = None) -> None:
         self.cfg = cfg
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.started_at = time.time() if started_at is None else started_at  # noqa: TID251 - wall clock by design
+        self.started_at = time.time() if started_at is None else started_at
         self.metrics = VllmMetrics(cfg, self.registry, started_at=self.started_at)
         self.lock = threading.RLock()
         self.rng = random.Random(cfg.seed)
@@ -885,7 +885,7 @@ class SimServer:
             return 500, _error("The request was aborted: the SIMULATED engine shut down.", None, None, code=500)
         text = " ".join(["SIMULATED"] * req.generated)
         usage = {"prompt_tokens": prompt, "completion_tokens": req.generated, "total_tokens": prompt + req.generated}
-        created = int(time.time())  # noqa: TID251 - an OpenAI response field
+        created = int(time.time())
         if chat:
             return 200, {"id": f"chatcmpl-sim-{req.id}", "object": "chat.completion", "created": created,
                          "model": cfg.model_name, "choices": [{
