@@ -13,7 +13,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tuner.actuators import settings as actuator_settings
 from tuner.errors import ConfigError
+from tuner.planning.planner import DecisionSettings
 
 
 class _Model(BaseModel):
@@ -93,6 +95,30 @@ class Target(_Model):
     """Where /health, /v1/models and /version live. None: metrics_url without /metrics."""
     gpu: GpuSource = NoGpuSource(kind="none")
     """Where this engine's GPU telemetry comes from."""
+    args: list[str] | None = None
+    """The engine's arguments as it runs now (argv after the executable, e.g. ["--model", "m",
+    "--max-num-seqs", "256"]). The tuner owns this command line in apply mode; in recommend mode it is
+    what the rules reason about. None: unknown (rules needing a flag's value are held, with the reason)."""
+
+
+class DaemonSettings(_Model):
+    listen_host: str = "127.0.0.1"
+    """Address of the tuner's own /metrics, /healthz, /status and /recommendations. Loopback by default:
+    expose it deliberately."""
+    listen_port: int = Field(default=9180, ge=0, le=65535)
+    """Port of that endpoint; 0 picks a free one."""
+    json_logs: bool = False
+    """One JSON object per log line instead of text."""
+    maintenance_windows: list[str] = []
+    """Crontab expressions (minute hour day month weekday) of the minutes in which restarts may happen;
+    outside them restart plans are deferred, not dropped. Empty: restarts may happen at any time."""
+    maintenance_timezone: str = "UTC"
+    """Timezone the maintenance windows are read in."""
+    health_max_age_seconds: float | None = Field(default=None, gt=0)
+    """/healthz turns 503 when no cycle finished for this long. None: 3 × scrape.interval_seconds."""
+    state_file: str = "/var/lib/vllm-tuner/state.json"
+    """Where decision history (cooldowns, hysteresis, restart budget, crash memory) and deferred plans
+    are persisted across restarts of the tuner."""
 
 
 class TunerSettings(_Model):
@@ -104,8 +130,18 @@ class TunerSettings(_Model):
     targets: list[Target] = Field(min_length=1)
     """The engine replicas this tuner watches."""
     scrape: ScrapeSettings = ScrapeSettings()
-    rule_files: list[str] = ["rules/default.yaml"]
-    """Rule files, relative to this config file's directory unless absolute."""
+    rule_files: list[str] | None = None
+    """Rule files, relative to this config file's directory unless absolute. None: the default rule set
+    shipped with vllm-tuner (rules/default.yaml)."""
+    decisions: DecisionSettings = DecisionSettings()
+    """Guards and planner settings: thermal, idle, safety (cooldowns, hysteresis, restart budget), engine
+    facts (platform, GPU memory, known defaults)."""
+    daemon: DaemonSettings = DaemonSettings()
+    actuator: actuator_settings.ActuatorSettings | None = None
+    """How engines are restarted (apply mode only): process | systemd."""
+    drain: actuator_settings.DrainSettings = actuator_settings.NoDrainSettings(kind="none")
+    """How a replica is taken out of the load balancer before its restart: nginx | command | http | none."""
+    rollout: actuator_settings.RolloutSettings = actuator_settings.RolloutSettings()
 
     @model_validator(mode="after")
     def _unique_names(self) -> TunerSettings:
@@ -113,6 +149,12 @@ class TunerSettings(_Model):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"target names must be unique; repeated: {', '.join(dupes)}")
+        if self.mode == "apply" and self.actuator is None:
+            raise ValueError("mode apply needs an `actuator:` section (kind: process or systemd)")
+        if self.mode == "apply" and any(t.args is None for t in self.targets):
+            missing = ", ".join(t.name for t in self.targets if t.args is None)
+            raise ValueError(f"mode apply needs `args:` (the engine's current arguments) on every target; "
+                             f"missing on: {missing}")
         return self
 
 
