@@ -48,13 +48,23 @@ class Actuator(Protocol):
 
     def replicas(self) -> Sequence[Replica]: ...
 
-    def status(self, name: str) -> ReplicaStatus: ...
+    def status(self, name: str) -> ReplicaStatus:
+        """What runs now. ``argv`` is set only when the actuator knows the arguments of the *live*
+        process (it launched it, or a restarted tuner re-adopted it); None means unknown."""
 
     def start(self, name: str, argv: Sequence[str]) -> None:
-        """Start the replica with these engine arguments (not waiting for health)."""
+        """Start the replica with these engine arguments (not waiting for health).
+
+        Idempotent: a replica already running exactly ``argv`` is left alone. One running anything
+        else raises ``PermanentActuatorError`` (stop it first: arguments change only by a restart).
+        """
 
     def stop(self, name: str, *, timeout_seconds: float) -> ReplicaStatus:
-        """SIGTERM (or the platform's equivalent), then SIGKILL after ``timeout_seconds``."""
+        """SIGTERM (or the platform's equivalent), then SIGKILL after ``timeout_seconds``; returns once
+        the replica is gone (STOPPED, ``detail`` says whether it had to be killed). Idempotent.
+
+        Every method raises ``PermanentActuatorError`` for a name that is not one of ``replicas()``.
+        """
 
 
 @runtime_checkable

@@ -115,20 +115,6 @@ def _labels(text: str) -> Labels | None:
 _ALLOWED_SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", "_sum", "_bucket")}
 
 
-_SELECTORS: dict[tuple[str, ...], re.Pattern[str]] = {}
-
-
-def _selector(prefixes: tuple[str, ...]) -> re.Pattern[str]:
-    """One regex that finds the wanted sample lines and their HELP/TYPE lines, so the lines the tuner
-    never reads do not even reach the Python loop."""
-    pattern = _SELECTORS.get(prefixes)
-    if pattern is None:
-        alternatives = "|".join(re.escape(p) for p in prefixes)
-        pattern = re.compile(rf"^(?:# (?:HELP|TYPE) )?(?:{alternatives})[^\n]*", re.MULTILINE)
-        _SELECTORS[prefixes] = pattern
-    return pattern
-
-
 def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict[str, list[Sample]] | None:
     """Parse the common exposition shape; None as soon as a line is not plainly of that shape.
 
@@ -141,8 +127,10 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
     allowed: tuple[str, ...] = ()
-    lines = (text.split("\n") if keep_prefixes is None
-             else (m.group(0) for m in _selector(keep_prefixes).finditer(text)))
+    lines = text.split("\n")
+    if keep_prefixes is not None:  # cheap C-level prefix tests drop what the tuner never reads
+        lines = [ln for ln in lines if ln.startswith(keep_prefixes)
+                 or (ln.startswith(("# HELP ", "# TYPE ")) and ln[7:].startswith(keep_prefixes))]
     for line in lines:
         if not line or line[0] == "#":
             if not line:

@@ -1,0 +1,186 @@
+"""The units in deploy/systemd/: ``systemd-analyze verify`` and ``security``, the settings the rollout
+relies on, and the tuner's sandbox tried for real (a private systemd runs a probe under it).
+
+Exposure thresholds (``systemd-analyze security``, 0 = fully locked down, 10 = nothing):
+
+- ``vllm-tuner.service`` ≤ 2.0 (measured 1.6 with systemd 252). What remains is inherent: it runs as
+  root so that ``systemctl`` and ``nginx -s reload`` work without polkit rules, it keeps CAP_KILL and
+  the host network (it scrapes the engines). Dropping CapabilityBoundingSet= (3.2),
+  SystemCallFilter= (3.1) or RestrictNamespaces= (2.3) crosses the line; the lines the score barely
+  weighs (ProtectSystem=strict, NoNewPrivileges=, PrivateTmp=, ProtectHome=) are asserted one by one.
+- ``vllm@.service`` ≤ 3.5 (measured 3.2). An engine needs GPU device nodes, writable+executable
+  memory for its JIT compilers and an unfiltered syscall set (CUDA), so it cannot score like the
+  tuner; losing User= (3.6) or CapabilityBoundingSet= (5.2) crosses the line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import nginx as nginx_support
+from tests.support import systemd as systemd_support
+from tuner.actuators import settings
+
+UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+TUNER, ENGINE = UNITS / "vllm-tuner.service", UNITS / "vllm@.service"
+THRESHOLDS = {TUNER: 2.0, ENGINE: 3.5}
+needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+
+
+def directives(path: Path) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def seconds(value: str) -> float:
+    m = re.fullmatch(r"(\d+)(s|min)?", value)
+    assert m, value
+    return float(m.group(1)) * (60 if m.group(2) == "min" else 1)
+
+
+@needs_analyze
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    # verify insists that ExecStart's binaries exist: give it stand-ins on a tmpfs over /usr/local/bin
+    # in a private mount namespace, so the host's /usr/local/bin is never touched.
+    if systemd_support.skip_reason() is not None:
+        pytest.skip(f"needs a private mount namespace: {systemd_support.skip_reason()}")
+    for unit in (TUNER, ENGINE):
+        shutil.copy(unit, tmp_path / unit.name)
+    script = (
+        "mount -t tmpfs tmpfs /usr/local/bin && for b in vllm vllm-tuner; do "
+        "printf '#!/bin/sh\\n' > /usr/local/bin/$b && chmod +x /usr/local/bin/$b; done && "
+        f"systemd-analyze verify {tmp_path / TUNER.name} {tmp_path / ENGINE.name}"
+    )
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "", done.stderr
+
+
+@needs_analyze
+@pytest.mark.parametrize("unit", [TUNER, ENGINE], ids=lambda p: p.name)
+def test_exposure_score_stays_under_its_threshold(unit: Path) -> None:
+    threshold = THRESHOLDS[unit]
+    done = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", f"--threshold={int(threshold * 10)}", str(unit)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d)", done.stdout)
+    assert m, done.stdout + done.stderr
+    assert float(m.group(1)) <= threshold, done.stdout
+    assert done.returncode == 0, done.stdout
+
+
+def test_tuner_unit_settings() -> None:
+    d = directives(TUNER)
+    assert d["Type"] == ["notify"]
+    # The watchdog must outlast the longest single rollout step (an engine stop, then 10 s for SIGKILL).
+    assert seconds(d["WatchdogSec"][0]) > settings.RolloutSettings().stop_timeout_seconds + 10
+    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes",
+                       "ProtectHome": "yes", "CapabilityBoundingSet": "CAP_KILL"}.items():
+        assert d[key] == [value], key
+    # It writes exactly: its journal, the engines' EnvironmentFiles, nginx's upstream file (and logs).
+    assert d["StateDirectory"] == ["vllm-tuner"]
+    assert settings.RolloutSettings().journal_file.startswith("/var/lib/vllm-tuner/")
+    assert settings.SystemdActuatorSettings(kind="systemd").env_dir in d["ReadWritePaths"]
+    # SIGTERM lets the current step finish; the longest step is one engine stop.
+    assert seconds(d["TimeoutStopSec"][0]) > settings.RolloutSettings().stop_timeout_seconds
+
+
+def test_engine_unit_takes_its_argv_from_the_tuners_file_and_stops_within_the_rollout_deadline() -> None:
+    d = directives(ENGINE)
+    env_dir = settings.SystemdActuatorSettings(kind="systemd").env_dir
+    assert d["EnvironmentFile"] == [f"{env_dir}/%i.env"]
+    assert d["ExecStart"][0].endswith(" $VLLM_ARGS")  # unquoted: systemd splits it into words
+    assert d["Type"] == ["exec"]
+    # SIGTERM to the API server alone (it drains), SIGKILL to everything at the hard deadline.
+    assert d["KillMode"] == ["mixed"]
+    assert seconds(d["TimeoutStopSec"][0]) >= settings.RolloutSettings().stop_timeout_seconds
+    assert d["Restart"] == ["on-failure"]
+    assert "StartLimitBurst" in d
+
+
+PROBE = """\
+import json, os, socket, subprocess, sys
+out, nginx = sys.argv[1], sys.argv[2:]
+result = {}
+def attempt(key, fn):
+    try:
+        fn(); result[key] = "ok"
+    except Exception as exc:
+        result[key] = f"{type(exc).__name__}: {exc}"
+attempt("write_rw_path", lambda: open(os.path.join(os.path.dirname(out), "env-probe"), "w").close())
+attempt("write_usr", lambda: open("/usr/vllm-tuner-probe", "w").close())
+show = subprocess.run(["systemctl", "show", "-p", "LoadState", "basic.target"], capture_output=True, text=True)
+result["systemctl"] = show.stdout.strip() or show.stderr.strip()
+attempt("nginx_test", lambda: subprocess.run([*nginx, "-t", "-q"], check=True, capture_output=True))
+attempt("nginx_reload", lambda: subprocess.run([*nginx, "-s", "reload"], check=True, capture_output=True))
+sock = os.environ.get("NOTIFY_SOCKET")
+if sock:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.connect("\\0" + sock[1:] if sock.startswith("@") else sock)
+    s.send(b"READY=1\\nWATCHDOG=1")
+json.dump(result, open(out, "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def booted() -> Iterator[systemd_support.PrivateSystemd]:
+    reason = systemd_support.skip_reason() or nginx_support.skip_reason()
+    if reason:
+        pytest.skip(f"real systemd + nginx unavailable: {reason}")
+    with systemd_support.PrivateSystemd() as sd:
+        yield sd
+
+
+def test_the_tuner_sandbox_allows_what_the_tuner_does_and_nothing_more(booted: systemd_support.PrivateSystemd) -> None:
+    sd = booted
+    # PrivateTmp= hides /tmp and /var/tmp from the unit, so the probe's files live under /var/lib,
+    # a path the host, the namespace and the sandbox all see.
+    rw = Path(tempfile.mkdtemp(prefix="vllm-tuner-test-", dir="/var/lib"))
+    try:
+        _run_probe(sd, rw)
+    finally:
+        shutil.rmtree(rw, ignore_errors=True)
+
+
+def _run_probe(sd: systemd_support.PrivateSystemd, rw: Path) -> None:
+    (rw / "probe.py").write_text(PROBE)
+    python = next(p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists())
+    # nginx runs inside the namespace too: `nginx -s reload` signals the pid in its pid file.
+    with nginx_support.NginxBalancer({"a": "127.0.0.1:9"}, launcher=sd.nsenter, base_dir=str(rw)) as lb:
+        # The probe stands in for `vllm-tuner run`; only paths are redirected to test directories (the
+        # namespace shares the host's /var: no StateDirectory= under the host's /var/lib).
+        dropin = textwrap.dedent(f"""\
+            [Service]
+            ExecStart=
+            ExecStart={python} {rw / 'probe.py'} {rw / 'result.json'} {' '.join(lb.command)}
+            ReadWritePaths=
+            ReadWritePaths={rw} {lb.dir}
+            StateDirectory=
+            Restart=no
+            """)
+        sd.install_unit("vllm-tuner.service", TUNER.read_text())
+        sd.install_unit("vllm-tuner.service.d/test.conf", dropin)
+        sd.systemctl("daemon-reload")
+        started = sd.systemctl("start", "vllm-tuner.service", check=False, timeout=60)
+        assert started.returncode == 0, started.stderr + sd.systemctl("status", "vllm-tuner.service", check=False).stdout
+    result = json.loads((rw / "result.json").read_text())
+    assert result["write_rw_path"] == "ok"
+    assert "Read-only file system" in result["write_usr"]
+    assert result["systemctl"] == "LoadState=loaded"
+    assert result["nginx_test"] == "ok", result
+    assert result["nginx_reload"] == "ok", result

