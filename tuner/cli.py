@@ -130,6 +130,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from tuner.daemon import running
+
+    settings = config.load(args.config)
+    running.configure_logging(json_logs=settings.daemon.json_logs or args.json_logs)
+    return running.build_and_run(args.config, once=args.once)
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     settings = config.load(args.file)
     print(f"# {args.file}: valid. Effective configuration (defaults filled in):")
@@ -165,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=2, help="live scrapes per target (default 2)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("run", help="the tuner daemon: a cycle every scrape.interval_seconds (observe | recommend | apply)")
+    p.add_argument("--config", required=True, help="the tuner's YAML configuration")
+    p.add_argument("--once", action="store_true", help="run one cycle, print its summary line and exit")
+    p.add_argument("--json-logs", action="store_true", help="one JSON object per log line")
+    p.set_defaults(func=cmd_run)
 
     cli_decide.register(sub)
     cli_demo.register(sub)

@@ -1,0 +1,353 @@
+"""`vllm-tuner run`: the composition root. Builds sources, the planner, the rollout and the loop from one
+configuration, then runs cycles until SIGTERM.
+
+Pools. The targets of one configuration are one pool of interchangeable replicas (same model, same
+flags but their ports). The planner decides per replica; the rollout applies a decided change to
+every replica of the pool, one at a time (``rollout.max_unavailable``), so the pool never ends up on
+mixed arguments. Run one tuner per pool.
+
+Owned state. The tuner owns each engine's command line in apply mode: ``targets[].args`` at first,
+then what the last finished rollout left, persisted with the planner's history (cooldowns, hysteresis,
+restart budget, crash memory) in ``daemon.state_file`` after every change (atomic write, fsync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+
+from tuner import config
+from tuner.actuators import base
+from tuner.actuators import settings as actuator_settings
+from tuner.actuators.files import write_atomically
+from tuner.daemon import collecting, cycle, rolling, scheduling, selfmetrics
+from tuner.daemon.httpserver import TunerHttpServer
+from tuner.model import dialects, knobs
+from tuner.planning import history as history_mod
+from tuner.planning import planner
+from tuner.rollout import journal as journaling
+from tuner.rollout import machine
+from tuner.rules import loading
+from tuner.signals import engine as engine_signals
+from tuner.sources import scraping
+
+log = logging.getLogger("tuner.run")
+
+
+def rule_paths(settings: config.TunerSettings, config_dir: Path) -> list[Path]:
+    if not settings.rule_files:
+        from tuner.cli_decide import default_rules_path
+
+        return [default_rules_path()]
+    return [p if p.is_absolute() else config_dir / p for p in map(Path, settings.rule_files)]
+
+
+# --- persisted state ----------------------------------------------------------------------------------
+
+
+class TunerState:
+    """Engine arguments the tuner owns and the planner's history, per target; saved as one JSON file."""
+
+    def __init__(self, path: Path, targets: Sequence[config.Target]) -> None:
+        self.path = path
+        self.args: dict[str, knobs.EngineArgs] = {t.name: knobs.EngineArgs.parse(t.args or []) for t in targets}
+        self.histories: dict[str, history_mod.History] = {t.name: history_mod.History() for t in targets}
+        self.config_args = {t.name: list(t.args or []) for t in targets}
+        if path.exists():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            for name, saved in data.get("targets", {}).items():
+                if name not in self.args:
+                    continue  # a target removed from the config
+                if saved.get("config_args") == self.config_args[name] and saved.get("args") is not None:
+                    # the tuner's own changes survive a restart; an edited config wins over them
+                    self.args[name] = knobs.EngineArgs.parse(saved["args"])
+                if saved.get("history"):
+                    self.histories[name] = history_mod.from_dict(saved["history"])
+
+    def save(self) -> None:
+        data = {"targets": {name: {"args": self.args[name].argv(), "config_args": self.config_args[name],
+                                   "history": history_mod.to_dict(self.histories[name])}
+                            for name in self.args}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
+
+
+# --- the planner adapter -----------------------------------------------------------------------------
+
+
+class Planning:
+    """``cycle.Planner``: calls the pure planner with the target's owned args and history."""
+
+    def __init__(self, settings: config.TunerSettings, rules: loading.RuleSet, state: TunerState) -> None:
+        self.settings, self.rules, self.state = settings, rules, state
+        self._starts: dict[str, float] = {}
+
+    def __call__(self, obs: cycle.Observation, *, now: float) -> planner.Plan:
+        name, kind = obs.target.name, obs.target.kind
+        restarted_at = None
+        latest = obs.window[-1] if obs.window else None
+        if latest is not None and latest.ok:
+            start = engine_signals.gauge(latest, dialects.DIALECTS[kind], "process_start")
+            if start is not None:
+                if name in self._starts and self._starts[name] != start:
+                    restarted_at = start
+                self._starts[name] = start
+        plan = planner.plan(name, obs.signals, self.state.args[name], self.state.histories[name],
+                            self.settings.decisions, rules=self.rules, kind=kind, now=now,
+                            restarted_at=restarted_at)
+        self.state.histories[name] = plan.history
+        return plan
+
+
+# --- the rollout adapter -----------------------------------------------------------------------------
+
+
+class Applying:
+    """``cycle.Rollout``: turns the pool's plans into one rolling restart and books the outcome."""
+
+    def __init__(self, settings: config.TunerSettings, state: TunerState, driver: rolling.RolloutDriver,
+                 prober: rolling.HttpProber, replicas: Mapping[str, base.Replica],
+                 journal: journaling.Journal, clock: Callable[[], float] = time.time) -> None:
+        self.settings, self.state, self.driver, self.prober = settings, state, driver, prober
+        self.replicas, self.journal, self.clock = replicas, journal, clock
+
+    def __call__(self, plans: Mapping[str, Any], *, now: float, maintenance_open: bool | None,
+                 should_stop: Callable[[], bool]) -> cycle.RolloutOutcome:
+        notes: list[str] = []
+        for name, plan in sorted(plans.items()):  # keep-warm requests (not tied to a restart)
+            for action in plan.actions:
+                if not action.after_restart and name in self.replicas:
+                    error = self.prober.warm(self.replicas[name], requests=action.requests)
+                    notes.append(f"{name}: {action.kind} ×{action.requests}" + (f" failed: {error}" if error else ""))
+        wanting = [(name, p) for name, p in sorted(plans.items()) if p.changes]
+        if not wanting:
+            return cycle.RolloutOutcome(summary="; ".join(notes))
+        leader, plan = wanting[0]
+        kind = self.settings.targets[0].kind
+        new_args: dict[str, knobs.EngineArgs] = {}
+        for name in self.state.args:
+            args = self.state.args[name]
+            for change in plan.changes:
+                args = args.with_value(change.flag, change.to_value)
+            problems = knobs.validate(args, kind, platform=self.settings.decisions.engine.platform)
+            if problems:
+                return cycle.RolloutOutcome(summary=f"not rolled out: {name}: {'; '.join(problems)}",
+                                            results={name: "skipped"})
+            new_args[name] = args
+        rollout_id = f"r{int(now)}"
+        self.journal.append("decision", at=now, rollout=rollout_id, target=leader,
+                            changes=[c.as_dict() for c in plan.changes], summary=plan.summary())
+        rollout = self.driver.begin(rollout_id, {n: a.argv() for n, a in new_args.items()},
+                                    limits=self.settings.rollout.limits())
+        rollout = self.driver.run(rollout)
+        return self.book(rollout, plan.changes, new_args, notes)
+
+    def book(self, rollout: machine.Rollout, changes: Sequence[history_mod.Change],
+             new_args: Mapping[str, knobs.EngineArgs], notes: Sequence[str] = ()) -> cycle.RolloutOutcome:
+        """Record a finished (or interrupted) rollout in the owned args and the planner's history."""
+        now = self.clock()
+        result = machine.outcome(rollout)
+        results: dict[str, str] = {}
+        for p in rollout.progress:
+            name = p.name
+            if p.state is machine.State.DONE:
+                self.state.args[name] = new_args.get(name, knobs.EngineArgs.parse(rollout.new_argv[name]))
+                self.state.histories[name] = history_mod.applied(self.state.histories[name], changes, now=now)
+                results[name] = "ok"
+            elif p.state in (machine.State.ROLLED_BACK, machine.State.FAILED):
+                bad = knobs.EngineArgs.parse(rollout.new_argv[name])
+                hist = history_mod.restarted(self.state.histories[name], now=now)
+                why = p.reason or rollout.aborted or "rolled back"
+                hist = history_mod.failed_to_start(hist, bad, reason=why) if p.bad_args else \
+                    history_mod.rejected(hist, bad, reason=why)
+                self.state.histories[name] = hist
+                results[name] = "rolled_back" if p.state is machine.State.ROLLED_BACK else "failed"
+        if result is machine.Outcome.ROLLED_BACK:  # one replica failed: the pool stays on the old args
+            for name in self.state.histories:
+                if name not in results:
+                    bad = knobs.EngineArgs.parse(rollout.new_argv.get(name, ()))
+                    self.state.histories[name] = history_mod.rejected(self.state.histories[name], bad,
+                                                                      reason="rolled back on another replica")
+        self.state.save()
+        return cycle.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]), results=results,
+                                    state={"id": rollout.id, "outcome": result.value,
+                                           "replicas": {p.name: p.state.value for p in rollout.progress}})
+
+
+def verifier_for(prober: rolling.HttpProber, client: httpx.Client) -> rolling.Verifier:
+    """After a restart: the engine must serve without errors or rejections during the verify window.
+
+    Reads the replica's own counters at the start and end of its verification (the window the machine
+    gives it), so a change that makes the engine reject or error on requests is rolled back.
+    """
+    def errors(replica: base.Replica) -> float | None:
+        snap = scraping.scrape(client, replica.base_url + "/metrics", max_body_bytes=16 << 20)
+        if not snap.ok:
+            return None
+        d = dialects.VLLM
+        bad = engine_signals.counter(snap, d, "request_success",
+                                     lambda lb: lb.get("finished_reason") in ("error", "abort"))
+        rejected = engine_signals.counter(snap, d, "http_requests",
+                                          lambda lb: lb.get("status") in ("4xx", "5xx")
+                                          and lb.get("handler") in d.completion_handlers)
+        return (bad or 0.0) + (rejected or 0.0)
+
+    baselines: dict[tuple[str, str], float | None] = {}
+
+    def verify(replica: base.Replica, rollout: machine.Rollout, now: float) -> str | None:
+        key = (rollout.id, replica.name)
+        current = errors(replica)
+        if current is None:
+            return "the engine's /metrics cannot be read"
+        if key not in baselines:
+            baselines[key] = current
+            return None
+        base_value = baselines[key]
+        if base_value is not None and current > base_value:
+            return f"{current - base_value:.0f} requests errored, aborted or were rejected after the change"
+        return None
+
+    return verify
+
+
+def confirm_for(prober: rolling.HttpProber, actuator: base.Actuator) -> rolling.Confirmer:
+    """The new values are live: the running process has exactly these arguments, and where the engine
+    reports a value itself (/v1/models max_model_len) it agrees."""
+    def confirm(replica: base.Replica, argv: Sequence[str]) -> str | None:
+        status = actuator.status(replica.name)
+        if status.argv is not None and tuple(status.argv) != tuple(argv):
+            return f"the process runs {' '.join(status.argv)}"
+        wanted = knobs.EngineArgs.parse(argv).get("--max-model-len")
+        if wanted is not None:
+            try:
+                data = httpx.get(replica.base_url + "/v1/models", timeout=5).json()
+                served = data["data"][0].get("max_model_len")
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                return f"/v1/models unreadable: {exc}"
+            if served is not None and str(served) != str(knobs.parse_int(str(wanted))):
+                return f"/v1/models says max_model_len {served}, expected {wanted}"
+        return None
+
+    return confirm
+
+
+# --- running -----------------------------------------------------------------------------------------
+
+
+def build_and_run(config_path: str, *, once: bool = False) -> int:
+    settings = config.load(config_path)
+    config_dir = Path(config_path).resolve().parent
+    rules = loading.load_all(rule_paths(settings, config_dir))
+    log.info("effective configuration: %s", json.dumps(settings.model_dump(mode="json")))
+    http = collecting.http_settings(settings.scrape, config_dir=config_dir)
+    client = scraping.make_client(http)
+    collectors = [collecting.Collector(t, client=client, max_body_bytes=http.max_body_bytes)
+                  for t in settings.targets]
+    state_path = Path(settings.daemon.state_file)
+    if not state_path.is_absolute():
+        state_path = config_dir / state_path
+    tstate = TunerState(state_path, settings.targets)
+    planning = Planning(settings, rules, tstate) if settings.mode != "observe" else None
+    metrics = selfmetrics.TunerMetrics()
+    maintenance = (cycle.MaintenanceWindows(settings.daemon.maintenance_windows,
+                                            timezone=settings.daemon.maintenance_timezone)
+                   if settings.daemon.maintenance_windows else None)
+    applying: Applying | None = None
+    stop_event = threading.Event()
+    loop_holder: dict[str, scheduling.Loop] = {}
+
+    if settings.mode == "apply":
+        assert settings.actuator is not None  # validated
+        replicas = {t.name: base.Replica(t.name, t.base_url or scraping.base_url(t.metrics_url))
+                    for t in settings.targets}
+        actuator = actuator_settings.build_actuator(settings.actuator, list(replicas.values()))
+        drainer = actuator_settings.build_drainer(settings.drain, list(replicas.values()))
+        journal_path = Path(settings.rollout.journal_file)
+        journal = journaling.Journal(journal_path if journal_path.is_absolute() else config_dir / journal_path)
+        prober = rolling.HttpProber()
+        driver = rolling.RolloutDriver(
+            actuator=actuator, drainer=drainer, prober=prober, journal=journal,
+            poll_seconds=settings.rollout.poll_seconds, idle_settle_seconds=settings.rollout.idle_settle_seconds,
+            hold_timeout_seconds=settings.rollout.hold_timeout_seconds,
+            verifier=verifier_for(prober, client), confirm=confirm_for(prober, actuator),
+            on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name,
+                                                            " ".join(argv), why),
+            on_tick=lambda: _tick(loop_holder),
+            stop_event=stop_event,
+        )
+        applying = Applying(settings, tstate, driver, prober, replicas, journal)
+        # A tuner killed mid-rollout finishes or rolls back that rollout before anything else.
+        unfinished = driver.recover()
+        if unfinished is not None:
+            log.warning("resuming %s", machine.describe(unfinished))
+            done = driver.run(unfinished)
+            changes: list[history_mod.Change] = []
+            new = {n: knobs.EngineArgs.parse(a) for n, a in done.new_argv.items()}
+            log.warning("%s", applying.book(done, changes, new).summary)
+        for name in replicas:  # engines the tuner launches itself come up first
+            if actuator.status(name).state is not base.State.RUNNING and isinstance(
+                    settings.actuator, actuator_settings.ProcessActuatorSettings):
+                log.info("starting %s: %s", name, tstate.args[name])
+                actuator.start(name, tstate.args[name].argv())
+        tstate.save()
+
+    cstate = cycle.CycleState()
+
+    def step() -> cycle.CycleResult:
+        loop = loop_holder.get("loop")
+        should_stop = loop.should_stop if loop is not None else (lambda: False)
+        return cycle.run_cycle(cstate, settings=settings, collectors=collectors, planner=cast(cycle.Planner | None, planning),
+                               rollout=applying, maintenance=maintenance, metrics=metrics,
+                               engine_args=lambda name: {f: str(v) for f in tstate.args[name].flags()
+                                                         if (v := tstate.args[name].get(f)) is not None},
+                               should_stop=should_stop)
+
+    if once:
+        result = step()
+        print(result.summary)
+        tstate.save()
+        return 0
+
+    loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=tstate.save)
+    loop_holder["loop"] = loop
+
+    def relay_stop() -> None:  # SIGTERM stops the loop; the driver finishes its current step, then stops
+        loop.stop_event.wait()
+        stop_event.set()
+
+    threading.Thread(target=relay_stop, daemon=True).start()
+    server = TunerHttpServer(
+        metrics=metrics, state=cstate,
+        max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
+        is_alive=loop.is_alive, is_busy=loop.is_busy,
+        host=settings.daemon.listen_host, port=settings.daemon.listen_port,
+    )
+    with server.start():
+        log.info("status endpoint on %s", server.url)
+        with contextlib.suppress(KeyboardInterrupt):
+            return loop.run()
+    return 0
+
+
+def _tick(holder: Mapping[str, scheduling.Loop]) -> None:
+    loop = holder.get("loop")
+    if loop is not None:
+        loop.notifier.watchdog()
+
+
+def configure_logging(*, json_logs: bool, level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(cycle.JsonLogFormatter() if json_logs else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("VLLM_TUNER_LOG_LEVEL", level))
