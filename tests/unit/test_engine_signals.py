@@ -180,3 +180,10 @@ def test_sglang_dialect():
     assert s["kv_cache_usage"].value == pytest.approx(0.42)
     assert s["kv_cache_size_tokens"].value == 500000
     assert "does not expose" in s["requests_rejected_per_s"].reason or s["requests_rejected_per_s"].value is None
+
+
+def test_a_failed_scrape_only_voids_windows_until_enough_good_snapshots_follow():
+    w = [snap(0, success=0), snapshots.Snapshot.failed(10, "HTTP 500"), snap(20, success=10), snap(30, success=20)]
+    assert es.compute(w, min_snapshots=3)["request_rate"].value is None
+    assert "HTTP 500" in es.compute(w, min_snapshots=3)["request_rate"].reason
+    assert es.compute(w, min_snapshots=2)["request_rate"].value == pytest.approx(1.0)  # from t=20 to t=30

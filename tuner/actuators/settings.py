@@ -91,9 +91,9 @@ class CommandDrainSettings(_Model):
 
 class HttpDrainSettings(_Model):
     kind: Literal["http"]
-    drain_url: str = Field(pattern=r"^https?://")
+    drain_url: str = Field(pattern=r"^(https?://|\{url\})")
     """URL template called to drain a replica; fields {name}, {host}, {port}, {url}. 2xx = drained."""
-    undrain_url: str = Field(pattern=r"^https?://")
+    undrain_url: str = Field(pattern=r"^(https?://|\{url\})")
     method: Literal["POST", "PUT", "GET", "DELETE"] = "POST"
     timeout_seconds: float = Field(default=10.0, gt=0)
 

@@ -148,6 +148,7 @@ class RolloutDriver:
         self._clock = clock
         self._max_temporary = max_temporary_failures
         self._waits = _Waits(idle_since={}, unhealthy_polls={})
+        self._last_hold_reason = ""
 
     # --- starting and recovering -------------------------------------------------------------------
 
@@ -263,7 +264,9 @@ class RolloutDriver:
         now = self._clock()
         if self._waits.hold_since is None:
             self._waits.hold_since = now
-            log.info("rollout %s: %s", rollout.id, action.reason)
+            if action.reason != self._last_hold_reason:  # say it once, not at every poll
+                log.info("rollout %s: %s", rollout.id, action.reason)
+                self._last_hold_reason = action.reason
         elif now - self._waits.hold_since > self._hold_timeout:
             self._waits.hold_since = None
             return self._abort(rollout, f"held for over {self._hold_timeout:g}s: {action.reason}")

@@ -351,3 +351,7 @@ def configure_logging(*, json_logs: bool, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("VLLM_TUNER_LOG_LEVEL", level))
+    for chatty in ("httpx", "httpcore", "apscheduler"):  # one line per cycle is ours to say
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    # "skipped: maximum number of running instances" is how a long rollout looks to APScheduler
+    logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)

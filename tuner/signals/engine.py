@@ -125,11 +125,17 @@ def compute(
 
     out.update(_latest_signals(latest, dialect))
 
-    bad = [s for s in snaps if not s.ok]
+    bad = [i for i, s in enumerate(snaps) if not s.ok]
     if bad:
-        why = f"window invalid: the scrape at {bad[0].scraped_at:.0f} failed: {bad[0].error}"
-        out.update({name: missing(why) for name in WINDOW_SIGNALS})
-        return out
+        # A failed scrape invalidates the window it falls in. Later cycles use only the snapshots
+        # after it, so one failure (an engine restarting) does not blind the tuner for a whole window.
+        failed = snaps[bad[-1]]
+        snaps = snaps[bad[-1] + 1:]
+        if len(snaps) < min_snapshots:
+            why = (f"window invalid: the scrape at {failed.scraped_at:.0f} failed: {failed.error} "
+                   f"({len(snaps)} good snapshot(s) since; need {min_snapshots})")
+            out.update({name: missing(why) for name in WINDOW_SIGNALS})
+            return out
     span = snaps[-1].scraped_at - snaps[0].scraped_at
     if len(snaps) < min_snapshots or span <= 0:
         why = f"too few snapshots: {len(snaps)} spanning {span:g}s (need ≥ {min_snapshots} over > 0s)"
