@@ -12,14 +12,17 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = Mapping[str, str]
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
+class Sample(NamedTuple):
+    """One sample line. A NamedTuple rather than a frozen dataclass: a cycle over hundreds of targets
+    creates hundreds of thousands of these, and tuple construction is ~3× cheaper."""
+
     name: str
     labels: Labels
     value: float
