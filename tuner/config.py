@@ -121,6 +121,18 @@ class DaemonSettings(_Model):
     are persisted across restarts of the tuner."""
 
 
+class GpuControlSettings(_Model):
+    enabled: bool = False
+    """Allow privileged NVML actions (needs root). Off by default: the tuner changes engine flags, not
+    hardware settings, unless told to."""
+    power_limit_w: float = Field(default=500.0, gt=0)
+    """While a GPU is thermally throttled (or inside decisions.thermal.margin_c of its slowdown
+    temperature), lower its power limit to this (clamped to the board's constraints); restore the
+    board's default once the condition clears."""
+    devices: list[int] = []
+    """NVML indices to act on. Empty: none, even when enabled."""
+
+
 class TunerSettings(_Model):
     """The whole configuration file."""
 
@@ -142,6 +154,8 @@ class TunerSettings(_Model):
     drain: actuator_settings.DrainSettings = actuator_settings.NoDrainSettings(kind="none")
     """How a replica is taken out of the load balancer before its restart: nginx | command | http | none."""
     rollout: actuator_settings.RolloutSettings = actuator_settings.RolloutSettings()
+    gpu_control: GpuControlSettings = GpuControlSettings()
+    """Privileged GPU actions (power limit under thermal throttling). Off by default."""
 
     @model_validator(mode="after")
     def _unique_names(self) -> TunerSettings:

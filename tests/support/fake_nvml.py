@@ -406,5 +406,11 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceResetGpuLockedClocks(self, handle: FakeHandle) -> None:
         self._privileged("nvmlDeviceResetGpuLockedClocks", handle).locked_clocks = None
 
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: FakeHandle) -> list[int]:
+        return [200_000, 700_000]  # an H200's range, as recorded
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: FakeHandle) -> int:
+        return 700_000
+
     def nvmlDeviceSetPowerManagementLimit(self, handle: FakeHandle, limit_mw: int) -> None:
         self._privileged("nvmlDeviceSetPowerManagementLimit", handle, limit_mw).power_limit_mw = limit_mw

@@ -309,10 +309,29 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         tstate.save()
 
     cstate = cycle.CycleState()
+    power = None
+    if settings.gpu_control.enabled:  # privileged, off by default
+        from tuner.actuators import gpu_power
+
+        power = gpu_power.GpuPowerControl(enabled=True, devices=settings.gpu_control.devices,
+                                          power_limit_w=settings.gpu_control.power_limit_w)
 
     def step() -> cycle.CycleResult:
         loop = loop_holder.get("loop")
         should_stop = loop.should_stop if loop is not None else (lambda: False)
+        result = run_one(should_stop)
+        if power is not None:
+            from tuner.actuators import gpu_power
+
+            for target in result.targets.values():
+                decision = gpu_power.decide(target.signals, capped=power.capped,
+                                            margin_c=settings.decisions.thermal.margin_c)
+                if decision is not None:
+                    power.apply(decision)
+                    break
+        return result
+
+    def run_one(should_stop: Callable[[], bool]) -> cycle.CycleResult:
         return cycle.run_cycle(cstate, settings=settings, collectors=collectors, planner=cast(cycle.Planner | None, planning),
                                rollout=applying, maintenance=maintenance, metrics=metrics,
                                engine_args=lambda name: {f: str(v) for f in tstate.args[name].flags()
