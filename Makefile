@@ -7,7 +7,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test venv vllm-env lint typecheck unit e2e bench clean
+.PHONY: demo test venv vllm-env system-deps lint typecheck unit e2e bench clean
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -24,6 +24,13 @@ $(VLLM_VENV)/.stamp:
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__, file=sys.stderr)"
 	touch $@
+
+# Real nginx fronts real engines in the rollout tests; systemd must be there too (it is on Debian).
+system-deps:
+	@command -v nginx >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; \
+	  else echo "nginx is missing: install it (apt-get install nginx) or run as root" >&2; exit 1; fi; }
+	@test -x /lib/systemd/systemd || { echo "systemd (/lib/systemd/systemd) is missing: apt-get install systemd" >&2; exit 1; }
 
 demo: venv
 	$(PY) -m tuner demo
@@ -42,7 +49,7 @@ e2e: venv vllm-env
 	$(PY) -m pytest -q -m e2e
 
 # The whole suite, real-vLLM end-to-end tests included.
-test: venv vllm-env lint typecheck
+test: venv vllm-env system-deps lint typecheck
 	VLLM_TUNER_REQUIRE_E2E=1 $(PY) -m pytest -q
 
 bench: venv
