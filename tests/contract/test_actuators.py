@@ -36,13 +36,18 @@ _names = itertools.count(1)
 SYSTEM_PYTHON = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), sys.executable)
 
 
+# The unit runs with PrivateTmp=yes: a checkout under /tmp (a CI clone) is invisible to the service, so
+# the stub is copied into the private systemd's own /run, which the service sees (read-only).
+STUB_IN_UNIT = "/run/vllm-tuner-test/stub_engine.py"
+
+
 def dropin(env_dir: Path) -> str:
     """The test's override of the shipped unit: the stub instead of vllm, root, no state directories
     on the host's /var; everything else (EnvironmentFile parsing, KillMode, hardening) as shipped."""
     return (
         "[Service]\n"
         "ExecStart=\n"
-        f"ExecStart={SYSTEM_PYTHON} {STUB} $VLLM_ARGS\n"
+        f"ExecStart={SYSTEM_PYTHON} {STUB_IN_UNIT} $VLLM_ARGS\n"
         "EnvironmentFile=\n"
         f"EnvironmentFile={env_dir}/%i.env\n"
         "User=\nGroup=\nStateDirectory=\nCacheDirectory=\nEnvironment=HOME=/tmp\n"
@@ -57,6 +62,9 @@ def private_systemd() -> Iterator[systemd_support.PrivateSystemd]:
     with systemd_support.PrivateSystemd() as sd:
         env_dir = sd.shared_dir / "env"
         env_dir.mkdir()
+        stub = sd.root / STUB_IN_UNIT.lstrip("/")
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_bytes(STUB.read_bytes())
         sd.install_unit("vllm@.service", UNIT.read_text())
         sd.install_unit("vllm@.service.d/test.conf", dropin(env_dir))
         sd.systemctl("daemon-reload")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import shlex
 import subprocess
 import tempfile
 import time
@@ -24,10 +25,24 @@ from pathlib import Path
 from types import TracebackType
 
 SYSTEMD = Path("/lib/systemd/systemd")
-BOOT = (
-    "mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=755 tmpfs /run && "
-    "mkdir -p /run/systemd/system && exec /lib/systemd/systemd --system --unit=basic.target"
-)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _boot_script() -> str:
+    """Fresh tmpfs on /tmp and /run first. A checkout that itself lives under /tmp (a CI clone) would
+    vanish under the new /tmp, so it is bound aside onto /mnt first and moved back on top (inside the
+    private mount namespace only; the host sees nothing)."""
+    keep = restore = ""
+    if REPO.is_relative_to("/tmp"):
+        q = shlex.quote(str(REPO))
+        keep = f"mount --bind {q} /mnt && "
+        restore = f"mkdir -p {q} && mount --move /mnt {q} && "
+    return (keep + "mount -t tmpfs -o mode=1777 tmpfs /tmp && " + restore
+            + "mount -t tmpfs -o mode=755 tmpfs /run && "
+            "mkdir -p /run/systemd/system && exec /lib/systemd/systemd --system --unit=basic.target")
+
+
+BOOT = _boot_script()
 
 
 def skip_reason() -> str | None:
