@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tuner.actuators import settings as actuator_settings
 from tuner.errors import ConfigError
 from tuner.planning.planner import DecisionSettings
+from tuner.rules import loading
 
 
 class _Model(BaseModel):
@@ -203,18 +203,7 @@ def parse(data: Any, *, file: str = "<config>") -> TunerSettings:
 
 
 def load(path: str | Path) -> TunerSettings:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(str(path), [("", f"cannot read the file: {exc.strerror or exc}")]) from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from exc
-    return parse(data, file=str(path))
+    return parse(loading.read_yaml(path, what="configuration file"), file=str(path))
 
 
 def schema() -> dict[str, Any]:

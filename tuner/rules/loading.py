@@ -110,19 +110,24 @@ def parse(data: Any, *, file: str = "<rules>") -> RuleSet:
     return RuleSet(tuple(parsed.rules), tuple((r.id, file) for r in parsed.rules))
 
 
-def load(path: str | Path) -> RuleSet:
+def read_yaml(path: str | Path, *, what: str) -> Any:
+    """A YAML file's data; ConfigError naming the file (and line) when it cannot be read or parsed.
+    Shared by rule files and the tuner's configuration."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(str(path), [("", f"cannot read the rule file: {exc.strerror or exc}")]) from exc
+        raise ConfigError(str(path), [("", f"cannot read the {what}: {exc.strerror or exc}")]) from exc
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from exc
-    return parse(data, file=str(path))
+
+
+def load(path: str | Path) -> RuleSet:
+    return parse(read_yaml(path, what="rule file"), file=str(path))
 
 
 def combine(sets: Iterable[RuleSet]) -> RuleSet:
