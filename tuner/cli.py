@@ -17,7 +17,7 @@ import yaml
 
 from tuner import __version__, cli_decide, cli_demo, config
 from tuner.errors import ConfigError
-from tuner.model import dcgm, dialects, snapshots
+from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuReading
 from tuner.signals import engine as engine_signals
@@ -38,14 +38,6 @@ def _file_snapshots(paths: Sequence[str], spacing: float, kind: str) -> list[sna
             for i, p in enumerate(paths)]
 
 
-def _file_gpus(path: str, slowdown: float | None) -> tuple[list[GpuReading], str | None]:
-    snap = snapshots.parse(_read_file(path), 0.0, source=path, keep_prefixes=dcgm.dcgm_keep_prefixes())
-    if not snap.ok:
-        return [], f"dcgm metrics file {path}: {snap.error}"
-    readings = dcgm.readings_from_snapshot(snap, slowdown_temp_c=slowdown)
-    return readings, None if readings else f"{path}: no DCGM GPU series"
-
-
 def _emit(result: dict[str, Any], signals: dict[str, Any], fmt: str, title: str) -> str:
     if fmt == "json":
         return json.dumps(result, indent=2, sort_keys=False)
@@ -60,7 +52,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     windows: list[tuple[str, str, list[snapshots.Snapshot], EngineInfo | None, list[GpuReading], str | None]] = []
 
     if args.dcgm_metrics:
-        readings, gpu_unavailable = _file_gpus(args.dcgm_metrics, args.slowdown_temp_c)
+        readings, gpu_unavailable = cli_decide.dcgm_file_readings(Path(args.dcgm_metrics),
+                                                                   slowdown_temp_c=args.slowdown_temp_c)
     elif args.nvml and args.engine_metrics:
         from tuner.sources import nvml
 

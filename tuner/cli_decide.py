@@ -291,14 +291,18 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
     return 0
 
 
+def dcgm_file_readings(path: Path, *, slowdown_temp_c: float | None) -> tuple[list[GpuReading], str | None]:
+    """GPU readings from a saved dcgm-exporter body, or why there are none."""
+    snap = snapshots.parse(_read(path), 0.0, source=str(path), keep_prefixes=dcgm.dcgm_keep_prefixes())
+    if not snap.ok:
+        return [], f"dcgm metrics file {path}: {snap.error}"
+    readings = dcgm.readings_from_snapshot(snap, slowdown_temp_c=slowdown_temp_c)
+    return readings, None if readings else f"{path}: no DCGM GPU series"
+
+
 def _gpus(ns: argparse.Namespace) -> tuple[list[GpuReading], str | None]:
     if ns.dcgm_metrics:
-        path = Path(ns.dcgm_metrics)
-        snap = snapshots.parse(_read(path), 0.0, source=str(path), keep_prefixes=dcgm.dcgm_keep_prefixes())
-        if not snap.ok:
-            return [], f"dcgm metrics file {path}: {snap.error}"
-        readings = dcgm.readings_from_snapshot(snap, slowdown_temp_c=ns.slowdown_temp_c)
-        return readings, None if readings else f"{path}: no DCGM GPU series"
+        return dcgm_file_readings(Path(ns.dcgm_metrics), slowdown_temp_c=ns.slowdown_temp_c)
     if ns.gpu_readings:
         return _gpu_readings(ns.gpu_readings, ns.gpu_sample), None
     return [], "no GPU source given (--dcgm-metrics or --gpu-readings)"
