@@ -88,7 +88,7 @@ def _read(path: Path) -> str:
 
 
 def _snapshots(paths: Sequence[Path], times: Sequence[float], kind: str) -> list[snapshots.Snapshot]:
-    keep = dialects.DIALECTS[kind].keep_prefixes
+    keep = dialects.DIALECTS[kind].parse_prefixes()
     snaps = [snapshots.parse(_read(p), t, source=str(p), keep_prefixes=keep)
              for p, t in zip(paths, times, strict=True)]
     return sorted(snaps, key=lambda s: s.scraped_at)

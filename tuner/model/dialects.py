@@ -21,7 +21,7 @@ class Dialect:
     # histograms by base name). Absent concept: empty tuple.
     names: MappingProxyType[str, tuple[str, ...]]
     # extra name prefixes worth parsing besides the families in ``names``
-    keep_prefixes: tuple[str, ...] = ()
+    extra_prefixes: tuple[str, ...] = ()
     # handlers whose 4xx count as rejected generation requests (http_requests_total)
     completion_handlers: tuple[str, ...] = ()
 
@@ -31,7 +31,7 @@ class Dialect:
     def parse_prefixes(self) -> tuple[str, ...]:
         """Name prefixes of every family this dialect reads; everything else is skipped unparsed."""
         families = sorted({name for names in self.names.values() for name in names})
-        return tuple(families) + self.keep_prefixes
+        return tuple(families) + self.extra_prefixes
 
 
 VLLM = Dialect(
@@ -59,7 +59,6 @@ VLLM = Dialect(
             "process_start": ("process_start_time_seconds",),
         }
     ),
-    keep_prefixes=(),
     completion_handlers=("/v1/completions", "/v1/chat/completions"),
 )
 
@@ -88,7 +87,6 @@ SGLANG = Dialect(
             "process_start": ("process_start_time_seconds",),
         }
     ),
-    keep_prefixes=(),
 )
 
 DIALECTS: MappingProxyType[str, Dialect] = MappingProxyType({"vllm": VLLM, "sglang": SGLANG})
