@@ -163,13 +163,19 @@ class TunerSettings(_Model):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"target names must be unique; repeated: {', '.join(dupes)}")
-        if self.mode == "apply" and self.actuator is None:
-            raise ValueError("mode apply needs an `actuator:` section (kind: process or systemd)")
-        if self.mode == "apply" and any(t.args is None for t in self.targets):
-            missing = ", ".join(t.name for t in self.targets if t.args is None)
-            raise ValueError(f"mode apply needs `args:` (the engine's current arguments) on every target; "
-                             f"missing on: {missing}")
         return self
+
+    def apply_problems(self) -> list[tuple[str, str]]:
+        """What apply mode still needs (checked by `run` and `check-config`, not by the schema, so a
+        configuration can be validated piecewise)."""
+        if self.mode != "apply":
+            return []
+        problems = []
+        if self.actuator is None:
+            problems.append(("actuator", "mode apply needs an `actuator:` section (kind: process or systemd)"))
+        problems += [(f"targets[{i}].args", "mode apply needs the engine's current arguments (argv list)")
+                     for i, t in enumerate(self.targets) if t.args is None]
+        return problems
 
 
 def _where(loc: tuple[Any, ...]) -> str:
@@ -202,8 +208,12 @@ def parse(data: Any, *, file: str = "<config>") -> TunerSettings:
         raise ConfigError(file, [(_where(e["loc"]), _what(e)) for e in exc.errors()]) from exc
 
 
-def load(path: str | Path) -> TunerSettings:
-    return parse(loading.read_yaml(path, what="configuration file"), file=str(path))
+def load(path: str | Path, *, runnable: bool = True) -> TunerSettings:
+    """Read and validate a configuration file; ``runnable``: also what its mode needs to run."""
+    settings = parse(loading.read_yaml(path, what="configuration file"), file=str(path))
+    if runnable and (problems := settings.apply_problems()):
+        raise ConfigError(str(path), problems)
+    return settings
 
 
 def schema() -> dict[str, Any]:

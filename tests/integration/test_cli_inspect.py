@@ -116,3 +116,12 @@ def test_nvml_without_a_driver_says_so_once_and_goes_on():
     assert out["signals"]["gpu_temp_c"] is None
     assert out["reasons"]["gpu_temp_c"].startswith("NVML unavailable")
     assert out["signals"]["requests_running"] is not None
+
+
+def test_apply_mode_needs_an_actuator_and_engine_args(tmp_path):
+    cfg = tmp_path / "tuner.yaml"
+    cfg.write_text("mode: apply\ntargets: [{name: a, metrics_url: 'http://127.0.0.1:1/metrics'}]\n")
+    proc = run("check-config", str(cfg), check=False)
+    assert proc.returncode == 2
+    assert "actuator: mode apply needs" in proc.stderr
+    assert "targets[0].args" in proc.stderr
