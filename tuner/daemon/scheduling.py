@@ -119,9 +119,10 @@ class Loop:
                                                           timezone=UTC),
                               id="watchdog", name="sd_notify watchdog", max_instances=1, coalesce=True)
         self._started_mono = time.monotonic()
-        scheduler.start()
+        scheduler.start(paused=True)  # READY=1 goes out before the first cycle's STATUS=
         self._scheduler = scheduler
         self.notifier.ready(f"running a cycle every {self.interval_seconds:g}s")
+        scheduler.resume()
 
     def run(self, *, install_signal_handlers: bool = True) -> int:
         """Block until SIGTERM/SIGINT (or ``request_stop()``), then stop gracefully; the exit code."""
