@@ -262,7 +262,53 @@ def recommendation_json(plan: planner.Plan, signals: dict[str, Signal]) -> dict[
 # --- commands -------------------------------------------------------------------------------------------
 
 
+def cmd_recommend_live(ns: argparse.Namespace) -> int:
+    """``recommend --config``: a few live scrapes per target, then the same dry-run path as for files."""
+    import time
+
+    from tuner import config
+    from tuner.daemon import collecting, running
+    from tuner.sources import scraping
+
+    settings = config.load(ns.config, runnable=False)
+    config_dir = Path(ns.config).resolve().parent
+    rules = _rules(ns.rules) if ns.rules else loading.load_all(running.rule_paths(settings, config_dir))
+    decisions = _settings(ns) if ns.decisions else settings.decisions
+    http = collecting.http_settings(settings.scrape, config_dir=config_dir)
+    spacing = ns.window_seconds or 10.0
+    results: dict[str, Any] = {}
+    lines: list[str] = []
+    with scraping.make_client(http) as client:
+        collectors = [collecting.Collector(t, client=client, max_body_bytes=http.max_body_bytes)
+                      for t in settings.targets]
+        series: dict[str, list[snapshots.Snapshot]] = {c.target.name: [] for c in collectors}
+        for i in range(max(2, ns.samples, ns.min_snapshots)):
+            if i:
+                time.sleep(spacing)
+            for c in collectors:
+                series[c.target.name].append(c.scrape_engine())
+        for c in collectors:
+            t = c.target
+            info, gpus = c.engine_info(), c.read_gpus()
+            args = knobs.EngineArgs.from_string(ns.args) if ns.args else knobs.EngineArgs.parse(t.args or [])
+            cycles = list(timeline(series[t.name], args=args, rules=rules, settings=decisions, kind=t.kind,
+                                   readings=gpus.readings, gpu_unavailable=gpus.unavailable,
+                                   max_model_len=info.max_model_len, span_seconds=settings.scrape.window_seconds,
+                                   min_snapshots=ns.min_snapshots, apply=False, target=t.name))
+            last = cycles[-1]
+            results[t.name] = recommendation_json(last.plan, last.signals)
+            lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; args: {args}")
+            lines += decision_lines(last.plan, unknown=True) or ["  no rule matched"]
+    if ns.format == "json":
+        print(json.dumps(results[next(iter(results))] if len(results) == 1 else {"targets": results}, indent=2))
+    else:
+        print("\n".join(lines))
+    return 0
+
+
 def cmd_recommend(ns: argparse.Namespace) -> int:
+    if ns.config:
+        return cmd_recommend_live(ns)
     paths = [Path(p) for p in ns.engine_metrics]
     meta = _meta(paths[0].parent) if paths else {}
     snaps = _snapshots(paths, _times(paths, ns.window_seconds), ns.kind)
@@ -381,9 +427,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add ``recommend`` and ``replay`` to the main parser's subcommands."""
-    p = subparsers.add_parser("recommend", help="dry run: what would the tuner change, and why (from files)")
-    p.add_argument("--engine-metrics", action="append", metavar="FILE", required=True,
-                   help="a saved /metrics body; several are consecutive snapshots")
+    p = subparsers.add_parser("recommend", help="dry run: what would the tuner change, and why (live or files)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine-metrics", action="append", metavar="FILE",
+                     help="a saved /metrics body; several are consecutive snapshots")
+    src.add_argument("--config", metavar="FILE",
+                     help="a tuner config: scrape its targets live (--samples scrapes, --window-seconds apart; "
+                          "default 3 scrapes 10 s apart) and recommend for each; never touches an engine")
+    p.add_argument("--samples", type=int, default=3, help="live scrapes per target with --config (default 3)")
     _common(p)
     p.set_defaults(func=cmd_recommend)
 

@@ -1,0 +1,37 @@
+"""`vllm-tuner recommend --config` scrapes live targets and never touches them (a simulated engine here)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tuner.sim import engine as sim
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_recommend_live_on_a_slot_bound_engine(tmp_path):
+    server = sim.start(["--max-num-seqs", "8", "--sim-concurrency", "64"])
+    try:
+        cfg = tmp_path / "tuner.yaml"
+        cfg.write_text(json.dumps({
+            "mode": "recommend",
+            "targets": [{"name": "sim", "metrics_url": f"{server.base_url}/metrics",
+                         "args": ["--max-num-seqs", "8"]}],
+        }))
+        proc = subprocess.run([sys.executable, "-m", "tuner", "recommend", "--config", str(cfg), "--samples", "6",
+                               "--window-seconds", "1.5", "--min-snapshots", "2", "--format", "json"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["signals"]["requests_running"] == 8
+        assert out["signals"]["requests_waiting"] > 0
+        flags = {r["flag"]: r for r in out["recommendations"]}
+        held = {h["rule"]: h for h in out["held"]}
+        # either already sustained, or waiting for its sustain windows: never anything else
+        assert "--max-num-seqs" in flags or "queue-slot-bound" in held, (out["recommendations"], out["held"])
+        if "--max-num-seqs" in flags:
+            assert flags["--max-num-seqs"]["to"] == "16"
+        assert server.cfg.max_num_seqs == 8  # a dry run changed nothing
+    finally:
+        server.shutdown(timeout_seconds=5)
