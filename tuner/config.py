@@ -175,6 +175,10 @@ class TunerSettings(_Model):
             problems.append(("actuator", "mode apply needs an `actuator:` section (kind: process or systemd)"))
         problems += [(f"targets[{i}].args", "mode apply needs the engine's current arguments (argv list)")
                      for i, t in enumerate(self.targets) if t.args is None]
+        if len(self.targets) == 1 and self.rollout.allow_downtime and not self.daemon.maintenance_windows:
+            problems.append(("daemon.maintenance_windows", "a single replica restarted with allow_downtime takes "
+                             "the service down: restarts must be confined to maintenance windows (e.g. "
+                             "['* 3-4 * * *'])"))
         return problems
 
 
