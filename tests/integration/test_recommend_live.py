@@ -24,8 +24,8 @@ def test_recommend_live_on_a_slot_bound_engine(tmp_path):
                               capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
-        assert out["signals"]["requests_running"] == 8
-        assert out["signals"]["requests_waiting"] > 0
+        assert out["signals"]["requests_running_max"] == 8  # slots pinned (an instant may show 7)
+        assert out["signals"]["requests_waiting_max"] > 0
         flags = {r["flag"]: r for r in out["recommendations"]}
         held = {h["rule"]: h for h in out["held"]}
         # either already sustained, or waiting for its sustain windows: never anything else
