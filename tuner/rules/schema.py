@@ -96,7 +96,21 @@ def _check_ref(ref: str) -> str:
     return _check_flag(ref) if ref.startswith("-") else _check_signal(ref)
 
 
-class Comparison(_Model):
+class _SignalOrFlag(_Model):
+    """Validators shared by everything that names a signal or a flag."""
+
+    @field_validator("signal", check_fields=False)
+    @classmethod
+    def _signal(cls, v: str | None) -> str | None:
+        return None if v is None else _check_signal(v)
+
+    @field_validator("flag", check_fields=False)
+    @classmethod
+    def _flag(cls, v: str | None) -> str | None:
+        return None if v is None else _check_flag(v)
+
+
+class Comparison(_SignalOrFlag):
     """``signal`` (or a ``flag``'s current value) compared with ``value`` [× the current value of ``times``]."""
 
     signal: str | None = None
@@ -112,16 +126,6 @@ class Comparison(_Model):
     max_resolution: float | None = Field(default=None, gt=0)
     """Refuse a histogram quantile whose bucket is wider than this (in the signal's unit): the
     condition is then unknown, not true. None: accept any resolution."""
-
-    @field_validator("signal")
-    @classmethod
-    def _signal(cls, v: str | None) -> str | None:
-        return None if v is None else _check_signal(v)
-
-    @field_validator("flag")
-    @classmethod
-    def _flag(cls, v: str | None) -> str | None:
-        return None if v is None else _check_flag(v)
 
     @field_validator("times")
     @classmethod
@@ -192,7 +196,7 @@ class When(_Model):
         return AllOf(all=self.all) if self.all is not None else AnyOf(any=self.any or [])
 
 
-class Ref(_Model):
+class Ref(_SignalOrFlag):
     """A value taken from the current signals or flags: ``times × (signal | flag) + plus``."""
 
     signal: str | None = None
@@ -203,16 +207,6 @@ class Ref(_Model):
     """Multiplier."""
     plus: float = 0.0
     """Added after multiplying."""
-
-    @field_validator("signal")
-    @classmethod
-    def _signal(cls, v: str | None) -> str | None:
-        return None if v is None else _check_signal(v)
-
-    @field_validator("flag")
-    @classmethod
-    def _flag(cls, v: str | None) -> str | None:
-        return None if v is None else _check_flag(v)
 
     @model_validator(mode="after")
     def _one(self) -> Ref:
