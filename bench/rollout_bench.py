@@ -66,8 +66,7 @@ def run_pool(work: Path, model: Path, *, rollouts: int, concurrency: int, keepal
                 result = load.stop()
             records = [r for r in pool.records() if r.get("rollout") == rid or r.get("rollout_id") == rid
                        or (r["kind"] == "rollout" and r["rollout"]["id"] == rid)]
-            errors = [line.strip() for line in load.log_path.read_text(errors="replace").splitlines()
-                      if line.startswith("Error ")]  # the client prints up to 10 failed requests' errors
+            errors = failed_request_errors(load.log_path.read_text(errors="replace"))
             item = {"test": "bench/rollout_bench.py", "actuator": "process", "at": time.time(), "rollout_id": rid,
                     "nginx_client_keepalive_seconds": keepalive, "errors": errors,
                     "load_sending_at": load_at, "records": records, "load": vllm.summarize_benchmark(result)}
@@ -77,6 +76,23 @@ def run_pool(work: Path, model: Path, *, rollouts: int, concurrency: int, keepal
             print("  " + describe(item), flush=True)
             for line in errors:
                 print(f"    {line[:300]}", flush=True)
+    return out
+
+
+def failed_request_errors(log: str) -> list[str]:
+    """The client prints up to 10 failed requests as "Error i: <traceback>"; keep each one's last line
+    (the exception)."""
+    out: list[str] = []
+    current: list[str] = []
+    for line in log.splitlines():
+        if line.startswith("Error ") or (current and line.startswith("=")):
+            if current:
+                out.append(current[-1].strip())
+            current = [line] if line.startswith("Error ") else []
+        elif current and line.strip():
+            current.append(line)
+    if current:
+        out.append(current[-1].strip())
     return out
 
 
