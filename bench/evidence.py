@@ -56,8 +56,9 @@ from tuner.signals import engine as engine_signals
 from tuner.sources.scraping import fetch_text
 
 SCRAPE_INTERVAL_S = 5.0
-QUIET_WAIT_S = 300.0  # before each arm, wait this long at most for other vLLM engines to end ...
+QUIET_WAIT_S = 2400.0  # before each arm, wait this long at most for other vLLM engines to end ...
 QUIET_SETTLE_S = 30.0  # ... and then stay away this long
+MAX_LOADAVG = 1.5  # ... and for the 1-minute load average to fall below this
 # The engine's OpenMP threads on core 1. vLLM's auto binding puts every engine on core 0 (it reserves the
 # other core for the API server), so an engine another test starts meanwhile would share our compute
 # core; pinned, it shares only the API servers' core.
@@ -215,11 +216,12 @@ EXPERIMENTS: dict[str, Experiment] = {
             "kv-preemption-cap",
             "kv-bound load (64 prompts, 1024 in / 512 out ±25 %, rate inf, 32 concurrent clients) on a "
             "12,288-token KV cache (384 blocks of 32) at --max-num-seqs 128, at the cap the rule "
-            "proposes on the recorded capture (requests_running_max = 10), and at the cache's "
-            "kv_cache_max_concurrency (6)",
+            "proposes on the recorded capture (requests_running_max = 10), at 8, and at the cache's "
+            "kv_cache_max_concurrency (6 = 12,288 / 2048)",
             [
                 Arm("--max-num-seqs 128", [*KV_ENGINE, "--max-num-seqs", "128"], KV_LOAD),
                 Arm("--max-num-seqs 10", [*KV_ENGINE, "--max-num-seqs", "10"], KV_LOAD),
+                Arm("--max-num-seqs 8", [*KV_ENGINE, "--max-num-seqs", "8"], KV_LOAD),
                 Arm("--max-num-seqs 6", [*KV_ENGINE, "--max-num-seqs", "6"], KV_LOAD),
             ],
             (
@@ -412,10 +414,14 @@ def wait_for_quiet(max_wait_s: float, settle_s: float = QUIET_SETTLE_S) -> float
     quiet_since = time.monotonic()
     announced = False
     while time.monotonic() - t0 < max_wait_s:
-        if foreign_engines():
+        if foreign_engines() or os.getloadavg()[0] > MAX_LOADAVG:
             quiet_since = time.monotonic()
             if not announced:
-                print("   another vLLM engine is running; waiting for it to end", file=sys.stderr, flush=True)
+                print(
+                    "   another vLLM engine is running (or the machine is busy); waiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 announced = True
         elif time.monotonic() - quiet_since >= (settle_s if announced else 0):
             break
@@ -434,6 +440,7 @@ def measure(arm: Arm, model_dir: Path, log_stem: str, *, abort_on_contention: bo
         [*COMMON_ARGS, *arm.engine_args],
         env=ENGINE_ENV,
         log_path=LOG_DIR / f"{log_stem}-server.log",
+        startup_timeout=600,
     )
     keep = dialects.VLLM.parse_prefixes()
     server.start()
@@ -533,10 +540,12 @@ def measure(arm: Arm, model_dir: Path, log_stem: str, *, abort_on_contention: bo
                 }
             last = window[-1] if window else first
             sigs = engine_signals.compute(window, info=info, now=last.scraped_at) if len(window) >= 2 else {}
+            # Series the tuner does not read (iteration tokens) are only in the unfiltered body.
+            full = snapshots.parse(kept[-1], last.scraped_at) if kept else last
             final = {
                 "preemptions_total": _gauge(last, "vllm:num_preemptions_total"),
-                "itl_over_1s": _bucket_count_above(last, "vllm:inter_token_latency_seconds", 1.0),
-                "steps_over_2048_tokens": _bucket_count_above(last, "vllm:iteration_tokens_total", 2048.0),
+                "itl_over_1s": _bucket_count_above(full, "vllm:inter_token_latency_seconds", 1.0),
+                "steps_over_2048_tokens": _bucket_count_above(full, "vllm:iteration_tokens_total", 2048.0),
             }
             return {
                 "label": arm.label,

@@ -158,7 +158,7 @@ def test_a_flag_set_the_engine_refuses_is_rolled_back_while_the_other_replica_se
 
     def rollout() -> str:
         rid = pool.wait_rollout(known)
-        pool.wait_finished(rid, timeout=900)
+        pool.wait_finished(rid, timeout=1800)
         # The tuner does not try the same command line again: its crash memory holds the rule.
         live.wait_for(crash_held, 120, "/status to hold the rule by crash memory", detail=pool.diagnostics)
         return rid

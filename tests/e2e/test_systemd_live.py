@@ -174,7 +174,7 @@ def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time(sd_poo
         load.wait_sending()
         rid = live.wait_for(lambda: next(iter(live.rollout_ids(pool.records())), None), 240,
                             "the tuner to decide and begin a rollout", poll=2, detail=pool.diagnostics)
-        live.wait_for(lambda: live.finished(pool.records(), rid), 1200, f"rollout {rid} to finish", poll=2,
+        live.wait_for(lambda: live.finished(pool.records(), rid), 2400, f"rollout {rid} to finish", poll=2,
                       detail=pool.diagnostics)
     finally:
         result = load.stop()
