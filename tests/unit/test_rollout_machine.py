@@ -121,7 +121,8 @@ def test_a_start_that_never_gets_healthy_rolls_back_to_the_old_argv_and_halts() 
     r = drive(r, "a", (E.GO, E.DRAINED, E.IDLE, E.STOPPED, E.STARTED))
     r = machine.handle(r, "a", E.FAILED, now=50, reason="not healthy after 300 s")
     a = r.of("a")
-    assert (a.state, a.leg, a.bad_args, a.reason) == (State.ROLLING_BACK, Leg.BACK, True, "not healthy after 300 s")
+    # rolled back, but not remembered as bad for good: a slow start on a loaded host is not a refusal
+    assert (a.state, a.leg, a.bad_args, a.reason) == (State.ROLLING_BACK, Leg.BACK, False, "not healthy after 300 s")
     assert r.is_halted
     # b is never admitted; a drains again (idempotent) and walks the path with the old arguments.
     assert steps(r, {"b"}) == [(Step.DRAIN, "a")]
@@ -142,6 +143,7 @@ def test_a_start_that_never_gets_healthy_rolls_back_to_the_old_argv_and_halts() 
         ((E.GO, E.DRAINED), E.CRASHED, False),  # the old engine died while draining
         ((E.GO, E.DRAINED, E.IDLE, E.STOPPED), E.FAILED, False),  # the actuator could not launch
         ((E.GO, E.DRAINED, E.IDLE, E.STOPPED, E.STARTED), E.CRASHED, True),  # exited at start
+        ((E.GO, E.DRAINED, E.IDLE, E.STOPPED, E.STARTED), E.FAILED, False),  # alive, past the deadline
         ((E.GO, *FORWARD_EVENTS[:5]), E.FAILED, False),  # argv mismatch: not the engine's fault
         ((E.GO, *FORWARD_EVENTS[:6]), E.CRASHED, True),  # died at its first (warm-up) requests
         ((E.GO, *FORWARD_EVENTS), E.FAILED, False),  # worse than the baseline

@@ -176,8 +176,8 @@ _STEP_OF: Mapping[State, Step] = {
 }
 IN_FLIGHT: frozenset[State] = frozenset(_STEP_OF)
 TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED})
-# Once started, the replica runs the new arguments: a crash there (or never becoming healthy) on the
-# forward leg means the engine cannot run them, and the caller remembers the set as bad.
+# Once started, the replica runs the new arguments: a crash there on the forward leg means the engine
+# cannot run them, and the caller remembers the set as bad (a start past its deadline is only rejected).
 _NEW_ARGS_LIVE = frozenset({_S.WAITING_HEALTHY, _S.CONFIRMING_ARGS, _S.WARMING, _S.UNDRAINING, _S.VERIFYING})
 
 
@@ -312,7 +312,6 @@ def new(
 def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str = "") -> Rollout:
     """Apply one event to one replica (Rule 1). Pure; replaying a journal calls exactly this."""
     p = rollout.of(name)
-    given = event
     if event is Event.INTERRUPTED and p.leg is Leg.FORWARD and p.resumes >= rollout.limits.max_resumes:
         event, reason = Event.FAILED, reason or f"interrupted {p.resumes + 1} times; rolling back"
     table = FORWARD if p.leg is Leg.FORWARD else BACK
@@ -324,7 +323,10 @@ def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str
     if event in (Event.FAILED, Event.CRASHED):
         q = dataclasses.replace(q, reason=reason or event.value)
         if p.leg is Leg.FORWARD:
-            crashed = event is Event.CRASHED or (p.state is State.WAITING_HEALTHY and given is Event.FAILED)
+            # Only an engine that exited (or went unhealthy on its own) with the new arguments marks them
+            # bad for good. A start that is merely slow past the deadline is rolled back and rejected for
+            # the hysteresis period: on a loaded host a good argument set can start slowly once.
+            crashed = event is Event.CRASHED
             q = dataclasses.replace(q, leg=Leg.BACK, bad_args=crashed and p.state in _NEW_ARGS_LIVE)
     elif event is Event.INTERRUPTED:
         q = dataclasses.replace(q, resumes=p.resumes + 1)
