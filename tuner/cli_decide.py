@@ -232,6 +232,9 @@ def decision_lines(plan: planner.Plan, *, sustain: bool = True, unknown: bool = 
         tag = " [experimental]" if c.experimental else ""
         lines.append(_line("CHANGE", f"{c.flag} {knobs.format_value(c.from_value)} → "
                                      f"{knobs.format_value(c.to_value)} ({c.rule}{tag})", c.reason))
+        if c.verify:
+            keep = "kept only if" if c.experimental else "rolled back unless"
+            lines.append(_line("VERIFY", f"after the rollout, {keep}", "; ".join(v.describe() for v in c.verify)))
     for h in plan.held:
         if h.guard == "sustain" and not sustain:
             continue

@@ -62,7 +62,7 @@ def replay_recorded(name: str, *, out: Any = print) -> knobs.EngineArgs:
     for c in cycles:
         out(f"   t+{c.plan.at - t0:4.0f}s {c.plan.summary()}")
         for line in cli_decide.decision_lines(c.plan, sustain=False):
-            if "CHANGE" in line or "ACTION" in line:
+            if "CHANGE" in line or "ACTION" in line or "VERIFY" in line:
                 out("         " + line.strip())
     final = cycles[-1].plan.args_after if cycles else args
     changed = [f"{f} {args.get(f)}→{final.get(f)}" for f in ("--max-num-seqs", "--max-num-batched-tokens",
@@ -87,7 +87,7 @@ def live_config(tmp: Path, *, replicas: int = 2, max_num_seqs: int = 8, users: i
         targets.append({
             "name": f"sim-{chr(ord('a') + i)}", "metrics_url": f"http://127.0.0.1:{port}/metrics",
             "args": ["--port", str(port), "--max-num-seqs", str(max_num_seqs), "--sim-concurrency", str(users),
-                     "--sim-startup-seconds", "3"],
+                     "--sim-startup-seconds", "3", "--sim-time-scale", "4"],
         })
     cfg = {
         "mode": "apply",
@@ -96,7 +96,7 @@ def live_config(tmp: Path, *, replicas: int = 2, max_num_seqs: int = 8, users: i
         "actuator": {"kind": "process", "command": [sys.executable, "-m", "tuner.sim.engine"],
                      "state_dir": str(tmp / "engines"), "log_dir": str(tmp / "logs")},
         "drain": {"kind": "http", "drain_url": "{url}/sim/drain", "undrain_url": "{url}/sim/undrain"},
-        "rollout": {"verify_seconds": 4, "poll_seconds": 0.5, "idle_settle_seconds": 0.5,
+        "rollout": {"verify_seconds": 12, "poll_seconds": 0.5, "idle_settle_seconds": 0.5,
                     "idle_timeout_seconds": 20, "start_timeout_seconds": 30, "warmup_requests": 2,
                     "journal_file": str(tmp / "journal.jsonl")},
         "daemon": {"listen_port": 0, "state_file": str(tmp / "state.json")},

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ def test_demo_recorded_part_shows_decisions_with_reasons():
     assert "queue_time_mean_s" in out
     # the KV-bound engine is NOT given more slots; its slots are capped to what the cache holds
     kv = out.split("kv-bound")[1]
-    assert "--max-num-seqs 128 → 10 (kv-preemption-cap)" in kv
+    assert "--max-num-seqs 128 → 10 (kv-preemption-cap [experimental])" in kv
+    assert "VERIFY  after the rollout, kept only if: preemptions_per_s must decrease by ≥ 20%" in kv
     assert "queue-slot-bound" not in kv.split("result")[0].replace("kv-preemption-cap", "")
 
 
@@ -31,4 +33,8 @@ def test_demo_live_part_rolls_simulated_replicas_to_better_flags():
     b_drain = live.index("sim-b pending → draining")
     assert a_done < b_drain
     assert "done: sim-a=done sim-b=done" in live
+    # each replica was kept because its own queue time fell against its baseline (rules/default.yaml verify:)
+    for name in ("sim-a", "sim-b"):
+        assert re.search(name + r" verifying → done \(verified: queue_time_mean_s \(queue-slot-bound\) "
+                         r"[\d.]+ → [\d.]+ \(-\d+%\): ok", live), live
     assert "sim-a now runs: " in live and "--max-num-seqs 16" in live.split("sim-a now runs: ")[1].splitlines()[0]

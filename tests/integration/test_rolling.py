@@ -25,6 +25,7 @@ from tests.support import nginx as nginx_support
 from tuner.actuators import base, fake, process
 from tuner.daemon import rolling
 from tuner.errors import PermanentActuatorError
+from tuner.planning import verification
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Outcome
 
@@ -286,14 +287,54 @@ FAST = machine.Limits(verify_seconds=0, warmup_requests=1)
 NEW = ("--max-num-seqs", "32")
 
 
+@dataclass
+class ScriptedVerifier:
+    """Says ``verdict`` at the deadline; counts the polls inside the window."""
+
+    verdict: verification.Verdict
+    observed: list[str] = field(default_factory=list)
+    judged: list[str] = field(default_factory=list)
+
+    def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
+        self.observed.append(replica.name)
+
+    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:
+        self.judged.append(replica.name)
+        if isinstance(self.verdict, Exception):
+            raise self.verdict
+        return self.verdict
+
+
 def test_a_worse_verdict_rolls_back_without_marking_the_arguments_bad(tmp_path: Path) -> None:
     bad: list[object] = []
-    d = fake_driver(tmp_path, verifier=lambda replica, rollout, now: "p99 TTFT +40%", on_bad_args=bad.append)
+    v = ScriptedVerifier(verification.Verdict(False, "ttft_p95_s 1 → 1.4 (+40%)"))
+    d = fake_driver(tmp_path, verifier=v, on_bad_args=bad.append)
     r = d.run(d.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
     assert machine.outcome(r) is Outcome.ROLLED_BACK
-    assert r.of("a").reason == "worse than before: p99 TTFT +40%"
+    assert v.judged == ["a"]  # b is never admitted
+    assert r.of("a").reason == "worse than before: ttft_p95_s 1 → 1.4 (+40%)"
     assert bad == [] and not r.of("a").bad_args
     assert d.actuator.status("a").argv == ("--max-num-seqs", "8")
+    d.journal.close()
+
+
+def test_a_good_verdict_is_journaled_with_its_reason_after_observing_the_window(tmp_path: Path) -> None:
+    v = ScriptedVerifier(verification.Verdict(True, "queue_time_mean_s 2 → 0.5 (-75%): ok"))
+    d = fake_driver(tmp_path, verifier=v, poll_seconds=0.01)
+    r = d.run(d.begin("r", {"a": NEW, "b": NEW}, limits=machine.Limits(verify_seconds=0.1, warmup_requests=1)))
+    assert machine.outcome(r) is Outcome.DONE
+    assert v.judged == ["a", "b"] and {"a", "b"} <= set(v.observed)  # polled inside each window
+    verified = [x for x in d.journal.records if x.get("event") == "verified"]
+    assert [x["reason"] for x in verified] == ["queue_time_mean_s 2 → 0.5 (-75%): ok"] * 2
+    d.journal.close()
+
+
+def test_a_verifier_that_raises_rolls_the_replica_back(tmp_path: Path) -> None:
+    v = ScriptedVerifier(RuntimeError("boom"))  # type: ignore[arg-type]
+    d = fake_driver(tmp_path, verifier=v)
+    r = d.run(d.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
+    assert machine.outcome(r) is Outcome.ROLLED_BACK
+    assert "the verification itself failed: RuntimeError: boom" in r.of("a").reason
     d.journal.close()
 
 

@@ -110,8 +110,9 @@ class FakeRollout:
     calls: list[tuple[dict[str, Any], bool | None]] = field(default_factory=list)
 
     def __call__(self, plans: Mapping[str, cycle.PlanLike], *, now: float, maintenance_open: bool | None,
-                 should_stop: Callable[[], bool]) -> cycle.RolloutOutcome:
+                 should_stop: Callable[[], bool], signals: Mapping[str, Any]) -> cycle.RolloutOutcome:
         self.calls.append((dict(plans), maintenance_open))
+        self.signals = signals
         return cycle.RolloutOutcome(summary=f"{', '.join(plans)} restarted ({self.result})",
                                     results=dict.fromkeys(plans, self.result),
                                     state={"phase": "idle"})

@@ -216,13 +216,27 @@ def test_history_updates_and_json_roundtrip():
     assert h.streaks == {} and h.restarts == (100,) and h.changes["max_num_seqs"].to_value == "8"
     assert history_mod.applied(h, [], now=200) is h
     h = history_mod.restarted(h, now=200)
-    h = history_mod.rejected(h, knobs.EngineArgs.from_string("--block-size 64"), reason="no effect")
+    h = history_mod.rejected(h, knobs.EngineArgs.from_string("--block-size 64"), reason="no effect", now=200,
+                             for_seconds=3600)
     assert h.restarts_within(3600, now=250) == 2
     h = history_mod.applied(h, [change()], now=200 + 86400)
     assert h.restarts == (200 + 86400,)  # older than a day: pruned
     again = history_mod.from_dict(json.loads(json.dumps(history_mod.to_dict(h))))
     assert again == h
     assert history_mod.from_dict({}) == History()
+
+
+def test_a_rejected_command_line_is_refused_until_its_time_a_crashed_one_for_good():
+    bad, meh = knobs.EngineArgs.from_string("--max-num-seqs 0"), knobs.EngineArgs.from_string("--block-size 64")
+    h = history_mod.failed_to_start(History(), bad, reason="exited with status 1")
+    h = history_mod.rejected(h, meh, reason="itl_mean_s did not decrease", now=1000, for_seconds=600)
+    assert guards.crash_memory(bad, h, now=10**9).allowed is False
+    held = guards.crash_memory(meh, h, now=1300)
+    assert not held.allowed and "itl_mean_s did not decrease" in held.reason and "300s" in held.reason
+    assert guards.crash_memory(meh, h, now=1600).allowed
+    # a later rejection forgets the expired ones
+    h = history_mod.rejected(h, bad, reason="x", now=5000, for_seconds=10)
+    assert list(h.rejected_args) == [bad.fingerprint()]
 
 
 def test_change_as_dict():

@@ -66,8 +66,11 @@ def test_queue_bound_raises_max_num_seqs_after_sustaining():
     assert p.summary() == ("cycle 3: --max-num-seqs 8→16 (queue-slot-bound); restart needed; warm-up ×10 after the "
                            "restart (the restart for --max-num-seqs)")
     d = p.as_dict()
-    assert d["recommendations"][0] | {"reason": ""} == {"flag": "--max-num-seqs", "from": "8", "to": "16",
-                                                        "rule": "queue-slot-bound", "reason": ""}
+    assert d["recommendations"][0] | {"reason": ""} == {
+        "flag": "--max-num-seqs", "from": "8", "to": "16", "rule": "queue-slot-bound", "reason": "",
+        # how the rollout will judge it (rules/default.yaml's verify:)
+        "verify": [{"signal": "queue_time_mean_s", "expect": "decrease", "min_change": 0.1},
+                   {"signal": "itl_mean_s", "expect": "no-increase", "tolerance": 1.0}]}
     assert d["restart_needed"] and d["args"] == ["--max-num-seqs", "16"]
 
 
@@ -101,8 +104,8 @@ def test_experimental_change_goes_out_alone():
     p = run(KV_BOUND, "--max-num-seqs 39 --gpu-memory-utilization 0.2", cycles=5, history=hist, start=10)
     (c,) = p.changes
     assert (c.flag, c.to_value, c.experimental) == ("--gpu-memory-utilization", 0.22, True)
-    assert c.verify.signal == "preemptions_per_s" and c.verify.expect == "decrease"
-    assert c.as_dict()["verify"]["expect"] == "decrease"
+    assert c.verify[0].signal == "preemptions_per_s" and c.verify[0].expect == "decrease"
+    assert c.as_dict()["verify"][0]["expect"] == "decrease"
 
 
 def test_only_experimental_changes_keep_the_first():

@@ -67,7 +67,7 @@ def test_default_rules_shape():
     rs = loading.load(REPO / "rules" / "default.yaml")
     by_id = {r.id: r for r in rs}
     assert by_id["queue-slot-bound"].adds_load
-    assert by_id["bandwidth-block-size"].experimental and by_id["bandwidth-block-size"].verify is not None
+    assert by_id["bandwidth-block-size"].experimental and by_id["bandwidth-block-size"].verify
     assert not by_id["shrink-context"].enabled  # frees no KV memory in vLLM V1
     assert "shrink-context" not in {r.id for r in rs.enabled}
     assert rs.get("nope") is None
@@ -146,8 +146,11 @@ def test_unknown_flag():
     (with_(cooldown="5 min"), "rules[0] (id: ok).cooldown", "15m"),
     (with_(cooldown=True), "rules[0] (id: ok).cooldown", ""),
     (with_(experimental=True), "rules[0] (id: ok)", "verify"),
-    (with_(experimental=True, verify={"signal": "nope", "expect": "decrease"}), "rules[0] (id: ok).verify.signal",
+    (with_(experimental=True, verify={"signal": "nope", "expect": "decrease"}), "rules[0] (id: ok).verify[0].signal",
      "unknown signal"),
+    (with_(verify=[{"signal": "itl_p99_s", "expect": "no-increase", "min_change": 0.1}]), "rules[0] (id: ok).verify[0]",
+     "takes tolerance"),
+    (with_(verify={"signal": "itl_p99_s", "expect": "better"}), "rules[0] (id: ok).verify[0].expect", "decrease"),
     (with_(engines=["tgi"]), "rules[0] (id: ok).engines[0]", "vllm"),
     (with_(when={"all": [{"flag": "--nope", "op": "==", "value": 1}]}), "rules[0] (id: ok).when.all[0].flag",
      "unknown flag"),

@@ -126,11 +126,13 @@ class Rollout(Protocol):
     """Rolls plans out (apply mode only). ``maintenance_open``: None when no windows are configured.
 
     It must return between its steps once ``should_stop()`` is true (SIGTERM), leaving a consistent
-    state it can resume from.
+    state it can resume from. ``signals``: this cycle's signals of every target, the baseline a
+    rollout's verification compares against.
     """
 
     def __call__(self, plans: Mapping[str, PlanLike], *, now: float, maintenance_open: bool | None,
-                 should_stop: Callable[[], bool]) -> RolloutOutcome: ...
+                 should_stop: Callable[[], bool],
+                 signals: Mapping[str, Mapping[str, Signal]]) -> RolloutOutcome: ...
 
 
 # --- maintenance windows ------------------------------------------------------------------------------
@@ -500,7 +502,8 @@ def run_cycle(
                 state.deferred.pop(name, None)
             try:
                 outcome = rollout({**released, **fresh}, now=now, maintenance_open=window_open,
-                                  should_stop=should_stop)
+                                  should_stop=should_stop,
+                                  signals={name: tr.signals for name, tr in targets.items()})
                 state.rollout_state = dict(outcome.state)
             except Exception as exc:  # the rollout journals its own state; the cycle reports and goes on
                 log.exception("rollout failed")

@@ -117,7 +117,11 @@ class TunerHttpServer:
         if last is None:
             return {**head, "cycle": None, "summary": "no cycle finished yet", "targets": {}, "pending": {},
                     "rollout": dict(self.state.rollout_state) or None}
-        return {**head, **last.status()}
+        body = {**head, **last.status()}
+        live = self.state.rollout_state
+        if live.get("outcome") == "running":  # a rollout in progress (inside a cycle, or resumed at start)
+            body["rollout"] = dict(live)
+        return body
 
     def recommendations(self) -> dict[str, Any]:
         last = self.state.last

@@ -29,9 +29,24 @@ from tuner.rollout.machine import Event, Step
 
 log = logging.getLogger("tuner.rollout")
 
-Verifier = Callable[[base.Replica, machine.Rollout, float], "str | None"]
-"""(replica, rollout, now) → None if the new arguments did no harm, else why they did. The baseline
-is the time before ``rollout.created_at``; the window began at ``rollout.of(name).since``."""
+class Verdict(Protocol):
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def reason(self) -> str: ...
+
+
+class Verifier(Protocol):
+    """Judges a replica after its change (``tuner.daemon.verifying.SignalVerifier`` against the engine).
+    The window begins at ``rollout.of(name).since`` (undrained) and ends at the VERIFY deadline."""
+
+    def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
+        """Called at every poll inside the window (e.g. scrape the engine)."""
+
+    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> Verdict:
+        """At the deadline: did the change hold up against the baseline? ``reason`` says why."""
+
 Confirmer = Callable[[base.Replica, Sequence[str]], "str | None"]
 """(replica, argv) → None if the engine shows these values (e.g. vllm:cache_config_info), else why not."""
 BadArgsHook = Callable[[str, tuple[str, ...], str], None]
@@ -131,6 +146,7 @@ class RolloutDriver:
         confirm: Confirmer | None = None,
         on_bad_args: BadArgsHook | None = None,
         on_tick: Callable[[], None] | None = None,
+        on_transition: Callable[[machine.Rollout], None] | None = None,
         stop_event: threading.Event | None = None,
         clock: Callable[[], float] = time.time,
         max_temporary_failures: int = 3,
@@ -144,6 +160,7 @@ class RolloutDriver:
         self._confirm = confirm
         self._on_bad_args = on_bad_args
         self._on_tick = on_tick
+        self._on_transition = on_transition
         self._stop = stop_event or threading.Event()
         self._clock = clock
         self._max_temporary = max_temporary_failures
@@ -184,6 +201,7 @@ class RolloutDriver:
         )
         self.journal.append("rollout", at=now, **journaling.rollout_fields(rollout))
         log.info("rollout %s: begins for %s", rollout_id, ", ".join(rollout.order))
+        self._transition(rollout)
         return rollout
 
     def recover(self) -> machine.Rollout | None:
@@ -250,7 +268,16 @@ class RolloutDriver:
         self._waits.temporary_failures = 0
         if q.bad_args and not p.bad_args and self._on_bad_args is not None:
             self._on_bad_args(name, rollout.new_argv[name], reason)
+        self._transition(after)
         return after
+
+    def _transition(self, rollout: machine.Rollout) -> None:
+        if self._on_transition is None:
+            return
+        try:
+            self._on_transition(rollout)
+        except Exception:  # a status display must not stop a rollout halfway
+            log.exception("on_transition failed")
 
     def _abort(self, rollout: machine.Rollout, reason: str) -> machine.Rollout:
         self.journal.append("abort", at=self._clock(), rollout_id=rollout.id, reason=reason)
@@ -344,10 +371,21 @@ class RolloutDriver:
                 misses = self._waits.unhealthy_polls[name] = self._waits.unhealthy_polls.get(name, 0) + 1
                 return (Event.CRASHED, f"unhealthy for {misses} probes in a row") if misses >= 3 else None
             self._waits.unhealthy_polls.pop(name, None)
+            if self._verifier is None:
+                return None if now < action.deadline else (Event.VERIFIED, "no verifier configured")
             if now < action.deadline:
+                try:
+                    self._verifier.observe(replica, rollout, now)
+                except Exception:  # a missed sample only thins the window
+                    log.exception("rollout %s: observing %s failed", rollout.id, name)
                 return None
-            why = self._verifier(replica, rollout, now) if self._verifier is not None else None
-            return (Event.FAILED, f"worse than before: {why}") if why else (Event.VERIFIED, "")
+            try:
+                verdict = self._verifier.judge(replica, rollout, now)
+            except Exception as exc:  # cannot judge: the safe side is the old arguments
+                log.exception("rollout %s: verifying %s failed", rollout.id, name)
+                return Event.FAILED, f"the verification itself failed: {type(exc).__name__}: {exc}"
+            return (Event.VERIFIED, verdict.reason) if verdict.ok else \
+                (Event.FAILED, f"worse than before: {verdict.reason}")
         raise AssertionError(f"no handler for step {step}")
 
     def _wait_idle(

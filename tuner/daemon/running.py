@@ -29,14 +29,15 @@ from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
 from tuner.actuators.files import write_atomically
-from tuner.daemon import collecting, cycle, notify, rolling, scheduling, selfmetrics
+from tuner.daemon import collecting, cycle, notify, rolling, scheduling, selfmetrics, verifying
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.model import dialects, knobs
 from tuner.planning import history as history_mod
-from tuner.planning import planner
+from tuner.planning import planner, verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules import loading
+from tuner.signals import Signal
 from tuner.signals import engine as engine_signals
 from tuner.sources import scraping
 
@@ -116,13 +117,37 @@ class Applying:
 
     def __init__(self, settings: config.TunerSettings, state: TunerState, driver: rolling.RolloutDriver,
                  prober: rolling.HttpProber, replicas: Mapping[str, base.Replica],
-                 journal: journaling.Journal, clock: Callable[[], float] = time.time) -> None:
+                 journal: journaling.Journal, clock: Callable[[], float] = time.time,
+                 verifier: verifying.SignalVerifier | None = None) -> None:
         self.settings, self.state, self.driver, self.prober = settings, state, driver, prober
         self.replicas, self.journal, self.clock = replicas, journal, clock
+        self.verifier = verifier
         self._warmed_by_rollout: dict[str, float] = {}  # replica → when our rollout restarted and warmed it
 
+    def recover(self) -> cycle.RolloutOutcome | None:
+        """Finish (or roll back) the rollout a killed tuner left in the journal, judged by the checks and
+        baselines journaled with its decision, and book it like any other. None if there was none."""
+        unfinished = self.driver.recover()
+        if unfinished is None:
+            return None
+        log.warning("resuming %s", machine.describe(unfinished))
+        record = next((r for r in reversed(journaling.decisions(self.journal.records))
+                       if r.get("rollout") == unfinished.id), None)
+        changes: list[history_mod.Change] = []
+        if record is not None:
+            changes = [_change_from(c) for c in record.get("changes", [])]
+            if self.verifier is not None:
+                self.verifier.expect(unfinished.id, baselines=record.get("baselines", {}),
+                                     checks=[verification.Check.from_dict(c) for c in record.get("checks", [])])
+        done = self.driver.run(unfinished)
+        new = {n: knobs.EngineArgs.parse(a) for n, a in done.new_argv.items()}
+        outcome = self.book(done, changes, new)
+        log.warning("%s", outcome.summary)
+        return outcome
+
     def __call__(self, plans: Mapping[str, Any], *, now: float, maintenance_open: bool | None,
-                 should_stop: Callable[[], bool]) -> cycle.RolloutOutcome:
+                 should_stop: Callable[[], bool],
+                 signals: Mapping[str, Mapping[str, Signal]] | None = None) -> cycle.RolloutOutcome:
         notes: list[str] = []
         for name, plan in sorted(plans.items()):  # keep-warm requests (not tied to a restart)
             for action in plan.actions:
@@ -148,8 +173,15 @@ class Applying:
                                             results={name: "skipped"})
             new_args[name] = args
         rollout_id = f"r{int(now)}"
+        checks = verification.checks_of(plan.changes)
+        baselines = {name: verifying.values_of((signals or {}).get(name, {})) for name in new_args}
         self.journal.append("decision", at=now, rollout=rollout_id, target=leader,
-                            changes=[c.as_dict() for c in plan.changes], summary=plan.summary())
+                            changes=[{**c.as_dict(), "knob": c.knob, "direction": c.direction} for c in plan.changes],
+                            summary=plan.summary(), checks=[c.as_dict() for c in checks],
+                            baselines={name: {k: v for k, v in values.items() if v is not None}
+                                       for name, values in baselines.items()})
+        if self.verifier is not None:
+            self.verifier.expect(rollout_id, checks=checks, baselines=baselines)
         rollout = self.driver.begin(rollout_id, {n: a.argv() for n, a in new_args.items()},
                                     limits=self.settings.rollout.limits())
         rollout = self.driver.run(rollout)
@@ -159,6 +191,7 @@ class Applying:
              new_args: Mapping[str, knobs.EngineArgs], notes: Sequence[str] = ()) -> cycle.RolloutOutcome:
         """Record a finished (or interrupted) rollout in the owned args and the planner's history."""
         now = self.clock()
+        reject_for = self.settings.decisions.safety.reject_seconds
         result = machine.outcome(rollout)
         results: dict[str, str] = {}
         for p in rollout.progress:
@@ -174,55 +207,35 @@ class Applying:
                 hist = history_mod.restarted(self.state.histories[name], now=now)
                 why = p.reason or rollout.aborted or "rolled back"
                 hist = history_mod.failed_to_start(hist, bad, reason=why) if p.bad_args else \
-                    history_mod.rejected(hist, bad, reason=why)
+                    history_mod.rejected(hist, bad, reason=why, now=now, for_seconds=reject_for)
                 self.state.histories[name] = hist
                 results[name] = "rolled_back" if p.state is machine.State.ROLLED_BACK else "failed"
         if result is machine.Outcome.ROLLED_BACK:  # one replica failed: the pool stays on the old args
             for name in self.state.histories:
                 if name not in results:
                     bad = knobs.EngineArgs.parse(rollout.new_argv.get(name, ()))
-                    self.state.histories[name] = history_mod.rejected(self.state.histories[name], bad,
-                                                                      reason="rolled back on another replica")
+                    self.state.histories[name] = history_mod.rejected(
+                        self.state.histories[name], bad, reason="rolled back on another replica", now=now,
+                        for_seconds=reject_for)
         self.state.save()
         return cycle.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]), results=results,
                                     state={"id": rollout.id, "outcome": result.value,
                                            "replicas": {p.name: p.state.value for p in rollout.progress}})
 
 
-def verifier_for(prober: rolling.HttpProber, client: httpx.Client) -> rolling.Verifier:
-    """After a restart: the engine must serve without errors or rejections during the verify window.
+def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
+    """A journaled decision's change, back as the value ``history_mod.applied`` books."""
+    def value(text: object) -> knobs.Value:
+        if text in ("true", "false"):
+            return text == "true"
+        number = float(str(text))
+        return int(number) if number.is_integer() else number
 
-    Reads the replica's own counters at the start and end of its verification (the window the machine
-    gives it), so a change that makes the engine reject or error on requests is rolled back.
-    """
-    def errors(replica: base.Replica) -> float | None:
-        snap = scraping.scrape(client, replica.base_url + "/metrics", max_body_bytes=16 << 20)
-        if not snap.ok:
-            return None
-        d = dialects.VLLM
-        bad = engine_signals.counter(snap, d, "request_success",
-                                     lambda lb: lb.get("finished_reason") in ("error", "abort"))
-        rejected = engine_signals.counter(snap, d, "http_requests",
-                                          lambda lb: lb.get("status") in ("4xx", "5xx")
-                                          and lb.get("handler") in d.completion_handlers)
-        return (bad or 0.0) + (rejected or 0.0)
-
-    baselines: dict[tuple[str, str], float | None] = {}
-
-    def verify(replica: base.Replica, rollout: machine.Rollout, now: float) -> str | None:
-        key = (rollout.id, replica.name)
-        current = errors(replica)
-        if current is None:
-            return "the engine's /metrics cannot be read"
-        if key not in baselines:
-            baselines[key] = current
-            return None
-        base_value = baselines[key]
-        if base_value is not None and current > base_value:
-            return f"{current - base_value:.0f} requests errored, aborted or were rejected after the change"
-        return None
-
-    return verify
+    return history_mod.Change(flag=str(data["flag"]), knob=str(data.get("knob", data["flag"])),
+                              from_value=value(data.get("from", 0)), to_value=value(data["to"]),
+                              rule=str(data.get("rule", "?")), reason=str(data.get("reason", "")),
+                              direction=int(data.get("direction", 0)),
+                              experimental=bool(data.get("experimental", False)))
 
 
 def confirm_for(prober: rolling.HttpProber, actuator: base.Actuator) -> rolling.Confirmer:
@@ -271,6 +284,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     stop_event = threading.Event()
     loop_holder: dict[str, scheduling.Loop] = {}
     notifier = notify.Notifier()
+    cstate = cycle.CycleState()
+    startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle
 
     if settings.mode == "apply":
         assert settings.actuator is not None  # validated
@@ -281,34 +296,37 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         journal_path = Path(settings.rollout.journal_file)
         journal = journaling.Journal(journal_path if journal_path.is_absolute() else config_dir / journal_path)
         prober = rolling.HttpProber()
+        verifier = verifying.SignalVerifier(client, kind=settings.targets[0].kind,
+                                            max_body_bytes=http.max_body_bytes)
         driver = rolling.RolloutDriver(
             actuator=actuator, drainer=drainer, prober=prober, journal=journal,
             poll_seconds=settings.rollout.poll_seconds, idle_settle_seconds=settings.rollout.idle_settle_seconds,
             hold_timeout_seconds=settings.rollout.hold_timeout_seconds,
-            verifier=verifier_for(prober, client), confirm=confirm_for(prober, actuator),
+            verifier=verifier, confirm=confirm_for(prober, actuator),
             on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name,
                                                             " ".join(argv), why),
-            on_tick=lambda: _tick(loop_holder, notifier),
+            on_transition=lambda rollout: _show_rollout(cstate, notifier, rollout),
             stop_event=stop_event,
         )
-        applying = Applying(settings, tstate, driver, prober, replicas, journal)
-        # A tuner killed mid-rollout finishes or rolls back that rollout before anything else.
-        unfinished = driver.recover()
-        if unfinished is not None:
-            log.warning("resuming %s", machine.describe(unfinished))
-            notifier.status(f"resuming {machine.describe(unfinished)}")
-            done = driver.run(unfinished)
-            changes: list[history_mod.Change] = []
-            new = {n: knobs.EngineArgs.parse(a) for n, a in done.new_argv.items()}
-            log.warning("%s", applying.book(done, changes, new).summary)
-        for name in replicas:  # engines the tuner launches itself come up first
-            if actuator.status(name).state is not base.State.RUNNING and isinstance(
-                    settings.actuator, actuator_settings.ProcessActuatorSettings):
-                log.info("starting %s: %s", name, tstate.args[name])
-                actuator.start(name, tstate.args[name].argv())
-        tstate.save()
+        applying = Applying(settings, tstate, driver, prober, replicas, journal, verifier=verifier)
+        process_actuator = isinstance(settings.actuator, actuator_settings.ProcessActuatorSettings)
 
-    cstate = cycle.CycleState()
+        def start_up() -> None:
+            # A tuner killed mid-rollout finishes or rolls back that rollout before anything else. This
+            # runs inside the first cycle, so systemd has READY=1 and watchdog pings meanwhile, and
+            # /healthz and /status answer (/status shows the resumed rollout's progress).
+            assert applying is not None
+            outcome = applying.recover()
+            if outcome is not None:
+                cstate.rollout_state = dict(outcome.state)
+            for name in replicas:  # engines the tuner launches itself come up first
+                if process_actuator and actuator.status(name).state is not base.State.RUNNING:
+                    log.info("starting %s: %s", name, tstate.args[name])
+                    actuator.start(name, tstate.args[name].argv())
+            tstate.save()
+
+        startup.append(start_up)
+
     power = None
     if settings.gpu_control.enabled:  # privileged, off by default
         from tuner.actuators import gpu_power
@@ -319,6 +337,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     def step() -> cycle.CycleResult:
         loop = loop_holder.get("loop")
         should_stop = loop.should_stop if loop is not None else (lambda: False)
+        while startup:
+            startup.pop(0)()
         result = run_one(should_stop)
         if power is not None:
             from tuner.actuators import gpu_power
@@ -366,19 +386,12 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     return 0
 
 
-# While an interrupted rollout is resumed at start-up (before the loop and READY=1), every driver tick
-# pushes systemd's start timeout this far ahead: the resumed rollout may wait minutes for an engine
-# start, and Type=notify's default TimeoutStartSec (90 s) would otherwise kill the tuner mid-rollout.
-# It exceeds the longest single driver step (a stop: stop_timeout_seconds + 10 s; a warm-up: 3 × 30 s).
-RECOVERY_EXTEND_SECONDS = 300.0
-
-
-def _tick(holder: Mapping[str, scheduling.Loop], notifier: notify.Notifier) -> None:
-    loop = holder.get("loop")
-    if loop is not None:
-        loop.notifier.watchdog()
-    else:
-        notifier.send(watchdog=1, extend_timeout_usec=int(RECOVERY_EXTEND_SECONDS * 1e6))
+def _show_rollout(cstate: cycle.CycleState, notifier: notify.Notifier, rollout: machine.Rollout) -> None:
+    """Every transition: /status shows the rollout as it stands, systemd's STATUS= too."""
+    described = machine.describe(rollout)
+    cstate.rollout_state = {"id": rollout.id, "outcome": machine.outcome(rollout).value,
+                            "replicas": {p.name: p.state.value for p in rollout.progress}, "summary": described}
+    notifier.status(described)
 
 
 def configure_logging(*, json_logs: bool, level: str = "INFO") -> None:

@@ -83,6 +83,10 @@ class SafetySettings(_Model):
     """Restarts the tuner may cause per rolling 24 h."""
     max_model_len_margin: float = Field(default=0.10, ge=0)
     """--max-model-len stays ≥ (observed need) × (1 + this)."""
+    reject_seconds: float = Field(default=86400.0, ge=0)
+    """A command line that was rolled back because it did no good (its verification failed, or it
+    started too slowly) is not proposed again for this long. One the engine refused to start with,
+    or crashed on, is never proposed again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +241,8 @@ def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -
 # --- crash memory, cooldown, hysteresis, budget ----------------------------------------------------
 
 
-def crash_memory(args_after: knobs.EngineArgs, history: History) -> Verdict:
-    why = history.is_bad(args_after)
+def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float | None = None) -> Verdict:
+    why = history.is_bad(args_after, now=now)
     if why is not None:
         return deny("crash", f"this command line failed before: {why}")
     return allow("crash")

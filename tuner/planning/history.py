@@ -38,7 +38,7 @@ class Change:
     direction: int  # +1 up / on, -1 down / off
     adds_load: bool = False
     experimental: bool = False
-    verify: Verify | None = None
+    verify: tuple[Verify, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -47,8 +47,8 @@ class Change:
         }
         if self.experimental:
             out["experimental"] = True
-        if self.verify is not None:
-            out["verify"] = self.verify.model_dump()
+        if self.verify:
+            out["verify"] = [v.as_dict() for v in self.verify]
         return out
 
 
@@ -78,8 +78,10 @@ class History:
     restarts: tuple[float, ...] = ()
     """Times of restarts the tuner caused, newest last, the last day only (restart budget)."""
     bad_args: Mapping[Fingerprint, str] = field(default_factory=_frozen)
-    """Crash memory: command lines (``EngineArgs.fingerprint``) that failed to start or were rolled
-    back, with why. Never proposed again."""
+    """Crash memory: command lines (``EngineArgs.fingerprint``) the engine refused to start with or
+    crashed on, with why. Never proposed again."""
+    rejected_args: Mapping[Fingerprint, tuple[float, str]] = field(default_factory=_frozen)
+    """Command lines rolled back because they did no good: fingerprint → (not before, why)."""
     idle_since: float | None = None
     """When the engine was last seen going idle (None: it is busy, or unknown)."""
     last_keep_warm: float | None = None
@@ -90,8 +92,17 @@ class History:
     def restarts_within(self, seconds: float, *, now: float) -> int:
         return sum(1 for t in self.restarts if now - t < seconds)
 
-    def is_bad(self, args: knobs.EngineArgs) -> str | None:
-        return self.bad_args.get(args.fingerprint())
+    def is_bad(self, args: knobs.EngineArgs, *, now: float | None = None) -> str | None:
+        """Why ``args`` must not be proposed (now), or None. ``now`` None: rejections never expire."""
+        fp = args.fingerprint()
+        if fp in self.bad_args:
+            return self.bad_args[fp]
+        if fp in self.rejected_args:
+            until, why = self.rejected_args[fp]
+            if now is None or now < until:
+                left = "" if now is None else f"; not retried for another {until - now:.0f}s"
+                return f"rolled back: {why}{left}"
+        return None
 
 
 def applied(history: History, changes: Iterable[Change], *, now: float) -> History:
@@ -119,9 +130,12 @@ def failed_to_start(history: History, args: knobs.EngineArgs, *, reason: str) ->
     return replace(history, bad_args=_frozen(bad))
 
 
-def rejected(history: History, args: knobs.EngineArgs, *, reason: str) -> History:
-    """An experiment that did not help (rolled back): treated like a failed start."""
-    return failed_to_start(history, args, reason=reason)
+def rejected(history: History, args: knobs.EngineArgs, *, reason: str, now: float, for_seconds: float) -> History:
+    """A change rolled back because it did no good (verification, a slow start): not proposed again
+    before ``now + for_seconds`` (traffic changes; a refused start is ``failed_to_start``, for good)."""
+    rejected = {fp: v for fp, v in history.rejected_args.items() if v[0] > now}  # forget expired ones
+    rejected[args.fingerprint()] = (now + for_seconds, reason)
+    return replace(history, rejected_args=_frozen(rejected))
 
 
 def _recent(times: Iterable[float], *, now: float) -> tuple[float, ...]:
@@ -139,6 +153,8 @@ def to_dict(history: History) -> dict[str, Any]:
                         "to": c.to_value} for k, c in history.changes.items()},
         "restarts": list(history.restarts),
         "bad_args": [{"args": [list(p) for p in fp], "reason": why} for fp, why in history.bad_args.items()],
+        "rejected_args": [{"args": [list(p) for p in fp], "until": until, "reason": why}
+                          for fp, (until, why) in history.rejected_args.items()],
         "idle_since": history.idle_since,
         "last_keep_warm": history.last_keep_warm,
         "last_restart_seen": history.last_restart_seen,
@@ -150,12 +166,15 @@ def from_dict(data: Mapping[str, Any]) -> History:
                for k, c in dict(data.get("changes", {})).items()}
     bad = {tuple((str(a), str(b)) for a, b in entry["args"]): str(entry["reason"])
            for entry in data.get("bad_args", [])}
+    rejected = {tuple((str(a), str(b)) for a, b in entry["args"]): (float(entry["until"]), str(entry["reason"]))
+                for entry in data.get("rejected_args", [])}
     return History(
         cycle=int(data.get("cycle", 0)),
         streaks=_frozen({str(k): int(v) for k, v in dict(data.get("streaks", {})).items()}),
         changes=_frozen(changes),
         restarts=tuple(float(t) for t in data.get("restarts", [])),
         bad_args=_frozen(bad),
+        rejected_args=_frozen(rejected),
         idle_since=data.get("idle_since"),
         last_keep_warm=data.get("last_keep_warm"),
         last_restart_seen=data.get("last_restart_seen"),

@@ -302,7 +302,7 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
                           settings=settings.safety, now=now)
     if p.rule != THERMAL_RULE:  # cooling down beats not flapping
         yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now)
-    yield guards.crash_memory(candidate, history)
+    yield guards.crash_memory(candidate, history, now=now)
     yield guards.engine_constraints(candidate, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
 
 

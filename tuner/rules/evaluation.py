@@ -187,7 +187,7 @@ class Proposal:
     priority: int = 50
     adds_load: bool = False
     experimental: bool = False
-    verify: Verify | None = None
+    verify: tuple[Verify, ...] = ()
     cooldown_seconds: float = 0.0
 
 
@@ -316,7 +316,7 @@ def _proposal(rule: Rule, knob: str, flag: str, old: Value, new: Value, directio
     return Proposal(
         rule=rule.id, knob=knob, flag=flag, from_value=old, to_value=new, direction=direction,
         reason=reason, priority=rule.priority, adds_load=rule.adds_load, experimental=rule.experimental,
-        verify=rule.verify, cooldown_seconds=rule.cooldown.total_seconds(),
+        verify=tuple(rule.verify), cooldown_seconds=rule.cooldown.total_seconds(),
     )
 
 

@@ -284,19 +284,51 @@ class Then(_Model):
 
 
 class Verify(_Model):
-    """How an experimental change is judged after the rollout (the rollout machine reads this)."""
+    """One check of a change, after the rollout: the replica's signals over its verification window
+    against the same signals before the change (the window the rule fired on). A rule may list several;
+    every one must hold, or the replica is rolled back and the rollout stops."""
 
     signal: str
-    """The signal that must move."""
-    expect: Literal["decrease", "increase"]
-    """The direction that counts as better."""
+    """The signal to compare."""
+    expect: Literal["decrease", "increase", "no-increase", "no-decrease"]
+    """``decrease``/``increase``: the change must move the signal this way by at least ``min_change``.
+    ``no-increase``/``no-decrease``: it must not move the other way by more than ``tolerance``."""
     min_change: float = Field(default=0.05, ge=0)
-    """Relative change needed to keep the change (0.05 = 5 %); less is rolled back."""
+    """For decrease/increase: the least relative improvement that counts (0.05 = 5 %)."""
+    tolerance: float = Field(default=0.1, ge=0)
+    """For no-increase/no-decrease: the largest relative worsening accepted (0.1 = 10 %)."""
 
     @field_validator("signal")
     @classmethod
     def _signal(cls, v: str) -> str:
         return _check_signal(v)
+
+    @model_validator(mode="after")
+    def _fields_fit_expect(self) -> Verify:
+        if self.expect in ("decrease", "increase") and "tolerance" in self.model_fields_set:
+            raise ValueError(f"expect {self.expect} takes min_change, not tolerance")
+        if self.expect in ("no-increase", "no-decrease") and "min_change" in self.model_fields_set:
+            raise ValueError(f"expect {self.expect} takes tolerance, not min_change")
+        return self
+
+    def as_dict(self) -> dict[str, object]:
+        """The fields that mean something for ``expect`` (what journals and plans show)."""
+        amount = ("min_change", self.min_change) if self.expect in ("decrease", "increase") else \
+            ("tolerance", self.tolerance)
+        return {"signal": self.signal, "expect": self.expect, amount[0]: amount[1]}
+
+    def describe(self) -> str:
+        if self.expect in ("decrease", "increase"):
+            return f"{self.signal} must {self.expect} by ≥ {self.min_change:.0%}"
+        worse = "rise" if self.expect == "no-increase" else "fall"
+        return f"{self.signal} must not {worse} by > {self.tolerance:.0%}"
+
+
+def _checks(value: Any) -> Any:
+    """``verify:`` takes one check or a list of them."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, dict) else value
 
 
 class Rule(_Model):
@@ -320,14 +352,15 @@ class Rule(_Model):
     experimental: bool = False
     """The effect is not established: the change goes out alone, is verified and rolled back unless
     ``verify`` shows it helped."""
-    verify: Verify | None = None
-    """Required for experimental rules; optional for others."""
+    verify: Annotated[list[Verify], BeforeValidator(_checks)] = []
+    """Checks of the change after the rollout (one mapping or a list); all must hold or the replica is
+    rolled back. Required for experimental rules; optional for others."""
     evidence: str | None = None
     """Where the measured effect is written up, e.g. docs/evidence.md#queue-slot-bound."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Rule:
-        if self.experimental and self.verify is None:
+        if self.experimental and not self.verify:
             raise ValueError("an experimental rule needs `verify: {signal: ..., expect: decrease|increase}`")
         for kind in self.engines:
             if self.then.knob.flag(kind) is None:

@@ -1,0 +1,123 @@
+"""Judging a change after the rollout: the replica's signals over its verification window against the
+same signals before the change. Pure: values in, a verdict with its reasons out.
+
+Two kinds of evidence decide:
+
+- **harm**, always: requests that errored, were aborted or rejected inside the window (counted by the
+  engine itself) fail the change, whatever rule made it;
+- **the rules' own checks** (``verify:`` in the rule file, each one ``decrease``/``increase`` by at
+  least ``min_change`` or ``no-increase``/``no-decrease`` within ``tolerance``). All must hold.
+
+A check that cannot be judged (the signal is missing before or after, e.g. no request finished in the
+window) fails an *experimental* change — it stays only if it is shown to help — and passes any other
+change with the reason said, since its rule's effect is established (docs/evidence.md).
+
+Relative changes are taken against the baseline; a zero baseline cannot decrease, and any rise from
+zero is an unbounded worsening. Quantile signals are bucket bounds, so equal values mean "same bucket".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tuner.rules.schema import Verify
+
+Values = Mapping[str, float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One rule's check, as the rollout carries it."""
+
+    rule: str
+    verify: Verify
+    experimental: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return {"rule": self.rule, "experimental": self.experimental, **self.verify.as_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Check:
+        fields = {k: v for k, v in data.items() if k not in ("rule", "experimental")}
+        return cls(rule=str(data["rule"]), verify=Verify.model_validate(fields),
+                   experimental=bool(data.get("experimental", False)))
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    ok: bool
+    reason: str  # one line: every check's result, the failing ones first
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def checks_of(changes: Iterable[object]) -> tuple[Check, ...]:
+    """The checks of a plan's changes (``history.Change``: ``rule``, ``verify``, ``experimental``)."""
+    out: list[Check] = []
+    for c in changes:
+        for v in getattr(c, "verify", ()) or ():
+            out.append(Check(rule=str(getattr(c, "rule", "?")), verify=v,
+                             experimental=bool(getattr(c, "experimental", False))))
+    return tuple(out)
+
+
+def _fmt(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def _relative(before: float, after: float) -> float:
+    """(after - before) / before; ±inf for a move away from zero, 0 for 0 → 0."""
+    if before == 0:
+        return 0.0 if after == 0 else math.copysign(math.inf, after)
+    return (after - before) / abs(before)
+
+
+def judge_check(check: Check, before: float | None, after: float | None,
+                why_missing: str | None = None) -> tuple[bool, str]:
+    v = check.verify
+    name = f"{v.signal} ({check.rule})"
+    if before is None or after is None:
+        which = "before the change" if before is None else "in the verification window"
+        text = f"{name}: no value {which}" + (f" ({why_missing})" if why_missing else "")
+        if check.experimental:
+            return False, f"{text}; an experimental change stays only if shown to help"
+        return True, f"{text}; not judged"
+    rel = _relative(before, after)
+    move = f"{_fmt(before)} → {_fmt(after)}" + (f" ({rel:+.0%})" if math.isfinite(rel) else "")
+    slack = 1e-9  # 1.0 → 1.1 is a 10 % rise, whatever binary floating point says
+    if v.expect == "decrease":
+        ok = -rel >= v.min_change - slack and after < before
+    elif v.expect == "increase":
+        ok = rel >= v.min_change - slack and after > before
+    elif v.expect == "no-increase":
+        ok = rel <= v.tolerance + slack
+    else:
+        ok = -rel <= v.tolerance + slack
+    return ok, f"{name} {move}: {'ok' if ok else 'failed'}, {v.describe()}"
+
+
+def judge(checks: Sequence[Check], before: Values, after: Values, *, errors: float | None,
+          why_missing: Mapping[str, str] | None = None) -> Verdict:
+    """The verdict on one replica. ``errors``: requests errored/aborted/rejected inside the window
+    (None: the engine's counters could not be read — then only the checks decide)."""
+    failed: list[str] = []
+    passed: list[str] = []
+    if errors is not None and errors > 0:
+        failed.append(f"{errors:.0f} requests errored, aborted or were rejected in the verification window")
+    for check in checks:
+        name = check.verify.signal
+        ok, text = judge_check(check, before.get(name), after.get(name), (why_missing or {}).get(name))
+        (passed if ok else failed).append(text)
+    if errors is None:
+        passed.append("error counters unreadable")
+    elif errors == 0:
+        passed.append("no request errored, aborted or was rejected")
+    parts = failed + passed
+    return Verdict(ok=not failed, reason="; ".join(parts))
