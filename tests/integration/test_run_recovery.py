@@ -1,0 +1,136 @@
+"""`vllm-tuner run` killed with SIGKILL mid-rollout and started again, on two simulated replicas (the
+demo's: process actuator, the simulator's drain hook, rules/default.yaml).
+
+The restarted daemon resumes the rollout inside its first cycle: systemd hears READY=1 (over a real
+NOTIFY_SOCKET datagram socket) and watchdog pings while it runs, /healthz answers 200 and /status shows
+the resumed rollout's progress; the resumed replica is judged against the baseline journaled with the
+decision, and the rollout ends with both replicas on the new arguments. The e2e tier does the same on
+real vLLM (tests/e2e/test_rollout_live.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.support.nginx import free_port
+from tuner import cli_demo
+from tuner.rollout import journal
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_tuner(cfg: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(cfg)], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(what, timeout: float, *, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what.__doc__ or what}")
+
+
+def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tmp_path: Path) -> None:
+    cfg_path = cli_demo.live_config(tmp_path)
+    cfg = yaml.safe_load(cfg_path.read_text())
+    port = free_port()
+    cfg["daemon"]["listen_port"] = port
+    cfg_path.write_text(json.dumps(cfg))
+    jpath = Path(cfg["rollout"]["journal_file"])
+    log = tmp_path / "tuner.log"
+    first = start_tuner(cfg_path, log)
+    notify_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    sock.settimeout(0.2)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        def a_verifying() -> bool:
+            """sim-a in its verification window"""
+            return any(e.get("replica") == "sim-a" and e.get("to") == "verifying" for e in events(jpath))
+
+        wait_for(a_verifying, 150)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        killed_at = len(events(jpath))
+        decision = next(e for e in events(jpath) if e["kind"] == "decision")
+        assert decision["checks"][0]["signal"] == "queue_time_mean_s"  # journaled for the restarted tuner
+        assert decision["baselines"]["sim-a"]["queue_time_mean_s"] > 0
+
+        second = start_tuner(cfg_path, log, env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "4000000"})
+        heard: list[str] = []
+
+        def ready() -> bool:
+            """READY=1 on the notify socket"""
+            try:
+                heard.append(sock.recv(4096).decode())
+            except TimeoutError:
+                pass
+            return any("READY=1" in m for m in heard)
+
+        wait_for(ready, 30, every=0)
+        # READY went out while the rollout was still being resumed: the journal has not finished it
+        assert journal.unfinished(journal.Journal(jpath, fsync=False).records) is not None
+
+        def status_shows_the_resumed_rollout() -> dict | None:
+            """/status showing the rollout running"""
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/status", timeout=2).json()
+            except httpx.HTTPError:
+                return None
+            return body if (body.get("rollout") or {}).get("outcome") == "running" else None
+
+        status = wait_for(status_shows_the_resumed_rollout, 20)
+        assert status["rollout"]["id"] == decision["rollout"]
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        assert health.status_code == 200, health.text
+
+        def finished() -> list[dict]:
+            """the resumed rollout's last replica verified"""
+            return [e for e in events(jpath)[killed_at:] if e.get("replica") == "sim-b" and e.get("to") == "done"]
+
+        wait_for(finished, 150)
+        resumed = events(jpath)[killed_at:]
+        assert resumed[0]["event"] == "interrupted" and resumed[0]["replica"] == "sim-a"
+        verified_a = next(e for e in resumed if e.get("replica") == "sim-a" and e.get("to") == "done")
+        assert "queue_time_mean_s (queue-slot-bound)" in verified_a["reason"]  # judged by the journaled baseline
+        assert "no baseline known" not in verified_a["reason"]
+        for _ in range(50):  # watchdog pings kept coming during the resumed rollout
+            ready()
+        assert sum("WATCHDOG=1" in m for m in heard) >= 2, heard
+        state = wait_for(lambda: json.loads((tmp_path / "state.json").read_text()), 10)
+        for name in ("sim-a", "sim-b"):
+            args = state["targets"][name]["args"]
+            assert args[args.index("--max-num-seqs") + 1] == "16"
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        cli_demo._stop_engines(tmp_path)
+        sock.close()
