@@ -10,6 +10,7 @@ real vLLM (tests/e2e/test_rollout_live.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,10 +85,8 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
 
         def ready() -> bool:
             """READY=1 on the notify socket"""
-            try:
+            with contextlib.suppress(TimeoutError):
                 heard.append(sock.recv(4096).decode())
-            except TimeoutError:
-                pass
             return any("READY=1" in m for m in heard)
 
         wait_for(ready, 30, every=0)
