@@ -137,7 +137,7 @@ def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
 
         def make_systemd() -> base.Actuator:
             return systemd.SystemdActuator(replicas, env_dir=sd.shared_dir / "env", systemctl=sd.systemctl_prefix,
-                                           poll_seconds=0.1)
+                                           poll_seconds=0.1, proc_root=sd.root / "proc")
         w = World("systemd", make_systemd(), make_systemd, ports)
     yield w
     for name in names:
@@ -260,6 +260,44 @@ def test_a_restarted_tuner_knows_what_each_replica_runs(world: World) -> None:
     # In-process only: let the old instance notice its child is gone (a dead tuner has no Popen left).
     assert world.actuator.status(a).state is not base.State.RUNNING
     world.actuator = again
+
+
+def test_adopt_starts_a_replica_never_started_and_leaves_a_running_one_alone(world: World) -> None:
+    a, _ = world.ports
+    first = world.argv(a, "--max-num-seqs", "8")
+    status = world.actuator.adopt(a, first)  # what a tuner does at start for every replica
+    assert (status.state, status.argv) == (base.State.RUNNING, tuple(first))
+    if world.serves_http:
+        assert world.live_argv(a) == first
+    again = world.reopen()
+    status = again.adopt(a, world.argv(a, "--max-num-seqs", "16"))  # the tuner now believes otherwise
+    assert (status.state, status.argv) == (base.State.RUNNING, tuple(first))  # what runs is what counts
+
+
+def test_systemd_adopts_a_hand_written_environment_file_only_if_the_engine_runs_those_arguments(
+        private_systemd: systemd_support.PrivateSystemd, tmp_path: Path) -> None:
+    sd = private_systemd
+    n = next(_names)
+    name, port = f"t{n}h", nginx_support.free_port()
+    env_dir = sd.shared_dir / "env"
+    env_dir.mkdir(exist_ok=True)
+    act = systemd.SystemdActuator([base.Replica(name, f"http://127.0.0.1:{port}")], env_dir=env_dir,
+                                  systemctl=sd.systemctl_prefix, poll_seconds=0.1, proc_root=sd.root / "proc")
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--model", "stub", "--max-num-seqs", "8"]
+    # An operator's own file, written the way the unit's comment shows, without the tuner's argv line.
+    (env_dir / f"{name}.env").write_text("VLLM_ARGS=" + " ".join(argv) + "\n")
+    sd.systemctl("start", f"vllm@{name}.service")
+    try:
+        status = act.status(name)
+        assert status.state is base.State.RUNNING and status.argv is None  # unknown: rollouts refused
+        other = act.adopt(name, [*argv[:-1], "16"])  # the config says otherwise: left alone, said why
+        assert other.argv is None and "rollouts of" in other.detail and "--max-num-seqs 8" in other.detail
+        assert act.written_argv(name) is None
+        adopted = act.adopt(name, argv)  # the config says what runs: the tuner takes the file over
+        assert adopted.argv == tuple(argv) and act.written_argv(name) == tuple(argv)
+        assert adopted.pid == status.pid  # nothing was restarted
+    finally:
+        act.stop(name, timeout_seconds=5)
 
 
 # --- drainers: one suite over nginx (real), command, http (a real local server), fake ----------------

@@ -137,26 +137,26 @@ def sd_pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         sd.systemctl("daemon-reload")
         pool = SystemdPool(work, vllm_ready, ports, sd, env_dir, lb, listen_port=nginx_support.free_port())
         try:
-            # The installer's part: each replica's first EnvironmentFile and start, written the way the
-            # tuner writes them (the actuator's own start()), so the tuner knows what runs.
-            first = pool.actuator()
-            for n in NAMES:
-                first.start(n, pool.args(n))
-            live.wait_for(lambda: all(live.healthy(r.base_url) for r in pool.replicas()), 600,
-                          "both vllm@ units to serve", poll=2, detail=pool.diagnostics)
             rules = live.rules_file(work / "rules.yaml", [live.QUEUE_RULE])
             config = live.tuner_config(
                 work, targets={n: pool.args(n) for n in NAMES}, ports=ports, rules=rules,
                 listen_port=pool.listen_port, timing=TIMING,
                 actuator={"kind": "systemd", "env_dir": str(env_dir), "systemctl": sd.systemctl_prefix,
-                          "command_timeout_seconds": 60},
+                          "command_timeout_seconds": 60, "proc_root": str(sd.root / "proc")},
                 drain={"kind": "nginx", "upstream_file": str(lb.upstream_file), "nginx": lb.command,
                        "servers": {n: f"127.0.0.1:{p}" for n, p in ports.items()}, "parameters": "max_fails=0",
                        "settle_seconds": 1},
             )
             config_path = live.write_config(work / "config.yaml", config)
+            # No EnvironmentFile exists yet: the tuner writes each replica's first one from targets[].args
+            # and starts the unit itself (SystemdActuator.adopt), so it knows what runs from the start.
+            assert not any(env_dir.iterdir())
             pool.tuner = live.TunerProcess(config_path, listen_port=pool.listen_port,
                                            log_path=work / "tuner.log").start()
+            live.wait_for(lambda: all(live.healthy(r.base_url) for r in pool.replicas()), 600,
+                          "both vllm@ units, started by the tuner, to serve", poll=2, detail=pool.diagnostics)
+            for n in NAMES:
+                assert pool.actuator().written_argv(n) == tuple(pool.args(n))
             yield pool
         finally:
             if pool.tuner is not None:

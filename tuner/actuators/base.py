@@ -59,6 +59,17 @@ class Actuator(Protocol):
         else raises ``PermanentActuatorError`` (stop it first: arguments change only by a restart).
         """
 
+    def adopt(self, name: str, argv: Sequence[str]) -> ReplicaStatus:
+        """At tuner start: take the replica over, ``argv`` being what the tuner believes it should run
+        (the configuration's arguments, or what the last rollout left).
+
+        A replica this actuator never started (no pid file, no EnvironmentFile, …) is started with
+        ``argv``. One running arguments the actuator cannot read back is recorded as running ``argv`` if
+        its live command line ends with exactly ``argv``. Anything else is left as it is. Returns the
+        status after: ``argv`` None means unknown arguments (rollouts of it are refused), with ``detail``
+        saying why and what to do.
+        """
+
     def stop(self, name: str, *, timeout_seconds: float) -> ReplicaStatus:
         """SIGTERM (or the platform's equivalent), then SIGKILL after ``timeout_seconds``; returns once
         the replica is gone (STOPPED, ``detail`` says whether it had to be killed). Idempotent.

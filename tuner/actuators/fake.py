@@ -64,6 +64,12 @@ class FakeActuator:
             else:
                 self._status[name] = base.ReplicaStatus(name, base.State.RUNNING, next(self._pids), tuple(argv))
 
+    def adopt(self, name: str, argv: Sequence[str]) -> base.ReplicaStatus:
+        self._check(name)
+        if self._status[name].state is base.State.STOPPED and not self._status[name].detail:  # never started
+            self.start(name, argv)
+        return self.status(name)
+
     def stop(self, name: str, *, timeout_seconds: float) -> base.ReplicaStatus:
         self._check(name)
         with self._lock:

@@ -165,6 +165,15 @@ class ProcessActuator:
             self._forget(name, last)
             return last
 
+    def adopt(self, name: str, argv: Sequence[str]) -> base.ReplicaStatus:
+        """The tuner is the supervisor: an engine not running (no live process behind its pid file) is
+        started with ``argv``; a running one was re-adopted from its pid file with its own argv."""
+        self._check(name)
+        with self._locks[name]:
+            if self.status(name).state is not base.State.RUNNING:
+                self.start(name, argv)
+            return self.status(name)
+
     def start(self, name: str, argv: Sequence[str]) -> None:
         self._check(name)
         argv = tuple(argv)

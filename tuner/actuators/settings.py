@@ -58,6 +58,9 @@ class SystemdActuatorSettings(_Model):
     not root, or ["systemctl", "--user"]."""
     command_timeout_seconds: float = Field(default=30.0, gt=0)
     """Upper bound on each systemctl call (a `start` returns once the engine process is exec'd)."""
+    proc_root: str = "/proc"
+    """Where the units' processes (MainPID) are seen, to read a running engine's command line when its
+    EnvironmentFile was not written by the tuner. /proc unless systemd runs in another pid namespace."""
 
 
 ActuatorSettings = Annotated[ProcessActuatorSettings | SystemdActuatorSettings, Field(discriminator="kind")]
@@ -172,6 +175,7 @@ def build_actuator(
     return systemd.SystemdActuator(
         replicas, unit=settings.unit, env_dir=settings.env_dir, variable=settings.variable,
         systemctl=settings.systemctl, command_timeout_seconds=settings.command_timeout_seconds,
+        proc_root=settings.proc_root,
     )
 
 

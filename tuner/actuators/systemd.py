@@ -68,6 +68,7 @@ class SystemdActuator:
         variable: str = "VLLM_ARGS",
         systemctl: Sequence[str] = ("systemctl",),
         command_timeout_seconds: float = 30.0,
+        proc_root: str | os.PathLike[str] = "/proc",
         poll_seconds: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -80,6 +81,7 @@ class SystemdActuator:
         self._poll = poll_seconds
         self._clock = clock
         self._locks = {r.name: threading.RLock() for r in self._replicas}
+        self._proc_root = Path(proc_root)
 
     def unit(self, name: str) -> str:
         if name not in self._locks:
@@ -169,6 +171,44 @@ class SystemdActuator:
             self.env_dir.mkdir(parents=True, exist_ok=True)
             files.write_atomically(self.env_path(name), content, mode=0o640)
             self._run("start", unit)
+
+    def cmdline(self, pid: int) -> tuple[str, ...] | None:
+        """The live command line of the unit's main process (``<proc_root>/<MainPID>/cmdline``)."""
+        try:
+            raw = (self._proc_root / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            return None
+        return tuple(a.decode("utf-8", "surrogateescape") for a in raw.split(b"\0")[:-1]) or None
+
+    def adopt(self, name: str, argv: Sequence[str]) -> base.ReplicaStatus:
+        """No EnvironmentFile yet: the first start (write it, start the unit). A file the tuner did not
+        write (no ``# argv:`` line) under a running unit: rewritten in the tuner's form if the engine's
+        command line ends with exactly ``argv`` — what runs is then known — else left alone and
+        reported. A unit that is stopped or failed with an existing file is left to its owner."""
+        unit, argv = self.unit(name), tuple(argv)
+        with self._locks[name]:
+            if not self.env_path(name).exists():
+                current = self.status(name)
+                if current.state is not base.State.RUNNING:
+                    self.start(name, argv)
+                    return self.status(name)
+            elif self.written_argv(name) is not None:
+                return self.status(name)
+            current = self.status(name)
+            if current.state is not base.State.RUNNING or current.pid is None:
+                return current
+            live = self.cmdline(current.pid)
+            if live is not None and argv and live[-len(argv):] == argv:
+                self.env_dir.mkdir(parents=True, exist_ok=True)
+                files.write_atomically(self.env_path(name), environment_file(self._variable, argv).encode("utf-8"),
+                                       mode=0o640)
+                return self.status(name)
+            shown = " ".join(live) if live is not None else f"unreadable ({self._proc_root}/{current.pid}/cmdline)"
+            return base.ReplicaStatus(name, current.state, current.pid, None, (
+                f"{unit} runs arguments vllm-tuner did not write ({self.env_path(name)} has no "
+                f"'{_ARGV_MARK.strip()}' line) and its command line [{shown}] does not end with the configured "
+                f"arguments [{' '.join(argv)}]: rollouts of {name} are refused. Make targets[].args say what "
+                f"runs, or stop the unit and remove the file so that the tuner starts it"))
 
     def stop(self, name: str, *, timeout_seconds: float) -> base.ReplicaStatus:
         unit = self.unit(name)

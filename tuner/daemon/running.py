@@ -309,7 +309,6 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             stop_event=stop_event,
         )
         applying = Applying(settings, tstate, driver, prober, replicas, journal, verifier=verifier)
-        process_actuator = isinstance(settings.actuator, actuator_settings.ProcessActuatorSettings)
 
         def start_up() -> None:
             # A tuner killed mid-rollout finishes or rolls back that rollout before anything else. This
@@ -319,10 +318,16 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             outcome = applying.recover()
             if outcome is not None:
                 cstate.rollout_state = dict(outcome.state)
-            for name in replicas:  # engines the tuner launches itself come up first
-                if process_actuator and actuator.status(name).state is not base.State.RUNNING:
-                    log.info("starting %s: %s", name, tstate.args[name])
-                    actuator.start(name, tstate.args[name].argv())
+            for name in replicas:  # take every replica over: start what was never started, learn what runs
+                before = actuator.status(name)
+                after = actuator.adopt(name, tstate.args[name].argv())
+                if before.state is not base.State.RUNNING and after.state is base.State.RUNNING:
+                    log.info("started %s: %s", name, tstate.args[name])
+                if after.state is base.State.RUNNING and after.argv is None:
+                    log.warning("%s: %s", name, after.detail)
+                elif after.argv is not None and tuple(after.argv) != tuple(tstate.args[name].argv()):
+                    log.warning("%s runs %s, not the arguments the tuner owns (%s); a rollout rolls back to "
+                                "what runs", name, " ".join(after.argv), tstate.args[name])
             tstate.save()
 
         startup.append(start_up)
