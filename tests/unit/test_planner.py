@@ -294,6 +294,23 @@ def test_keep_warm_after_long_idle_then_not_again_right_away():
     assert not nxt.actions
 
 
+def test_sleep_mode_when_enabled_replaces_keep_warm_and_wakes_for_waiting_requests():
+    sleepy = SETTINGS.model_copy(update={"idle": SETTINGS.idle.model_copy(update={"sleep_after_seconds": 300})})
+    idle = dict(window_seconds=300, request_rate=0, idle_seconds=Signal(300, "no activity in the whole window"),
+                sleep_level=0, requests_waiting=0, requests_running=0)
+    p = run(idle, "", cycles=1, start=10_000, settings=sleepy)
+    (a,) = p.actions
+    assert (a.kind, a.level) == ("sleep", 1) and p.summary().startswith("cycle 1: sleep (level 1) (idle for 5m")
+    asleep = idle | dict(sleep_level=1)
+    p = run(asleep, "", cycles=30, start=10_000, settings=sleepy)
+    assert p.actions == ()  # asleep and quiet: neither sleep again nor keep-warm a sleeping engine
+    p = run(asleep | dict(requests_waiting=2), "", cycles=1, start=20_000, settings=sleepy)
+    assert [a.kind for a in p.actions] == ["wake"]
+    # off (the default): the same idle engine gets keep-warm requests, never a sleep
+    p = run(idle, "", cycles=11, start=10_000)
+    assert [a.kind for a in p.actions] == ["keep-warm"]
+
+
 def test_warm_up_once_after_an_external_restart():
     p = run(BUSY | dict(request_rate=None), "", cycles=1, restarted_at=5000.0)
     assert [(a.kind, a.after_restart) for a in p.actions] == [("warm-up", False)]

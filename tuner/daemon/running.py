@@ -26,7 +26,7 @@ from typing import Any, cast
 import httpx
 
 from tuner import config
-from tuner.actuators import base
+from tuner.actuators import base, sleeping
 from tuner.actuators import settings as actuator_settings
 from tuner.actuators.files import write_atomically
 from tuner.daemon import collecting, cycle, notify, rolling, scheduling, selfmetrics, verifying
@@ -122,6 +122,7 @@ class Applying:
         self.settings, self.state, self.driver, self.prober = settings, state, driver, prober
         self.replicas, self.journal, self.clock = replicas, journal, clock
         self.verifier = verifier
+        self.sleep_control: sleeping.SleepControl | None = None
         self._warmed_by_rollout: dict[str, float] = {}  # replica → when our rollout restarted and warmed it
 
     def recover(self) -> cycle.RolloutOutcome | None:
@@ -149,14 +150,23 @@ class Applying:
                  should_stop: Callable[[], bool],
                  signals: Mapping[str, Mapping[str, Signal]] | None = None) -> cycle.RolloutOutcome:
         notes: list[str] = []
-        for name, plan in sorted(plans.items()):  # keep-warm requests (not tied to a restart)
+        for name, plan in sorted(plans.items()):  # actions not tied to a restart: keep-warm, sleep, wake
             for action in plan.actions:
+                if action.after_restart or name not in self.replicas:
+                    continue
                 recently = self._warmed_by_rollout.get(name)
-                if recently is not None and now - recently < 600:
+                if action.kind in ("keep-warm", "warm-up") and recently is not None and now - recently < 600:
                     continue  # the rollout's WARMING step already warmed the engine it restarted
-                if not action.after_restart and name in self.replicas:
+                if action.kind in ("sleep", "wake"):
+                    control = self.sleep_control or sleeping.SleepControl()
+                    self.sleep_control = control
+                    replica = self.replicas[name]
+                    error = control.sleep(replica, level=action.level or 1) if action.kind == "sleep" \
+                        else control.wake(replica)
+                    self.journal.append("decision", at=now, target=name, action=action.as_dict(), error=error)
+                else:
                     error = self.prober.warm(self.replicas[name], requests=action.requests)
-                    notes.append(f"{name}: {action.kind} ×{action.requests}" + (f" failed: {error}" if error else ""))
+                notes.append(f"{name}: {action.label()}" + (f" failed: {error}" if error else ""))
         wanting = [(name, p) for name, p in sorted(plans.items()) if p.changes]
         if not wanting:
             return cycle.RolloutOutcome(summary="; ".join(notes))

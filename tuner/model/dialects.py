@@ -57,6 +57,7 @@ VLLM = Dialect(
             "cache_info": ("vllm:cache_config_info",),
             "kv_capacity_tokens": (),
             "process_start": ("process_start_time_seconds",),
+            "sleep_state": ("vllm:engine_sleep_state",),
         }
     ),
     completion_handlers=("/v1/completions", "/v1/chat/completions"),

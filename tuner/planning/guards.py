@@ -68,6 +68,16 @@ class IdleSettings(_Model):
     """max_tokens of each keep-warm request."""
     warm_up_after_restart: bool = True
     """Plan a warm-up (keep_warm_requests tiny requests) right after every engine restart."""
+    sleep_after_seconds: float | None = Field(default=None, gt=0)
+    """vLLM sleep mode, OFF by default (None). After this long without any request, put the engine to
+    sleep (``POST /sleep``, freeing its GPU memory), and wake it (``POST /wake_up``) as soon as a request
+    waits on it. Needs an engine started with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``
+    (dev-mode routes: keep the engine's port private) on a GPU; the first request after a sleep waits
+    for the wake-up and the next cycle (``scrape.interval_seconds``). While it is on, keep-warm
+    requests are not sent to a sleeping engine."""
+    sleep_level: Literal[1, 2] = 1
+    """1: weights offloaded to CPU memory, KV cache discarded (fast wake). 2: both discarded (the wake
+    must reload the weights)."""
 
 
 class SafetySettings(_Model):
@@ -104,7 +114,7 @@ def deny(guard: str, reason: str) -> Verdict:
     return Verdict(False, guard, reason)
 
 
-ActionKind = Literal["keep-warm", "warm-up"]
+ActionKind = Literal["keep-warm", "warm-up", "sleep", "wake"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +126,22 @@ class Action:
     requests: int = 10
     max_tokens: int = 1
     after_restart: bool = False  # do it once the restarted engine is healthy
+    level: int | None = None  # sleep: the vLLM sleep level
+
+    def label(self) -> str:
+        """``keep-warm ×10``, ``warm-up ×10 after the restart``, ``sleep (level 1)``, ``wake``."""
+        if self.kind == "sleep":
+            return f"sleep (level {self.level})"
+        if self.kind == "wake":
+            return "wake"
+        return f"{self.kind} ×{self.requests}{' after the restart' if self.after_restart else ''}"
 
     def as_dict(self) -> dict[str, object]:
-        return {"kind": self.kind, "reason": self.reason, "requests": self.requests,
-                "max_tokens": self.max_tokens, "after_restart": self.after_restart}
+        out: dict[str, object] = {"kind": self.kind, "reason": self.reason, "requests": self.requests,
+                                  "max_tokens": self.max_tokens, "after_restart": self.after_restart}
+        if self.level is not None:
+            out["level"] = self.level
+        return out
 
 
 def duration(seconds: float) -> str:
@@ -197,6 +219,25 @@ def keep_warm(signals: SignalSet, history: History, settings: IdleSettings, *, n
         return None
     return Action("keep-warm", f"idle for {duration(quiet)} (keep-warm after {duration(after)})",
                   requests=settings.keep_warm_requests, max_tokens=settings.keep_warm_max_tokens)
+
+
+def sleep_or_wake(signals: SignalSet, settings: IdleSettings, *, now: float, since: float | None) -> Action | None:
+    """vLLM sleep mode (``sleep_after_seconds``; off by default): sleep after a long idle, wake on demand.
+    Reads ``sleep_level`` (vllm:engine_sleep_state); an engine that does not report it is left alone."""
+    after = settings.sleep_after_seconds
+    level = _v(signals, "sleep_level")
+    if after is None or level is None:
+        return None
+    if level > 0:
+        waiting, running = _v(signals, "requests_waiting"), _v(signals, "requests_running")
+        if (waiting or 0) > 0 or (running or 0) > 0:
+            return Action("wake", f"{(waiting or 0) + (running or 0):.0f} requests on a sleeping engine "
+                          f"(sleep level {level:.0f})", requests=0)
+        return None
+    if since is None or now - since < after:
+        return None
+    return Action("sleep", f"idle for {duration(now - since)} (sleep after {duration(after)})", requests=0,
+                  level=settings.sleep_level)
 
 
 def warm_up(settings: IdleSettings, *, reason: str) -> Action | None:

@@ -123,8 +123,7 @@ class Plan:
                                    f"{knobs.format_value(c.to_value)} ({c.rule})" for c in self.changes)
                          + "; restart needed")
         for a in self.actions:
-            parts.append(f"{a.kind} ×{a.requests}{' after the restart' if a.after_restart else ''} "
-                         f"({a.reason})")
+            parts.append(f"{a.label()} ({a.reason})")
         if not parts:
             why = self._main_hold()
             return f"{head} no action ({why})"
@@ -263,10 +262,15 @@ def plan(
         if warm is not None:
             actions.append(replace(warm, after_restart=False))
     else:
-        keep = guards.keep_warm(signals, history, settings.idle, now=now, since=since)
-        if keep is not None:
-            actions.append(keep)
-            last_keep_warm = now
+        nap = guards.sleep_or_wake(signals, settings.idle, now=now, since=since)
+        asleep = (signals["sleep_level"].value or 0) > 0 if "sleep_level" in signals else False
+        if nap is not None:
+            actions.append(nap)
+        elif not (asleep and settings.idle.sleep_after_seconds is not None):  # no keep-warm for a sleeper
+            keep = guards.keep_warm(signals, history, settings.idle, now=now, since=since)
+            if keep is not None:
+                actions.append(keep)
+                last_keep_warm = now
 
     next_history = replace(
         history, cycle=cycle, streaks=_frozen(evaluation.next_streaks(outcomes)), idle_since=since,

@@ -57,6 +57,10 @@ VOCABULARY: Mapping[str, Definition] = {
         "latest value, summed over data-parallel engines"),
     "requests_waiting_max": Definition(
         "requests", "vllm:num_requests_waiting | sglang:num_queue_reqs", "maximum over the window"),
+    "sleep_level": Definition(
+        "level", "vllm:engine_sleep_state{sleep_state}",
+        "latest: 0 awake, 1 weights offloaded (sleep level 1), 2 weights and KV cache discarded (level 2); "
+        "the deepest data-parallel engine"),
     "kv_cache_usage": Definition(
         "ratio 0..1", "vllm:kv_cache_usage_perc (old: vllm:gpu_cache_usage_perc) | sglang:token_usage",
         "latest value; the fullest data-parallel engine"),

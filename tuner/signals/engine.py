@@ -21,7 +21,7 @@ WINDOW_SIGNALS = (
     "e2e_mean_s", "e2e_p95_s", "prompt_tokens_p99", "max_tokens_p99", "idle_seconds", "window_seconds",
 )
 LATEST_SIGNALS = ("requests_running", "requests_waiting", "kv_cache_usage", "prompt_tokens_max",
-                  "max_tokens_max")
+                  "max_tokens_max", "sleep_level")
 CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
                   "gpu_memory_utilization", "max_model_len")
 ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS
@@ -158,7 +158,27 @@ def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
     for signal, concept in (("prompt_tokens_max", "prompt_len"), ("max_tokens_max", "max_tokens")):
         b = buckets(snap, d, concept)
         out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(_absent(d, concept))
+    out["sleep_level"] = _sleep_level(snap, d)
     return out
+
+
+def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
+    """0 awake, 1 weights offloaded, 2 weights and KV cache discarded: the deepest data-parallel engine."""
+    name = _first_present(snap, d.candidates("sleep_state"))
+    if name is None:
+        return missing(_absent(d, "sleep_state"))
+    flags: dict[str, dict[str, float]] = {}
+    for s in snap.samples(name):
+        flags.setdefault(s.labels.get("engine", ""), {})[s.labels.get("sleep_state", "")] = s.value
+    levels = []
+    for states in flags.values():
+        if states.get("discard_all") == 1:
+            levels.append(2)
+        elif states.get("weights_offloaded") == 1 or states.get("awake") == 0:
+            levels.append(1)
+        else:
+            levels.append(0)
+    return Signal(float(max(levels))) if levels else missing(f"{name} has no samples")
 
 
 def _absent(d: dialects.Dialect, concept: str) -> str:
