@@ -104,8 +104,8 @@ def test_experimental_change_goes_out_alone():
     p = run(KV_BOUND, "--max-num-seqs 39 --gpu-memory-utilization 0.2", cycles=5, history=hist, start=10)
     (c,) = p.changes
     assert (c.flag, c.to_value, c.experimental) == ("--gpu-memory-utilization", 0.22, True)
-    assert c.verify[0].signal == "preemptions_per_s" and c.verify[0].expect == "decrease"
-    assert c.as_dict()["verify"][0]["expect"] == "decrease"
+    assert c.verify[0].signal == "requests_running_max" and c.verify[0].expect == "increase"
+    assert c.as_dict()["verify"][0]["expect"] == "increase"
 
 
 def test_only_experimental_changes_keep_the_first():
