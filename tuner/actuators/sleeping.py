@@ -36,8 +36,11 @@ class SleepControl:
         return value if isinstance(value, bool) else None
 
     def sleep(self, replica: base.Replica, *, level: int = 1) -> str | None:
-        """None when the engine sleeps afterwards, else why not."""
-        return self._post(replica, "/sleep", {"level": str(level)}, want=True)
+        """None when the engine sleeps afterwards, else why not. ``mode=keep``: a request that arrived
+        between the idle decision and this call is paused and finished after the wake, never aborted
+        (vLLM's default mode, ``abort``, would fail it). Requests sent while the engine sleeps are
+        queued (``vllm:num_requests_waiting``), which is what wakes it."""
+        return self._post(replica, "/sleep", {"level": str(level), "mode": "keep"}, want=True)
 
     def wake(self, replica: base.Replica) -> str | None:
         """None when the engine is awake afterwards, else why not."""

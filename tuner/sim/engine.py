@@ -52,6 +52,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -149,6 +150,7 @@ class SimConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     shutdown_timeout: float = 30.0
+    enable_sleep_mode: bool = False
     # the simulation
     concurrency: int = 0
     arrival_rate: float = 0.0
@@ -226,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--trust-remote-code", "--enforce-eager", "--disable-log-requests", "--disable-log-stats",
                  "--enable-server-load-tracking", "--async-scheduling"):
         p.add_argument(flag, action="store_true", help="accepted, no effect in the simulation")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="POST /sleep, /wake_up and GET /is_sleeping (with VLLM_SERVER_DEV_MODE=1, as vLLM)")
     sim = p.add_argument_group("simulation (not vLLM flags)")
     sim.add_argument("--sim-concurrency", type=int, default=0, help="closed-loop users (0: none)")
     sim.add_argument("--sim-arrival-rate", type=float, default=0.0, help="Poisson arrivals per second (0: none)")
@@ -303,6 +307,7 @@ def resolve(ns: argparse.Namespace, *, gpu: GpuModel = H200) -> SimConfig:
         enable_chunked_prefill=chunked,
         enable_prefix_caching=True if ns.enable_prefix_caching is None else bool(ns.enable_prefix_caching),
         num_gpu_blocks_override=ns.num_gpu_blocks_override, shutdown_timeout=float(ns.shutdown_timeout),
+        enable_sleep_mode=bool(ns.enable_sleep_mode),
         concurrency=max(0, ns.sim_concurrency), arrival_rate=max(0.0, ns.sim_arrival_rate),
         prompt_tokens=max(1, ns.sim_prompt_tokens), output_tokens=max(1, ns.sim_output_tokens),
         max_tokens=max(1, ns.sim_max_tokens), time_scale=max(1e-3, ns.sim_time_scale),
@@ -375,8 +380,8 @@ class VllmMetrics:
                       "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
                       "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
                       [*names, "sleep_state"], registry=r)
-        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
-            sleep.labels(*lv, state).set(value)
+        self.sleep_state = {state: sleep.labels(*lv, state) for state in ("awake", "weights_offloaded", "discard_all")}
+        self.set_sleep_level(None)
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_queries = counter("vllm:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens.")
@@ -431,6 +436,13 @@ class VllmMetrics:
         start = Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
                       registry=r)
         start.set(started_at)
+
+    def set_sleep_level(self, level: int | None) -> None:
+        """vllm:engine_sleep_state as vLLM sets it: awake = 1 (None: awake), else weights_offloaded (level 1)
+        or discard_all (level 2) = 1; level 0 only pauses the scheduler."""
+        self.sleep_state["awake"].set(1 if level is None else 0)
+        self.sleep_state["weights_offloaded"].set(1 if level == 1 else 0)
+        self.sleep_state["discard_all"].set(1 if level == 2 else 0)
 
 
 # --- the queueing model --------------------------------------------------------------------------------------
@@ -490,7 +502,28 @@ class SimEngine:
         self._next_arrival: float | None = None
         self.steps = 0
         self.finished = 0
+        self.sleep_level: int | None = None  # vLLM sleep mode: None awake; 0 paused; 1/2 also KV discarded
         self._schedule_arrival()
+
+    # -- sleep mode (vLLM's POST /sleep?mode=keep, /wake_up) -------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Pause the scheduler and discard the KV cache (levels 1 and 2). Running requests are kept and
+        recomputed after the wake (vLLM's ``mode=keep``); requests arriving meanwhile wait."""
+        with self.lock:
+            for req in reversed(self.running if level >= 1 else []):
+                self.free_blocks += req.blocks
+                req.blocks, req.computed, req.decoding, req.state = 0, 0, False, "waiting"
+                self.waiting.appendleft(req)
+            if level >= 1:
+                self.running = []
+            self.sleep_level = level
+            self.metrics.set_sleep_level(level)
+            self._publish()
+
+    def wake(self) -> None:
+        with self.lock:
+            self.sleep_level = None
+            self.metrics.set_sleep_level(None)
 
     # -- load -------------------------------------------------------------------------------------
     def set_load(self, *, concurrency: int | None = None, arrival_rate: float | None = None) -> None:
@@ -558,6 +591,11 @@ class SimEngine:
         """
         steps = 0
         with self.lock:
+            if self.sleep_level is not None:  # paused: time passes, nothing is scheduled
+                self._generate_load()
+                self.now = max(self.now, until)
+                self._publish()
+                return 0
             while self.now < until and steps < max_steps:
                 self._generate_load()
                 if not self.running and not self.waiting:
@@ -735,7 +773,7 @@ class SimEngine:
                     "running": len(self.running), "waiting": len(self.waiting), "finished": self.finished,
                     "free_blocks": self.free_blocks, "num_gpu_blocks": self.cfg.num_gpu_blocks,
                     "concurrency": self.concurrency, "arrival_rate": self.arrival_rate,
-                    "drained": self.drained, "accepting": self.accepting}
+                    "drained": self.drained, "accepting": self.accepting, "sleep_level": self.sleep_level}
 
 
 # --- the HTTP server --------------------------------------------------------------------------------------
@@ -779,6 +817,7 @@ class SimServer:
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self.created = int(self.engine.started_at)
+        self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"  # vLLM's dev-mode routes (sleep)
 
     @property
     def port(self) -> int:
@@ -966,6 +1005,8 @@ def _handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
                     return self._json(200, engine.snapshot())
                 status, payload = server.complete(body, chat=path.endswith("chat/completions"))
                 return self._json(status, payload)
+            if path in ("/sleep", "/wake_up", "/is_sleeping") and server.dev_mode:
+                return self._sleep_route(method, path)
             if method == "POST" and path in ("/sim/drain", "/sim/undrain"):
                 with engine.lock:
                     engine.drained = path == "/sim/drain"
@@ -973,6 +1014,28 @@ def _handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
             if path in _ROUTES or path in _UNINSTRUMENTED:
                 return self._json(405, {"detail": "Method Not Allowed"})
             return self._json(404, {"detail": "Not Found"})
+
+        def _sleep_route(self, method: str, path: str) -> int:
+            """vLLM's dev-mode sleep routes (contracts.md §3), present only with VLLM_SERVER_DEV_MODE=1."""
+            query = urllib.parse.parse_qs(self.path.partition("?")[2])
+            if path == "/is_sleeping" and method == "GET":
+                return self._json(200, {"is_sleeping": engine.sleep_level is not None})
+            if method != "POST":
+                return self._json(405, {"detail": "Method Not Allowed"})
+            if not engine.cfg.enable_sleep_mode:
+                return self._json(500, _error("Sleep mode is not enabled (start with --enable-sleep-mode)",
+                                              None, None, code=500))
+            if path == "/wake_up":
+                engine.wake()
+                return self._json(200, {"status": "awake", "tags": None})
+            try:
+                level = int(query.get("level", ["1"])[0])
+            except ValueError:
+                level = -1
+            if level not in (0, 1, 2):
+                return self._json(422, {"detail": "level must be 0, 1 or 2"})
+            engine.sleep(level)
+            return self._json(200, {"status": "sleeping", "level": level})
 
         def _body(self) -> dict[str, Any] | None:
             length = int(self.headers.get("Content-Length") or 0)

