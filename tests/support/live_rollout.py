@@ -93,7 +93,7 @@ QUEUE_RULE = {
     "then": {"flag": "--max-num-seqs", "op": "scale", "factor": 2, "max": 1024,
              "max_from": [{"signal": "kv_cache_max_concurrency"}]},
     # judged per replica after its restart, against the signals the rule fired on (no ITL check: see above)
-    "verify": [{"signal": "queue_time_mean_s", "expect": "decrease", "min_change": 0.1}],
+    "verify": [{"signal": "requests_running_max", "expect": "increase", "min_change": 0.1}],
 }
 
 # A change the tuner's validator lets through but the engine refuses at start-up: the tiny model's
