@@ -6,8 +6,9 @@ Run on the GPU machine (vLLM unpacked into /tmp/site, see /work/shared/gpu/READM
 
 It starts vLLM with ``VLLM_SERVER_DEV_MODE=1 ... --enable-sleep-mode`` and, using ``SleepControl`` for
 every sleep / wake / is_sleeping call and NVML (read-only) for memory, records: the awake state, a level-1
-sleep, one completion sent while asleep (queued, failed or hung?), the wake, a level-2 sleep + wake, and
-what a level-1 sleep does to a request that is in flight. Everything goes to OUT.json.
+sleep, one completion sent while asleep (queued, failed or hung? which /metrics series move? GET /load),
+the wake, a level-2 sleep + wake, and what a level-1 sleep does to a request that is in flight. Everything
+goes to OUT.json (the recorded run: tests/fixtures/gpu/h200-vllm026-sleep-wake.json).
 """
 
 from __future__ import annotations
@@ -32,10 +33,27 @@ BASE = f"http://127.0.0.1:{PORT}"
 GIB = 1024**3
 DEADLINE = time.time() + float(os.environ.get("BUDGET_S", "540"))  # stay inside one 10-minute call
 
-CMD = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
-       "--served-model-name", "m8b", "--load-format", "dummy", "--dtype", "bfloat16",
-       "--max-model-len", "4096", "--gpu-memory-utilization", "0.85", "--port", str(PORT),
-       "--enable-sleep-mode"]
+CMD = [
+    sys.executable,
+    "-m",
+    "vllm.entrypoints.openai.api_server",
+    "--model",
+    MODEL,
+    "--served-model-name",
+    "m8b",
+    "--load-format",
+    "dummy",
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "4096",
+    "--gpu-memory-utilization",
+    "0.85",
+    "--port",
+    str(PORT),
+    "--enable-sleep-mode",
+    "--enable-server-load-tracking",
+]
 
 pynvml.nvmlInit()
 NV = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -72,6 +90,28 @@ def metrics() -> dict:
             if ln.startswith(name + "{") or ln.startswith(name + " "):
                 gauges[name] = float(ln.rsplit(" ", 1)[1])
     return {"t": now(), "sleep_lines": sleep_lines, **gauges}
+
+
+def metric_samples() -> dict[str, str]:
+    """Every sample line of /metrics (no comments, no *_created), keyed by series."""
+    try:
+        text = http.get(BASE + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    res = {}
+    for ln in text.splitlines():
+        if ln and not ln.startswith("#") and "_created" not in ln:
+            k, _, v = ln.rpartition(" ")
+            res[k] = v
+    return res
+
+
+def server_load() -> int | str | None:
+    """GET /load (needs --enable-server-load-tracking): requests in flight at the API server."""
+    try:
+        return http.get(BASE + "/load", timeout=10).json().get("server_load")
+    except (httpx.HTTPError, ValueError) as exc:
+        return repr(exc)
 
 
 def health() -> int | str:
@@ -125,12 +165,19 @@ def in_background(fn, *a, **kw) -> tuple[threading.Thread, dict]:
 
 def main() -> None:
     dest = Path(sys.argv[1])
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
-    out["command"] = "VLLM_SERVER_DEV_MODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 " + " ".join(
-        ["python3"] + CMD[1:])
-    out["gpu"] = {"name": pynvml.nvmlDeviceGetName(NV), "driver": pynvml.nvmlSystemGetDriverVersion(),
-                  "total_bytes": pynvml.nvmlDeviceGetMemoryInfo(NV).total}
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    out["command"] = "VLLM_SERVER_DEV_MODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 " + " ".join(["python3", *CMD[1:]])
+    out["gpu"] = {
+        "name": pynvml.nvmlDeviceGetName(NV),
+        "driver": pynvml.nvmlSystemGetDriverVersion(),
+        "total_bytes": pynvml.nvmlDeviceGetMemoryInfo(NV).total,
+    }
     out["before_server"] = mem()
     log = open("/tmp/vllm_sleep_server.log", "w")
     t_start = time.time()
@@ -147,12 +194,17 @@ def main() -> None:
         out["startup_s"] = round(time.time() - t_start, 1)
         event("healthy", startup_s=out["startup_s"])
         try:
-            import vllm  # noqa: PLC0415
+            import vllm
 
             out["vllm_version"] = vllm.__version__
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             out["vllm_version"] = repr(exc)
-        run_steps(SleepControl(timeout_seconds=300))
+        sent: list = []
+        out["sleepcontrol_requests"] = sent
+        hook = lambda req: sent.append({"t": now(), "method": req.method, "url": str(req.url)})  # noqa: E731
+        run_steps(
+            SleepControl(httpx.Client(timeout=300, event_hooks={"request": [hook]}), timeout_seconds=300)
+        )
     finally:
         proc.terminate()
         try:
@@ -193,17 +245,35 @@ def run_steps(sc: SleepControl) -> None:
     event("slept", ret=s2["return"], dur=s2["duration_s"], mem_gib=s2["memory_after"]["nvml_used_gib"])
 
     # 3. one request while asleep, /metrics every 1 s for ~10 s
+    before = metric_samples()
+    load_before = server_load()
     th, box = in_background(complete, 16, 120)
     samples = []
     for _ in range(10):
         time.sleep(1)
         m = metrics()
-        samples.append({k: m.get(k) for k in ("t", "vllm:num_requests_waiting", "vllm:num_requests_running")}
-                       | {"request_done": "done_t" in box})
-    out["3_request_while_asleep"] = {"samples": samples, "done_before_wake": "done_t" in box,
-                                     "result_before_wake": dict(box)}
-    event("asleep_samples", waiting=[s.get("vllm:num_requests_waiting") for s in samples],
-          done=("done_t" in box))
+        samples.append(
+            {k: m.get(k) for k in ("t", "vllm:num_requests_waiting", "vllm:num_requests_running")}
+            | {"server_load": server_load(), "request_done": "done_t" in box}
+        )
+    after = metric_samples()
+    changed = {
+        k: [before.get(k), after.get(k)]
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    }
+    out["3_request_while_asleep"] = {
+        "samples": samples,
+        "done_before_wake": "done_t" in box,
+        "result_before_wake": dict(box),
+        "server_load_before": load_before,
+        "metrics_series_changed_while_request_pending": changed,
+    }
+    event(
+        "asleep_samples",
+        waiting=[s.get("vllm:num_requests_waiting") for s in samples],
+        done=("done_t" in box),
+    )
 
     # 4. wake
     s4: dict = {"started_t": now()}
@@ -214,11 +284,11 @@ def run_steps(sc: SleepControl) -> None:
     th.join(120)
     s4["background_request"] = dict(box)
     s4["background_request_completed_after_wake_s"] = (
-        round(box["done_t"] - s4["started_t"], 3) if "done_t" in box else None)
+        round(box["done_t"] - s4["started_t"], 3) if "done_t" in box else None
+    )
     s4["completions_after"] = [complete() for _ in range(3)]
     out["4_wake"] = s4
-    event("woke", ret=s4["return"], dur=s4["duration_s"], mem_gib=s4["memory_after"]["nvml_used_gib"],
-          bg=box)
+    event("woke", ret=s4["return"], dur=s4["duration_s"], mem_gib=s4["memory_after"]["nvml_used_gib"], bg=box)
 
     # 5. sleep(level=2) + wake
     if time.time() < DEADLINE - 120:
@@ -234,17 +304,26 @@ def run_steps(sc: SleepControl) -> None:
         s5["completion_after_wake_note"] = "level 2 discards the (dummy) weights: output is meaningless"
         s5["completion_after_wake"] = complete(timeout=60)
         out["5_sleep_level2"] = s5
-        event("level2", s=s5["sleep_duration_s"], w=s5["wake_duration_s"],
-              mem=(s5["memory_after_sleep"]["nvml_used_gib"], s5["memory_after_wake"]["nvml_used_gib"]))
+        event(
+            "level2",
+            s=s5["sleep_duration_s"],
+            w=s5["wake_duration_s"],
+            mem=(s5["memory_after_sleep"]["nvml_used_gib"], s5["memory_after_wake"]["nvml_used_gib"]),
+        )
 
     # 6. (extra) level-1 sleep while a long request is in flight: vLLM's default pause mode is "abort"
     if time.time() < DEADLINE - 90:
-        s6: dict = {"note": "SleepControl.sleep sends no mode, so vLLM 0.26 uses mode=abort"}
+        s6: dict = {
+            "note": "what the sleep does to a request already running (see sleepcontrol_requests "
+            "for the mode SleepControl sent)"
+        }
         th2, box2 = in_background(complete, 1500, 120, True)
         time.sleep(2.0)
         s6["metrics_before_sleep"] = metrics()
         s6["sleep_return"], s6["sleep_duration_s"] = timed(sc.sleep, rep, level=1)
         s6["memory_after_sleep"] = mem()
+        s6["metrics_after_sleep"] = {k: v for k, v in metrics().items() if k != "sleep_lines"}
+        s6["server_load_after_sleep"] = server_load()
         th2.join(20)
         s6["inflight_request"] = dict(box2)
         s6["wake_return"], s6["wake_duration_s"] = timed(sc.wake, rep)

@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -96,7 +97,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for c, snaps in zip(collectors, series, strict=True):
                 live_info = c.engine_info()
                 if info is not None and live_info.max_model_len is None:
-                    live_info = EngineInfo(live_info.model, info.max_model_len, live_info.version, live_info.error)
+                    live_info = dataclasses.replace(live_info, max_model_len=info.max_model_len)
                 gpu_inputs = c.read_gpus()
                 if args.dcgm_metrics:
                     windows.append((c.target.name, c.target.kind, snaps, live_info, readings, gpu_unavailable))

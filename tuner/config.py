@@ -175,6 +175,17 @@ class TunerSettings(_Model):
             problems.append(("actuator", "mode apply needs an `actuator:` section (kind: process or systemd)"))
         problems += [(f"targets[{i}].args", "mode apply needs the engine's current arguments (argv list)")
                      for i, t in enumerate(self.targets) if t.args is None]
+        if self.decisions.idle.sleep_after_seconds is not None:
+            for i, t in enumerate(self.targets):
+                if t.kind != "vllm" or t.args is None:
+                    continue
+                lacking = [f for f in ("--enable-sleep-mode", "--enable-server-load-tracking") if f not in t.args]
+                if lacking:
+                    problems.append((f"targets[{i}].args", (
+                        f"decisions.idle.sleep_after_seconds needs the engine started with {' and '.join(lacking)} "
+                        "(and VLLM_SERVER_DEV_MODE=1 in its environment): without sleep mode it cannot sleep, and "
+                        "without load tracking a request sent to a sleeping engine is never seen, so it is "
+                        "never woken")))
         if len(self.targets) == 1 and self.rollout.allow_downtime and not self.daemon.maintenance_windows:
             problems.append(("daemon.maintenance_windows", "a single replica restarted with allow_downtime takes "
                              "the service down: restarts must be confined to maintenance windows (e.g. "

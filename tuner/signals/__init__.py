@@ -61,6 +61,11 @@ VOCABULARY: Mapping[str, Definition] = {
         "level", "vllm:engine_sleep_state{sleep_state}",
         "latest: 0 awake, 1 weights offloaded (sleep level 1), 2 weights and KV cache discarded (level 2); "
         "the deepest data-parallel engine"),
+    "server_load": Definition(
+        "requests", "vLLM GET /load",
+        "latest: in-flight generation requests counted by the API server (only with "
+        "--enable-server-load-tracking; 0 otherwise). Unlike vllm:num_requests_*, it counts requests sent "
+        "to a sleeping engine"),
     "kv_cache_usage": Definition(
         "ratio 0..1", "vllm:kv_cache_usage_perc (old: vllm:gpu_cache_usage_perc) | sglang:token_usage",
         "latest value; the fullest data-parallel engine"),

@@ -22,9 +22,10 @@ WINDOW_SIGNALS = (
 )
 LATEST_SIGNALS = ("requests_running", "requests_waiting", "kv_cache_usage", "prompt_tokens_max",
                   "max_tokens_max", "sleep_level")
+INFO_SIGNALS = ("server_load",)
 CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
                   "gpu_memory_utilization", "max_model_len")
-ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS
+ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
 
 
 # --- reading one snapshot ---------------------------------------------------------------------
@@ -112,6 +113,10 @@ def compute(
         return {name: missing("no snapshots") for name in ALL_SIGNALS}
 
     out.update(_config_signals(valid[-1] if valid else None, dialect, info))
+    if info is not None and info.server_load is not None:
+        out["server_load"] = Signal(float(info.server_load))
+    else:
+        out["server_load"] = missing("GET /load not read" if info is None else f"GET /load unreadable: {info.error}")
 
     latest = snaps[-1]
     if not latest.ok:

@@ -151,6 +151,7 @@ class SimConfig:
     num_gpu_blocks_override: int | None = None
     shutdown_timeout: float = 30.0
     enable_sleep_mode: bool = False
+    enable_server_load_tracking: bool = False
     # the simulation
     concurrency: int = 0
     arrival_rate: float = 0.0
@@ -226,10 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "--api-key", "--max-num-queued-reqs", "--long-prefill-token-threshold"):
         p.add_argument(flag, help="accepted, no effect in the simulation")
     for flag in ("--trust-remote-code", "--enforce-eager", "--disable-log-requests", "--disable-log-stats",
-                 "--enable-server-load-tracking", "--async-scheduling"):
+                 "--async-scheduling"):
         p.add_argument(flag, action="store_true", help="accepted, no effect in the simulation")
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="POST /sleep, /wake_up and GET /is_sleeping (with VLLM_SERVER_DEV_MODE=1, as vLLM)")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load counts in-flight generation requests (else it stays 0, as vLLM)")
     sim = p.add_argument_group("simulation (not vLLM flags)")
     sim.add_argument("--sim-concurrency", type=int, default=0, help="closed-loop users (0: none)")
     sim.add_argument("--sim-arrival-rate", type=float, default=0.0, help="Poisson arrivals per second (0: none)")
@@ -308,6 +311,7 @@ def resolve(ns: argparse.Namespace, *, gpu: GpuModel = H200) -> SimConfig:
         enable_prefix_caching=True if ns.enable_prefix_caching is None else bool(ns.enable_prefix_caching),
         num_gpu_blocks_override=ns.num_gpu_blocks_override, shutdown_timeout=float(ns.shutdown_timeout),
         enable_sleep_mode=bool(ns.enable_sleep_mode),
+        enable_server_load_tracking=bool(ns.enable_server_load_tracking),
         concurrency=max(0, ns.sim_concurrency), arrival_rate=max(0.0, ns.sim_arrival_rate),
         prompt_tokens=max(1, ns.sim_prompt_tokens), output_tokens=max(1, ns.sim_output_tokens),
         max_tokens=max(1, ns.sim_max_tokens), time_scale=max(1e-3, ns.sim_time_scale),
@@ -517,8 +521,7 @@ class SimEngine:
             if level >= 1:
                 self.running = []
             self.sleep_level = level
-            self.metrics.set_sleep_level(level)
-            self._publish()
+            self.metrics.set_sleep_level(level)  # the request gauges keep their last values (see advance)
 
     def wake(self) -> None:
         with self.lock:
@@ -591,10 +594,9 @@ class SimEngine:
         """
         steps = 0
         with self.lock:
-            if self.sleep_level is not None:  # paused: time passes, nothing is scheduled
-                self._generate_load()
-                self.now = max(self.now, until)
-                self._publish()
+            if self.sleep_level is not None:  # paused: time passes, nothing is scheduled, and the gauges
+                self._generate_load()          # stand still, as vLLM's do (H200, vLLM 0.26: a request sent
+                self.now = max(self.now, until)  # to a sleeping engine left num_requests_* at 0)
                 return 0
             while self.now < until and steps < max_steps:
                 self._generate_load()
@@ -818,6 +820,7 @@ class SimServer:
         self._inflight_lock = threading.Lock()
         self.created = int(self.engine.started_at)
         self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"  # vLLM's dev-mode routes (sleep)
+        self.server_load = 0  # GET /load with --enable-server-load-tracking
 
     @property
     def port(self) -> int:
@@ -918,8 +921,16 @@ class SimServer:
         if not self.engine.accepting:
             return 503, _error("The server is shutting down (SIMULATED engine).", None, None, code=503)
         req = self.engine.submit(prompt_tokens=prompt, max_tokens=max_tokens, output_tokens=output)
-        if not req.done.wait(timeout=3600):
-            return 504, _error("timed out in the SIMULATED engine", None, None, code=504)
+        if cfg.enable_server_load_tracking:
+            with self._inflight_lock:
+                self.server_load += 1
+        try:
+            if not req.done.wait(timeout=3600):
+                return 504, _error("timed out in the SIMULATED engine", None, None, code=504)
+        finally:
+            if cfg.enable_server_load_tracking:
+                with self._inflight_lock:
+                    self.server_load -= 1
         if req.finish_reason == "abort":
             return 500, _error("The request was aborted: the SIMULATED engine shut down.", None, None, code=500)
         text = " ".join(["SIMULATED"] * req.generated)
@@ -987,7 +998,7 @@ def _handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
             if method == "GET" and path == "/version":
                 return self._json(200, {"version": VLLM_VERSION, "simulated": SIM_HEADER_VALUE})
             if method == "GET" and path == "/load":
-                return self._json(200, {"server_load": 0})
+                return self._json(200, {"server_load": server.server_load})
             if method == "GET" and path == "/v1/models":
                 return self._json(200, server.models())
             if method == "GET" and path == "/sim/state":

@@ -25,6 +25,7 @@ def engine_info(client: httpx.Client, base: str, kind: str) -> EngineInfo:
     errors: list[str] = []
     model = version = None
     max_model_len = None
+    server_load = None
     if kind == "vllm":
         try:
             data = _get_json(client, f"{base}/v1/models")
@@ -38,6 +39,11 @@ def engine_info(client: httpx.Client, base: str, kind: str) -> EngineInfo:
             version = str(_get_json(client, f"{base}/version").get("version"))
         except (SourceError, AttributeError) as exc:
             errors.append(f"/version: {exc}")
+        try:  # counted even while the engine sleeps, when its own gauges stand still (H200, vLLM 0.26)
+            load = _get_json(client, f"{base}/load").get("server_load")
+            server_load = int(load) if load is not None else None
+        except (SourceError, AttributeError, TypeError, ValueError) as exc:
+            errors.append(f"/load: {exc}")
     else:
         try:
             data = _get_json(client, f"{base}/get_model_info")
@@ -51,5 +57,5 @@ def engine_info(client: httpx.Client, base: str, kind: str) -> EngineInfo:
             version = data.get("version")
         except (SourceError, AttributeError, TypeError, ValueError) as exc:
             errors.append(f"/get_server_info: {exc}")
-    return EngineInfo(model=model, max_model_len=max_model_len, version=version,
+    return EngineInfo(model=model, max_model_len=max_model_len, version=version, server_load=server_load,
                       error="; ".join(errors) or None)
