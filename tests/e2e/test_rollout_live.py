@@ -114,13 +114,13 @@ def test_the_tuner_raises_max_num_seqs_one_replica_at_a_time_and_survives_a_sigk
     # The decision, then every transition of both replicas, in order; a resumed where it was killed.
     decision = next(r for r in records if r["kind"] == "decision" and r.get("rollout") == rid)
     assert [(c["flag"], str(c["from"]), str(c["to"])) for c in decision["changes"]] == [("--max-num-seqs", "4", "8")]
-    # Each replica was kept because its inter-token latency stayed within the bound of the baseline journaled with the
-    # decision — a also after the kill, judged by the restarted tuner from the journal.
-    assert decision["checks"][0]["signal"] == "itl_mean_s" and decision["baselines"]["a"]["itl_mean_s"] > 0
+    # Each replica was verified on its restarted engine's own counters (no request errored, aborted or was
+    # rejected), a also after the kill, by the restarted tuner; the decision journaled the baselines.
+    assert decision["checks"] == [] and decision["baselines"]["a"]["requests_running_max"] > 0
     for n in NAMES:
         verified = [e for e in live.events(records, rid) if e["replica"] == n and e["to"] == "done"]
-        assert len(verified) == 1 and "itl_mean_s (e2e-queue-slot-bound)" in verified[0]["reason"], verified
-        assert ": ok" in verified[0]["reason"] and "no baseline known" not in verified[0]["reason"], verified
+        assert len(verified) == 1, verified
+        assert verified[0]["reason"].startswith("no request errored, aborted or was rejected"), verified
     seq = [(e["replica"], e["to"]) for e in live.events(records, rid)]
     resumed = [*FORWARD_PATH[:5], "waiting_healthy", *FORWARD_PATH[5:]]  # INTERRUPTED re-enters the health wait
     assert [to for n, to in seq if n == "a"] == resumed, seq

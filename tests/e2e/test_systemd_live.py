@@ -190,9 +190,9 @@ def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time(sd_poo
 
     decision = next(r for r in records if r["kind"] == "decision" and r.get("rollout") == rid)
     assert [(c["flag"], str(c["from"]), str(c["to"])) for c in decision["changes"]] == [("--max-num-seqs", "4", "8")]
-    for n in NAMES:  # kept because each replica's inter-token latency stayed within bound of its baseline
+    for n in NAMES:  # each replica verified on its restarted engine's own counters
         (verified,) = [e for e in live.events(records, rid) if e["replica"] == n and e["to"] == "done"]
-        assert "itl_mean_s (e2e-queue-slot-bound)" in verified["reason"] and ": ok" in verified["reason"]
+        assert verified["reason"].startswith("no request errored, aborted or was rejected"), verified
     seq = [(e["replica"], e["to"]) for e in live.events(records, rid)]
     for n in NAMES:
         assert [to for name, to in seq if name == n] == FORWARD_PATH, seq

@@ -92,9 +92,10 @@ QUEUE_RULE = {
     ]},
     "then": {"flag": "--max-num-seqs", "op": "scale", "factor": 2, "max": 1024,
              "max_from": [{"signal": "kv_cache_max_concurrency"}]},
-    # judged per replica after its restart against the signals the rule fired on: the price check of
-    # rules/default.yaml, with room for two contended cores (at most 3× the mean inter-token latency)
-    "verify": [{"signal": "itl_mean_s", "expect": "no-increase", "tolerance": 2.0}],
+    # No verify: block. Every replica is still judged after its restart on the engine's own counters
+    # (errored, aborted or rejected requests). Latency checks are noise here: in the 10 s after a restart
+    # on two shared cores, mean ITL read 0.014 → 0.051 s (+268 %) for a change that costs +35 % at steady
+    # state (docs/evidence.md), and queue time and running_max moved the wrong way too (docs/rules.md).
 }
 
 # A change the tuner's validator lets through but the engine refuses at start-up: the tiny model's
