@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -67,12 +68,21 @@ def server_load(url: str) -> int:
     return int(httpx.get(url + "/load", timeout=5).json()["server_load"])
 
 
-def test_sleep_control_sleeps_and_wakes_and_a_request_waits_for_the_wake() -> None:
+@contextlib.contextmanager
+def simulated(*, dev_mode: bool) -> Iterator[tuple[base.Replica, SleepControl]]:
     port = free_port()
-    proc = start_sim(port, dev_mode=True)
-    replica = base.Replica("a", f"http://127.0.0.1:{port}")
+    proc = start_sim(port, dev_mode=dev_mode)
     control = SleepControl()
     try:
+        yield base.Replica("a", f"http://127.0.0.1:{port}"), control
+    finally:
+        control.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_sleep_control_sleeps_and_wakes_and_a_request_waits_for_the_wake() -> None:
+    with simulated(dev_mode=True) as (replica, control):
         assert control.is_sleeping(replica) is False
         assert control.sleep(replica, level=1) is None
         assert control.is_sleeping(replica) is True
@@ -92,25 +102,13 @@ def test_sleep_control_sleeps_and_wakes_and_a_request_waits_for_the_wake() -> No
         t.join(30)
         assert result["status"] == 200
         assert control.is_sleeping(replica) is False
-    finally:
-        control.close()
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def test_without_dev_mode_the_routes_are_missing_and_sleep_says_what_to_do() -> None:
-    port = free_port()
-    proc = start_sim(port, dev_mode=False)
-    replica = base.Replica("a", f"http://127.0.0.1:{port}")
-    control = SleepControl()
-    try:
+    with simulated(dev_mode=False) as (replica, control):
         assert control.is_sleeping(replica) is None
         why = control.sleep(replica)
         assert why is not None and "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1" in why
-    finally:
-        control.close()
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def test_the_daemon_puts_an_idle_engine_to_sleep_and_wakes_it_for_a_request(tmp_path: Path) -> None:
