@@ -199,10 +199,16 @@ class Applying:
 
     def book(self, rollout: machine.Rollout, changes: Sequence[history_mod.Change],
              new_args: Mapping[str, knobs.EngineArgs], notes: Sequence[str] = ()) -> cycle.RolloutOutcome:
-        """Record a finished (or interrupted) rollout in the owned args and the planner's history."""
+        """Record a finished rollout in the owned args and the planner's history. An interrupted one (the
+        tuner is stopping) is left to the journal: the next start resumes it and books it then, once."""
         now = self.clock()
         reject_for = self.settings.decisions.safety.reject_seconds
         result = machine.outcome(rollout)
+        if result is machine.Outcome.RUNNING:
+            return cycle.RolloutOutcome(
+                summary="; ".join([*notes, machine.describe(rollout) + " (interrupted: resumed at the next start)"]),
+                state={"id": rollout.id, "outcome": result.value,
+                       "replicas": {p.name: p.state.value for p in rollout.progress}})
         results: dict[str, str] = {}
         for p in rollout.progress:
             name = p.name
