@@ -126,6 +126,9 @@ def test_sleep_mode_is_off_by_default_and_sleeps_after_idle_then_wakes_on_demand
     assert guards.sleep_or_wake(asleep, on, now=5000, since=300) is None  # asleep and quiet: stay asleep
     wake = guards.sleep_or_wake(sig(sleep_level=1, requests_waiting=3, requests_running=0), on, now=5000, since=None)
     assert wake is not None and wake.kind == "wake" and "3 requests on a sleeping engine" in wake.reason
+    # keep-warm requests are not sent to an engine sleep mode put to sleep (they would wait for a wake)
+    assert guards.keep_warm(asleep, History(), on, now=10_000, since=0) is None
+    assert guards.keep_warm(asleep, History(), IDLE, now=10_000, since=0) is not None  # sleep mode off
     # an engine that does not report vllm:engine_sleep_state is never put to sleep
     assert guards.sleep_or_wake(sig(sleep_level=None), on, now=10_000, since=0) is None
 

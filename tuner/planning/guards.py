@@ -209,9 +209,12 @@ def idle_since(signals: SignalSet, history: History, *, now: float) -> float | N
 
 def keep_warm(signals: SignalSet, history: History, settings: IdleSettings, *, now: float,
               since: float | None) -> Action | None:
-    """Tiny requests after a long idle so the first real request does not pay for cold caches."""
+    """Tiny requests after a long idle so the first real request does not pay for cold caches. Not for an
+    engine put to sleep by sleep mode: the requests would only wait for a wake."""
     after = settings.keep_warm_after_seconds
     if after is None or since is None:
+        return None
+    if settings.sleep_after_seconds is not None and (_v(signals, "sleep_level") or 0) > 0:
         return None
     quiet = now - since
     if quiet < after:

@@ -263,14 +263,11 @@ def plan(
             actions.append(replace(warm, after_restart=False))
     else:
         nap = guards.sleep_or_wake(signals, settings.idle, now=now, since=since)
-        asleep = (signals["sleep_level"].value or 0) > 0 if "sleep_level" in signals else False
         if nap is not None:
             actions.append(nap)
-        elif not (asleep and settings.idle.sleep_after_seconds is not None):  # no keep-warm for a sleeper
-            keep = guards.keep_warm(signals, history, settings.idle, now=now, since=since)
-            if keep is not None:
-                actions.append(keep)
-                last_keep_warm = now
+        elif (keep := guards.keep_warm(signals, history, settings.idle, now=now, since=since)) is not None:
+            actions.append(keep)
+            last_keep_warm = now
 
     next_history = replace(
         history, cycle=cycle, streaks=_frozen(evaluation.next_streaks(outcomes)), idle_since=since,
