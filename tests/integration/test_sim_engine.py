@@ -53,6 +53,10 @@ def test_the_real_scraper_and_signals_read_a_queue_bound_engine(queued: sim.SimS
     info = c.engine_info()
     assert all(s.ok for s in window), [s.error for s in window]
     assert info.max_model_len == 4096 and info.version == "0.32.0" and info.model == "SIMULATED-llama-8b"
+    assert info.server_load is None and info.error is None  # GET /load is read only for sleep mode
+    target = config.Target(name="sim-0", metrics_url=f"{queued.base_url}/metrics")
+    loaded = collecting.Collector(target, client=http, max_body_bytes=1 << 24, server_load=True).engine_info()
+    assert loaded.server_load == 0  # the sim counts nothing without --enable-server-load-tracking, like vLLM
     s = engine_signals.compute(window, info=info, min_snapshots=3)
     value: dict[str, Any] = {name: sig.value for name, sig in s.items()}
     # pinned at --max-num-seqs; right after a request finishes its slot is refilled in the next step

@@ -45,8 +45,9 @@ class Collector:
     """Reads every source of one target. Owns no state across cycles except the NVML handle."""
 
     def __init__(self, target: config.Target, *, client: httpx.Client, max_body_bytes: int,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, server_load: bool = False) -> None:
         self.target = target
+        self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
         self.max_body_bytes = max_body_bytes
         self.clock = clock
@@ -59,7 +60,7 @@ class Collector:
                                keep_prefixes=self.dialect.parse_prefixes(), clock=self.clock)
 
     def engine_info(self) -> EngineInfo:
-        return engines.engine_info(self.client, self.base_url, self.target.kind)
+        return engines.engine_info(self.client, self.base_url, self.target.kind, server_load=self.server_load)
 
     def read_gpus(self) -> GpuInputs:
         source = self.target.gpu

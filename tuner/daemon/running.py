@@ -285,7 +285,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     log.info("effective configuration: %s", json.dumps(settings.model_dump(mode="json")))
     http = collecting.http_settings(settings.scrape, config_dir=config_dir)
     client = scraping.make_client(http)
-    collectors = [collecting.Collector(t, client=client, max_body_bytes=http.max_body_bytes)
+    sleep_mode = settings.decisions.idle.sleep_after_seconds is not None
+    collectors = [collecting.Collector(t, client=client, max_body_bytes=http.max_body_bytes, server_load=sleep_mode)
                   for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
     if not state_path.is_absolute():

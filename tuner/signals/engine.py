@@ -116,7 +116,8 @@ def compute(
     if info is not None and info.server_load is not None:
         out["server_load"] = Signal(float(info.server_load))
     else:
-        out["server_load"] = missing("GET /load not read" if info is None else f"GET /load unreadable: {info.error}")
+        why = f": {info.error}" if info is not None and info.error else ""
+        out["server_load"] = missing(f"GET /load not read (sleep mode reads it) or unreadable{why}")
 
     latest = snaps[-1]
     if not latest.ok:

@@ -20,12 +20,13 @@ def _get_json(client: httpx.Client, url: str) -> Any:
         raise SourceError(url, f"not JSON: {text[:80]!r}") from exc
 
 
-def engine_info(client: httpx.Client, base: str, kind: str) -> EngineInfo:
-    """Never raises; what could not be read is None and ``error`` says why."""
+def engine_info(client: httpx.Client, base: str, kind: str, *, server_load: bool = False) -> EngineInfo:
+    """Never raises; what could not be read is None and ``error`` says why. ``server_load``: also read
+    vLLM's ``GET /load`` (only sleep mode needs it)."""
     errors: list[str] = []
     model = version = None
     max_model_len = None
-    server_load = None
+    load_value = None
     if kind == "vllm":
         try:
             data = _get_json(client, f"{base}/v1/models")
@@ -39,11 +40,12 @@ def engine_info(client: httpx.Client, base: str, kind: str) -> EngineInfo:
             version = str(_get_json(client, f"{base}/version").get("version"))
         except (SourceError, AttributeError) as exc:
             errors.append(f"/version: {exc}")
-        try:  # counted even while the engine sleeps, when its own gauges stand still (H200, vLLM 0.26)
-            load = _get_json(client, f"{base}/load").get("server_load")
-            server_load = int(load) if load is not None else None
-        except (SourceError, AttributeError, TypeError, ValueError) as exc:
-            errors.append(f"/load: {exc}")
+        if server_load:  # counted even while the engine sleeps, when its own gauges stand still (H200, vLLM 0.26)
+            try:
+                load = _get_json(client, f"{base}/load").get("server_load")
+                load_value = int(load) if load is not None else None
+            except (SourceError, AttributeError, TypeError, ValueError) as exc:
+                errors.append(f"/load: {exc}")
     else:
         try:
             data = _get_json(client, f"{base}/get_model_info")
@@ -57,5 +59,5 @@ def engine_info(client: httpx.Client, base: str, kind: str) -> EngineInfo:
             version = data.get("version")
         except (SourceError, AttributeError, TypeError, ValueError) as exc:
             errors.append(f"/get_server_info: {exc}")
-    return EngineInfo(model=model, max_model_len=max_model_len, version=version, server_load=server_load,
+    return EngineInfo(model=model, max_model_len=max_model_len, version=version, server_load=load_value,
                       error="; ".join(errors) or None)
