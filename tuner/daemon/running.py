@@ -207,8 +207,7 @@ class Applying:
         if result is machine.Outcome.RUNNING:
             return cycle.RolloutOutcome(
                 summary="; ".join([*notes, machine.describe(rollout) + " (interrupted: resumed at the next start)"]),
-                state={"id": rollout.id, "outcome": result.value,
-                       "replicas": {p.name: p.state.value for p in rollout.progress}})
+                state=_rollout_state(rollout))
         results: dict[str, str] = {}
         for p in rollout.progress:
             name = p.name
@@ -235,20 +234,15 @@ class Applying:
                         for_seconds=reject_for)
         self.state.save()
         return cycle.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]), results=results,
-                                    state={"id": rollout.id, "outcome": result.value,
-                                           "replicas": {p.name: p.state.value for p in rollout.progress}})
+                                    state=_rollout_state(rollout))
 
 
 def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
     """A journaled decision's change, back as the value ``history_mod.applied`` books."""
-    def value(text: object) -> knobs.Value:
-        if text in ("true", "false"):
-            return text == "true"
-        number = float(str(text))
-        return int(number) if number.is_integer() else number
-
-    return history_mod.Change(flag=str(data["flag"]), knob=str(data.get("knob", data["flag"])),
-                              from_value=value(data.get("from", 0)), to_value=value(data["to"]),
+    knob = str(data.get("knob", data["flag"]))
+    return history_mod.Change(flag=str(data["flag"]), knob=knob,
+                              from_value=knobs.parse_value(knob, str(data["from"])),
+                              to_value=knobs.parse_value(knob, str(data["to"])),
                               rule=str(data.get("rule", "?")), reason=str(data.get("reason", "")),
                               direction=int(data.get("direction", 0)),
                               experimental=bool(data.get("experimental", False)))
@@ -410,10 +404,14 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
 
 def _show_rollout(cstate: cycle.CycleState, notifier: notify.Notifier, rollout: machine.Rollout) -> None:
     """Every transition: /status shows the rollout as it stands, systemd's STATUS= too."""
-    described = machine.describe(rollout)
-    cstate.rollout_state = {"id": rollout.id, "outcome": machine.outcome(rollout).value,
-                            "replicas": {p.name: p.state.value for p in rollout.progress}, "summary": described}
-    notifier.status(described)
+    cstate.rollout_state = {**_rollout_state(rollout), "summary": machine.describe(rollout)}
+    notifier.status(cstate.rollout_state["summary"])
+
+
+def _rollout_state(rollout: machine.Rollout) -> dict[str, Any]:
+    """The rollout as /status shows it: id, outcome and each replica's state."""
+    return {"id": rollout.id, "outcome": machine.outcome(rollout).value,
+            "replicas": {p.name: p.state.value for p in rollout.progress}}
 
 
 def configure_logging(*, json_logs: bool, level: str = "INFO") -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -53,11 +53,6 @@ class _Expectation:
     baselines: Mapping[str, Mapping[str, float | None]]  # replica → signal → value before the change
 
 
-@dataclass
-class _Window:
-    snaps: list[snapshots.Snapshot] = field(default_factory=list)
-
-
 class SignalVerifier:
     """``rolling.Verifier`` over real ``/metrics``: ``observe`` at every poll, ``judge`` at the deadline."""
 
@@ -66,28 +61,28 @@ class SignalVerifier:
         self._dialect = dialects.DIALECTS[kind]
         self._max_body = max_body_bytes
         self._expect: dict[str, _Expectation] = {}
-        self._windows: dict[tuple[str, str, float | None], _Window] = {}
+        self._windows: dict[tuple[str, str, float | None], list[snapshots.Snapshot]] = {}
 
     def expect(self, rollout_id: str, *, checks: Sequence[verification.Check],
                baselines: Mapping[str, Mapping[str, float | None]]) -> None:
         """What the rollout ``rollout_id`` must show, and the signals before it."""
         self._expect[rollout_id] = _Expectation(tuple(checks), {k: dict(v) for k, v in baselines.items()})
 
-    def _window(self, replica: base.Replica, rollout: machine.Rollout) -> _Window:
+    def _window(self, replica: base.Replica, rollout: machine.Rollout) -> list[snapshots.Snapshot]:
+        """This replica's scrapes since it entered its (current) verification."""
         key = (rollout.id, replica.name, rollout.of(replica.name).since)
         for stale in [k for k in self._windows if k[:2] == key[:2] and k != key]:
             del self._windows[stale]  # a re-entered verification starts a fresh window
-        return self._windows.setdefault(key, _Window())
+        return self._windows.setdefault(key, [])
 
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
         snap = scraping.scrape(self._client, replica.base_url + "/metrics", max_body_bytes=self._max_body,
                                keep_prefixes=self._dialect.parse_prefixes())
-        self._window(replica, rollout).snaps.append(snap)
+        self._window(replica, rollout).append(snap)
 
     def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:
         self.observe(replica, rollout, now)
-        window = self._window(replica, rollout)
-        good = [s for s in window.snaps if s.ok]
+        good = [s for s in self._window(replica, rollout) if s.ok]
         errors: float | None = None
         if len(good) >= 2:
             first, last = error_count(good[0], self._dialect), error_count(good[-1], self._dialect)

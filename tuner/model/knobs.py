@@ -186,6 +186,11 @@ def format_value(value: Value) -> str:
     return f"{value:.6g}"
 
 
+def parse_value(knob: Knob | str, text: str) -> Value:
+    """``text`` (argv spelling) as the knob's value type; ``knob`` by name or either engine's flag."""
+    return _parse_value(_knob(knob), text)
+
+
 def _parse_value(knob: Knob, text: str) -> Value:
     if knob.type == "int":
         return parse_int(text)

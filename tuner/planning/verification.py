@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from tuner.planning.history import Change
 from tuner.rules.schema import Verify
 
 Values = Mapping[str, float | None]
@@ -50,18 +51,10 @@ class Verdict:
     ok: bool
     reason: str  # one line: every check's result, the failing ones first
 
-    def __str__(self) -> str:
-        return self.reason
 
-
-def checks_of(changes: Iterable[object]) -> tuple[Check, ...]:
-    """The checks of a plan's changes (``history.Change``: ``rule``, ``verify``, ``experimental``)."""
-    out: list[Check] = []
-    for c in changes:
-        for v in getattr(c, "verify", ()) or ():
-            out.append(Check(rule=str(getattr(c, "rule", "?")), verify=v,
-                             experimental=bool(getattr(c, "experimental", False))))
-    return tuple(out)
+def checks_of(changes: Iterable[Change]) -> tuple[Check, ...]:
+    """The checks of a plan's changes."""
+    return tuple(Check(rule=c.rule, verify=v, experimental=c.experimental) for c in changes for v in c.verify)
 
 
 def _fmt(value: float) -> str:
