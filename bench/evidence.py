@@ -174,6 +174,9 @@ CLIENT_COLS = (
     "itl_median",
     "itl_p99",
 )
+# What the decode-latency experiments show: the client's view, then the tail and the big prefill steps.
+LATENCY_COLS = (*CLIENT_COLS, "running_max", "kv_max", "itl_mean_s", "itl_p95_s", "itl_p99_s", "itl_over_1s",
+                "big_steps")
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
@@ -279,16 +282,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                     LATENCY_LOAD,
                 ),
             ],
-            (
-                *CLIENT_COLS,
-                "running_max",
-                "kv_max",
-                "itl_mean_s",
-                "itl_p95_s",
-                "itl_p99_s",
-                "itl_over_1s",
-                "big_steps",
-            ),
+            LATENCY_COLS,
         ),
         Experiment(
             "decode-latency-batched-tokens",
@@ -312,16 +306,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                     LATENCY_LOAD,
                 ),
             ],
-            (
-                *CLIENT_COLS,
-                "running_max",
-                "kv_max",
-                "itl_mean_s",
-                "itl_p95_s",
-                "itl_p99_s",
-                "itl_over_1s",
-                "big_steps",
-            ),
+            LATENCY_COLS,
         ),
         Experiment(
             "bandwidth-block-size",
