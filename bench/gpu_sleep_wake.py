@@ -1,10 +1,10 @@
-"""Prove tuner/actuators/sleeping.py (``SleepControl``) against REAL vLLM on a REAL GPU.
+"""Prove the engine client's sleep mode calls (``tuner.sources.engines.EngineClient``) against REAL vLLM on a REAL GPU.
 
 Run on the GPU machine (vLLM unpacked into /tmp/site, see /work/shared/gpu/README.md), from the repo root:
 
     PYTHONPATH=/tmp/site:. VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/gpu_sleep_wake.py OUT.json
 
-It starts vLLM with ``VLLM_SERVER_DEV_MODE=1 ... --enable-sleep-mode`` and, using ``SleepControl`` for
+It starts vLLM with ``VLLM_SERVER_DEV_MODE=1 ... --enable-sleep-mode`` and, using ``EngineClient`` for
 every sleep / wake / is_sleeping call and NVML (read-only) for memory, records: the awake state, a level-1
 sleep, one completion sent while asleep (queued, failed or hung? which /metrics series move? GET /load),
 the wake, a level-2 sleep + wake, and what a level-1 sleep does to a request that is in flight. Everything
@@ -24,8 +24,7 @@ from pathlib import Path
 import httpx
 import pynvml
 
-from tuner.actuators.base import Replica
-from tuner.actuators.sleeping import SleepControl
+from tuner.sources.engines import EngineClient
 
 MODEL = os.environ.get("MODEL", "/tmp/parts/model")
 PORT = 8000
@@ -199,12 +198,8 @@ def main() -> None:
             out["vllm_version"] = vllm.__version__
         except Exception as exc:
             out["vllm_version"] = repr(exc)
-        sent: list = []
-        out["sleepcontrol_requests"] = sent
-        hook = lambda req: sent.append({"t": now(), "method": req.method, "url": str(req.url)})  # noqa: E731
-        run_steps(
-            SleepControl(httpx.Client(timeout=300, event_hooks={"request": [hook]}), timeout_seconds=300)
-        )
+        with EngineClient(sleep_timeout_seconds=300) as client:
+            run_steps(client)
     finally:
         proc.terminate()
         try:
@@ -220,8 +215,8 @@ def main() -> None:
         print("wrote", dest, flush=True)
 
 
-def run_steps(sc: SleepControl) -> None:
-    rep = Replica("gpu0", BASE)
+def run_steps(sc: EngineClient) -> None:
+    rep = BASE
 
     # 1. awake
     s1: dict = {"memory": mem(), "metrics": metrics(), "health": health()}
@@ -315,7 +310,7 @@ def run_steps(sc: SleepControl) -> None:
     if time.time() < DEADLINE - 90:
         s6: dict = {
             "note": "what the sleep does to a request already running (see sleepcontrol_requests "
-            "for the mode SleepControl sent)"
+            "for the mode the engine client sent)"
         }
         th2, box2 = in_background(complete, 1500, 120, True)
         time.sleep(2.0)

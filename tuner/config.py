@@ -7,6 +7,7 @@ the field path and what was expected.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tuner.actuators import settings as actuator_settings
 from tuner.errors import ConfigError
+from tuner.planning import stepping
 from tuner.planning.planner import DecisionSettings
 from tuner.rules import loading
 
@@ -48,12 +50,24 @@ class ScrapeSettings(_Model):
     """Fewest valid snapshots a window needs before any rate or quantile is trusted."""
     stale_after_seconds: float | None = Field(None, gt=0)
     """Signals from a newest snapshot older than this are None. None: 2.5 × interval_seconds."""
+    deadline_seconds: float = Field(5.0, gt=0)
+    """Overall bound on each call to an engine or exporter (connect + headers + body): an endpoint that
+    trickles bytes slower than the read timeout is cut off here. A vLLM scrape takes tens of ms."""
     bearer_token_file: str | None = None
     """File holding a bearer token sent to every engine and exporter (vLLM --api-key). None: none."""
     tls: TlsSettings = TlsSettings()
 
     def effective_stale_after(self) -> float:
         return self.stale_after_seconds or 2.5 * self.interval_seconds
+
+    def collect_deadline_seconds(self) -> float:
+        """The whole gathering of one cycle: scrape, info and GPU reads, each bounded by deadline_seconds."""
+        return 3 * self.deadline_seconds + 1.0
+
+    def window_settings(self) -> stepping.WindowSettings:
+        keep = max(8, min(100_000, math.ceil(self.window_seconds / self.interval_seconds) * 2 + 8))
+        return stepping.WindowSettings(window_seconds=self.window_seconds, min_snapshots=self.min_snapshots,
+                                       stale_after_seconds=self.effective_stale_after(), max_snapshots=keep)
 
 
 class DcgmSource(_Model):
@@ -117,8 +131,8 @@ class DaemonSettings(_Model):
     health_max_age_seconds: float | None = Field(default=None, gt=0)
     """/healthz turns 503 when no cycle finished for this long. None: 3 × scrape.interval_seconds."""
     state_file: str = "/var/lib/vllm-tuner/state.json"
-    """Where decision history (cooldowns, hysteresis, restart budget, crash memory) and deferred plans
-    are persisted across restarts of the tuner."""
+    """Where the engine arguments the tuner owns and each target's decision history (cooldowns,
+    hysteresis, restart budget, crash memory) are persisted across restarts of the tuner."""
 
 
 class GpuControlSettings(_Model):

@@ -13,7 +13,7 @@ import pytest
 from tests.support import vllm
 from tuner.model import dialects
 from tuner.signals import engine as engine_signals
-from tuner.sources import engines, scraping
+from tuner.sources.engines import EngineClient
 
 MAX_NUM_SEQS = 4
 CONCURRENCY = 16
@@ -29,9 +29,9 @@ def server(vllm_ready):
 
 def test_live_signals_match_the_benchmark(server, vllm_ready):
     prefixes = dialects.VLLM.parse_prefixes()
-    with scraping.make_client(scraping.HttpSettings()) as client:
+    with EngineClient() as client:
         def scrape():
-            return scraping.scrape(client, server.metrics_url, max_body_bytes=16 << 20, keep_prefixes=prefixes)
+            return client.scrape(server.metrics_url, keep_prefixes=prefixes)
 
         before = scrape()
         assert before.ok, before.error
@@ -53,7 +53,7 @@ def test_live_signals_match_the_benchmark(server, vllm_ready):
             thread.join()
         time.sleep(1.0)
         after = scrape()
-        info = engines.engine_info(client, server.base_url, "vllm")
+        info = client.info(server.base_url, "vllm")
 
     assert result["completed"] == PROMPTS and result.get("failed", 0) == 0
     signals = engine_signals.compute([before, *during, after], info=info)
@@ -75,11 +75,14 @@ def test_live_signals_match_the_benchmark(server, vllm_ready):
     assert signals["max_model_len"].value == 1024
     assert signals["kv_cache_size_tokens"].value > 0
 
-    # latency means: server vs client (the client adds HTTP and detokenisation time)
+    # latency means, one-sided: the client's figures include its own delays (HTTP, detokenising, its own
+    # scheduling on two shared cores: under load a client TTFT of 0.67 s was seen against the engine's
+    # 0.25 s), so the engine's may be lower by any amount but never higher than the client's.
     client_ttft = result["mean_ttft_ms"] / 1000
     client_e2e = sum(result["latencies"]) / len(result["latencies"])
-    assert signals["ttft_mean_s"].value == pytest.approx(client_ttft, rel=0.25, abs=0.1)
-    assert signals["e2e_mean_s"].value == pytest.approx(client_e2e, rel=0.25, abs=0.1)
+    assert 0 < signals["ttft_mean_s"].value <= client_ttft * 1.05 + 0.05
+    assert 0 < signals["e2e_mean_s"].value <= client_e2e * 1.05 + 0.05
+    assert signals["e2e_mean_s"].value >= 0.5 * client_e2e  # same requests: a model, not a different load
 
     # queue time: Little's law with the client's throughput. With 16 in flight and 4 slots, about
     # 12 wait (fewer while the tail drains), so W ≈ 12 / λ.

@@ -28,6 +28,7 @@ from tuner.errors import PermanentActuatorError
 from tuner.planning import verification
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Outcome
+from tuner.sources.engines import EngineClient
 
 STUB = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"
 LIMITS = machine.Limits(idle_timeout_seconds=10, stop_timeout_seconds=10, start_timeout_seconds=20,
@@ -93,7 +94,7 @@ class Stack:
     ports: dict[str, int]
     lb: nginx_support.NginxBalancer
     actuators: list[process.ProcessActuator] = field(default_factory=list)
-    probers: list[rolling.HttpProber] = field(default_factory=list)
+    probers: list[EngineClient] = field(default_factory=list)
     bad: list[tuple[str, tuple[str, ...], str]] = field(default_factory=list)
 
     @property
@@ -112,8 +113,9 @@ class Stack:
         return a
 
     def driver(self, j: journal.Journal) -> rolling.RolloutDriver:
-        prober = rolling.HttpProber()
-        self.probers.append(prober)
+        client = EngineClient()
+        self.probers.append(client)
+        prober = rolling.EngineProber(client, kind="vllm")
         return rolling.RolloutDriver(
             actuator=self.actuator(), drainer=self.lb.drainer(settle_seconds=0.3), prober=prober,
             journal=j, poll_seconds=0.2, idle_settle_seconds=0.5, hold_timeout_seconds=60,
@@ -139,12 +141,12 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         first = s.actuator()
         for name in ports:
             first.start(name, s.argv(name))
-        prober = rolling.HttpProber()
+        client = EngineClient()
         deadline = time.monotonic() + 20
-        while not all(prober.is_healthy(r) for r in s.replicas):
+        while not all(client.is_healthy(r.base_url, "vllm") for r in s.replicas):
             assert time.monotonic() < deadline, "stub engines did not become healthy"
             time.sleep(0.1)
-        prober.close()
+        client.close()
         try:
             yield s
         finally:

@@ -24,7 +24,7 @@ import httpx
 import yaml
 
 from tests.support.nginx import free_port
-from tuner import cli_demo
+from tuner.cli import demo as cli_demo
 from tuner.rollout import journal
 
 ROOT = Path(__file__).resolve().parents[2]

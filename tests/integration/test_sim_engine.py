@@ -20,14 +20,20 @@ from tuner import config
 from tuner.daemon import collecting
 from tuner.signals import engine as engine_signals
 from tuner.sim import engine as sim
-from tuner.sources import scraping
+from tuner.sources.engines import EngineClient
 
 VLLM_ARGS = ["--max-num-seqs", "8", "--max-model-len", "4096", "--gpu-memory-utilization", "0.85"]
 
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[httpx.Client]:
-    with scraping.make_client(scraping.HttpSettings()) as client:
+    with httpx.Client(timeout=10) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[EngineClient]:
+    with EngineClient() as client:
         yield client
 
 
@@ -38,13 +44,14 @@ def queued() -> Iterator[sim.SimServer]:
         yield server
 
 
-def collector(server: sim.SimServer, client: httpx.Client) -> collecting.Collector:
+def collector(server: sim.SimServer, client: EngineClient) -> collecting.Collector:
     target = config.Target(name="sim-0", metrics_url=f"{server.base_url}/metrics")
-    return collecting.Collector(target, client=client, max_body_bytes=16 * 1024 * 1024)
+    return collecting.Collector(target, client=client)
 
 
-def test_the_real_scraper_and_signals_read_a_queue_bound_engine(queued: sim.SimServer, http: httpx.Client) -> None:
-    c = collector(queued, http)
+def test_the_real_scraper_and_signals_read_a_queue_bound_engine(queued: sim.SimServer,
+                                                                engines: EngineClient) -> None:
+    c = collector(queued, engines)
     time.sleep(1.0)  # a few simulated seconds of load: requests have finished
     window = []
     for _ in range(4):
@@ -55,7 +62,7 @@ def test_the_real_scraper_and_signals_read_a_queue_bound_engine(queued: sim.SimS
     assert info.max_model_len == 4096 and info.version == "0.32.0" and info.model == "SIMULATED-llama-8b"
     assert info.server_load is None and info.error is None  # GET /load is read only for sleep mode
     target = config.Target(name="sim-0", metrics_url=f"{queued.base_url}/metrics")
-    loaded = collecting.Collector(target, client=http, max_body_bytes=1 << 24, server_load=True).engine_info()
+    loaded = collecting.Collector(target, client=engines, server_load=True).engine_info()
     assert loaded.server_load == 0  # the sim counts nothing without --enable-server-load-tracking, like vLLM
     s = engine_signals.compute(window, info=info, min_snapshots=3)
     value: dict[str, Any] = {name: sig.value for name, sig in s.items()}

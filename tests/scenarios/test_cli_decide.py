@@ -8,13 +8,13 @@ import json
 import pytest
 
 from tests.scenarios.support import REPO, scenario_dir
-from tuner import cli_decide
+from tuner.cli import deciding
 from tuner.errors import ConfigError
 
 
 def run(argv, capsys):
     parser = argparse.ArgumentParser(prog="vllm-tuner")
-    cli_decide.register(parser.add_subparsers(dest="command", required=True))
+    deciding.register(parser.add_subparsers(dest="command", required=True))
     ns = parser.parse_args(argv)
     rc = ns.func(ns)
     return rc, capsys.readouterr().out
@@ -86,7 +86,7 @@ def test_replay_prints_the_timeline(capsys):
 def test_replay_json_and_verbose(capsys):
     rc, out = run(["replay", str(scenario_dir("idle")), "--format", "json"], capsys)
     data = json.loads(out)
-    assert [c["held"][0]["guard"] for c in data["cycles"]] == ["idle", "idle"]
+    assert [c["held"][0]["guard"] for c in data["cycles"]] == ["window", "window", "idle"]
     rc, out = run(["replay", str(scenario_dir("latency-bound")), "-v", "--rules",
                    str(REPO / "rules" / "seed-h100.yaml")], capsys)
     assert rc == 0 and "UNKNOWN" in out

@@ -1,5 +1,6 @@
-"""run_cycle with fake collectors, a fake planner and a fake rollout: windows, modes, the one-line
-summary, maintenance windows (deferred, not dropped), metrics and the structured log record."""
+"""run_cycle with fake collectors, a small real rule set and a fake rollout: windows, modes, the one-line
+summary, maintenance windows (deferred, not dropped), metrics and the structured log record. The
+decisions are the real planner's (planning.stepping.step); only the engines and the rollout are fakes."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from typing import Any
 import pytest
 
 from tuner import config
-from tuner.daemon import cycle, selfmetrics
-from tuner.daemon.collecting import GpuInputs
+from tuner.daemon import cycle, logs, selfmetrics, views
+from tuner.daemon.results import RolloutOutcome
+from tuner.daemon.scheduling import MaintenanceWindows
+from tuner.daemon.state import TunerState
 from tuner.model import snapshots
 from tuner.model.engines import EngineInfo
+from tuner.model.gpus import GpuInputs
+from tuner.planning import pooling
+from tuner.planning.guards import Action
+from tuner.rules import loading
 
 BODY = """\
 # TYPE vllm:num_requests_running gauge
@@ -41,10 +48,11 @@ class FakeCollector:
         self.target = config.Target(name=name, metrics_url=f"http://127.0.0.1:1/{name}/metrics")
         self.clock = clock
         self.running, self.waiting, self.done = 8, 112, 0
+        self.step = 5  # requests finished per scrape
         self.fail: str | None = None
 
     def scrape_engine(self) -> snapshots.Snapshot:
-        self.done += 5
+        self.done += self.step
         if self.fail:
             return snapshots.Snapshot.failed(self.clock(), self.fail)
         body = BODY % {"running": self.running, "waiting": self.waiting, "done": self.done}
@@ -57,65 +65,38 @@ class FakeCollector:
         return GpuInputs(unavailable="no GPU source configured for this target")
 
 
-@dataclass(frozen=True)
-class Change:
-    rule: str
-    flag: str
-    old: str
-    new: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Held:
-    rule: str
-    guard: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class FakePlan:
-    changes: tuple[Change, ...] = ()
-    held: tuple[Held, ...] = ()
-    actions: tuple[str, ...] = ()
-    restart_needed: bool = False
-    text: str = "no action"
-
-    def summary(self) -> str:
-        return self.text
-
-
-RAISE = FakePlan(changes=(Change("queue-pressure", "--max-num-seqs", "8", "16", "queueing while slot-bound"),),
-                 restart_needed=True, text="--max-num-seqs 8→16 (queue-pressure)")
-COOLDOWN = FakePlan(held=(Held("kv-pressure", "cooldown", "cooldown 4m12s left"),),
-                    text="cycle 7: no action (kv-pressure: cooldown 4m12s left)")  # the planner's own count
-
-
-class FakePlanner:
-    def __init__(self, *plans: FakePlan | Exception) -> None:
-        self.plans = list(plans)
-        self.seen: list[cycle.Observation] = []
-
-    def __call__(self, observation: cycle.Observation, *, now: float) -> FakePlan | None:
-        self.seen.append(observation)
-        plan = self.plans.pop(0) if len(self.plans) > 1 else self.plans[0]
-        if isinstance(plan, Exception):
-            raise plan
-        return plan
+# Two rules over the fake engine's gauges: more slots while requests wait, and a KV rule that never fires.
+RULES = tuple(loading.parse({"rules": [
+    {"id": "queue-pressure", "description": "requests wait", "priority": 50, "cooldown": "15m",
+     "when": {"for": 1, "all": [{"signal": "requests_waiting_max", "op": ">=", "value": 1}]},
+     "then": {"flag": "--max-num-seqs", "op": "scale", "factor": 2, "max": 1024}},
+    {"id": "kv-pressure", "description": "KV full", "priority": 40,
+     "when": {"for": 1, "all": [{"signal": "kv_cache_usage_max", "op": ">=", "value": 0.95}]},
+     "then": {"flag": "--max-num-seqs", "op": "set", "value": 4}},
+]}))
 
 
 @dataclass
 class FakeRollout:
-    result: str = "ok"
-    calls: list[tuple[dict[str, Any], bool | None]] = field(default_factory=list)
+    """Records what it is handed; ``book``: book a handed change as a rollout would (every replica ok)."""
 
-    def __call__(self, plans: Mapping[str, cycle.PlanLike], *, now: float, maintenance_open: bool | None,
-                 should_stop: Callable[[], bool], signals: Mapping[str, Any]) -> cycle.RolloutOutcome:
-        self.calls.append((dict(plans), maintenance_open))
+    state: TunerState | None = None
+    calls: list[tuple[tuple[tuple[str, Action], ...], pooling.PoolChange | None]] = field(default_factory=list)
+    result: str = "ok"
+
+    def __call__(self, actions: Sequence[tuple[str, Action]], change: pooling.PoolChange | None, *, now: float,
+                 signals: Mapping[str, Any], should_stop: Callable[[], bool]) -> RolloutOutcome:
+        self.calls.append((tuple(actions), change))
         self.signals = signals
-        return cycle.RolloutOutcome(summary=f"{', '.join(plans)} restarted ({self.result})",
-                                    results=dict.fromkeys(plans, self.result),
-                                    state={"phase": "idle"})
+        if change is None:
+            return RolloutOutcome(summary="; ".join(f"{n}: {a.label()}" for n, a in actions))
+        if self.state is not None and self.result == "ok":
+            outcomes = {n: pooling.ReplicaOutcome("ok", a) for n, a in change.new_args.items()}
+            self.state.book(*pooling.book(self.state.histories(), self.state.args, changes=change.changes,
+                                          outcomes=outcomes, pool_new_args=change.new_args, rolled_back=False,
+                                          now=now, reject_seconds=3600))
+        return RolloutOutcome(summary=f"{', '.join(change.new_args)} restarted ({self.result})",
+                              results=dict.fromkeys(change.new_args, self.result), state={"phase": "idle"})
 
 
 class Harness:
@@ -124,14 +105,17 @@ class Harness:
         self.now = T0
         self.settings = config.parse({
             "mode": mode,
-            "targets": [{"name": n, "metrics_url": f"http://127.0.0.1:1/{n}/metrics"} for n in names],
+            "targets": [{"name": n, "metrics_url": f"http://127.0.0.1:1/{n}/metrics",
+                         "args": ["--max-num-seqs", "8"]} for n in names],
             "scrape": {"interval_seconds": interval, "window_seconds": window, "min_snapshots": 2},
+            "decisions": {"idle": {"min_requests_per_window": 0, "keep_warm_after_seconds": None}},
         })
         self.collectors = [FakeCollector(n, lambda: self.now) for n in names]
-        self.state = cycle.CycleState(started_at=T0)
+        self.state = TunerState.fresh(self.settings.targets)
         self.metrics = selfmetrics.TunerMetrics()
 
     def run(self, *, advance: float = 30, **kwargs: Any) -> cycle.CycleResult:
+        kwargs.setdefault("rules", RULES)
         result = cycle.run_cycle(self.state, settings=self.settings, collectors=self.collectors,
                                  metrics=self.metrics, now=self.now, **kwargs)
         self.now += advance
@@ -163,145 +147,166 @@ def test_the_window_keeps_window_seconds_of_snapshots() -> None:
         result = h.run()
     # snapshots at 0, 30, …, 150 s; the window at 150 s reaches back to 60 s
     assert result.targets["engine-0"].snapshots == 4
-    assert [s.scraped_at - T0 for s in h.state.windows["engine-0"]] == [60, 90, 120, 150]
+    assert [s.scraped_at - T0 for s in h.state.targets["engine-0"].window] == [60, 90, 120, 150]
 
 
-def test_recommend_mode_passes_the_window_to_the_planner_and_says_what_it_said() -> None:
+def test_recommend_mode_plans_with_the_real_planner_and_says_what_it_said() -> None:
     h = Harness("recommend")
-    planner = FakePlanner(COOLDOWN)
-    h.run(planner=planner)
-    result = h.run(planner=planner)
-    assert result.summary == "cycle 2: no action (kv-pressure: cooldown 4m12s left)"
-    obs = planner.seen[-1]
-    assert obs.target.name == "engine-0" and len(obs.window) == 2
-    assert obs.signals["requests_running"].value == 8
-    v = h.metrics.registry.get_sample_value
-    assert v("tuner_decisions_total", {"rule": "kv-pressure", "outcome": "held", "reason": "cooldown"}) == 2
-
-
-def test_recommend_never_calls_the_rollout() -> None:
-    h = Harness("recommend")
+    first = h.run()  # one snapshot: no window yet
+    assert first.summary == "cycle 1: no action (no decision: too few snapshots: 1 spanning 0s (need ≥ 2 over > 0s))"
     rollout = FakeRollout()
-    result = h.run(planner=FakePlanner(RAISE), rollout=rollout)
-    assert rollout.calls == []
-    assert result.summary == "cycle 1: --max-num-seqs 8→16 (queue-pressure)"
-    assert result.recommendations()["recommendations"] == [{
+    result = h.run(rollout=rollout)
+    assert rollout.calls == []  # recommend never hands anything over
+    assert result.summary == ("cycle 2: --max-num-seqs 8→16 (queue-pressure); restart needed; "
+                              "warm-up ×10 after the restart (the restart for --max-num-seqs)")
+    assert views.recommendations(result)["recommendations"] == [{
         "target": "engine-0", "flag": "--max-num-seqs", "from": "8", "to": "16", "rule": "queue-pressure",
-        "reason": "queueing while slot-bound"}]
+        "reason": "requests_waiting_max 112 ≥ 1"}]
     v = h.metrics.registry.get_sample_value
     assert v("tuner_decisions_total", {"rule": "queue-pressure", "outcome": "recommended",
-                                       "reason": "queueing while slot-bound"}) == 1
+                                       "reason": "fired"}) == 1
     assert v("tuner_engine_arg_info", {"target": "engine-0", "flag": "--max-num-seqs", "value": "16",
                                        "kind": "recommended"}) == 1
-    assert v("tuner_engine_arg_info", {"target": "engine-0", "flag": "--max-model-len", "value": "4096",
+    assert v("tuner_engine_arg_info", {"target": "engine-0", "flag": "--max-num-seqs", "value": "8",
                                        "kind": "current"}) == 1
 
 
-def test_apply_without_windows_hands_the_plan_to_the_rollout() -> None:
-    h = Harness("apply")
-    rollout = FakeRollout()
-    result = h.run(planner=FakePlanner(RAISE), rollout=rollout)
-    assert rollout.calls == [({"engine-0": RAISE}, None)]
-    assert result.summary == ("cycle 1: --max-num-seqs 8→16 handed to the rollout; "
-                              "rollout: engine-0 restarted (ok)")
-    assert result.status()["rollout"] == {"summary": "engine-0 restarted (ok)", "results": {"engine-0": "ok"},
-                                          "phase": "idle"}
+def test_apply_without_windows_hands_the_pool_change_to_the_rollout_and_books_it() -> None:
+    h = Harness("apply", names=("engine-0", "engine-1"))
+    rollout = FakeRollout(h.state)
+    h.run(rollout=rollout)
+    result = h.run(rollout=rollout)
+    ((actions, change),) = rollout.calls
+    assert actions == () and change is not None and change.leader == "engine-0"
+    assert {n: a.argv() for n, a in change.new_args.items()} == {
+        "engine-0": ["--max-num-seqs", "16"], "engine-1": ["--max-num-seqs", "16"]}
+    assert result.summary == ("cycle 2: engine-0: --max-num-seqs 8→16 handed to the rollout; "
+                              "engine-1: --max-num-seqs 8→16 (in the pool's change); "
+                              "rollout: engine-0, engine-1 restarted (ok)")
+    assert views.status(result)["rollout"] == {"summary": "engine-0, engine-1 restarted (ok)",
+                                               "results": {"engine-0": "ok", "engine-1": "ok"}, "phase": "idle"}
+    assert h.state.args["engine-1"].argv() == ["--max-num-seqs", "16"]
     v = h.metrics.registry.get_sample_value
     assert v("tuner_restarts_total", {"target": "engine-0", "result": "ok"}) == 1
     assert v("tuner_decisions_total", {"rule": "queue-pressure", "outcome": "applied",
-                                       "reason": "queueing while slot-bound"}) == 1
+                                       "reason": "fired"}) == 2
+    # booked: the next cycle is held by the cooldown, on the new arguments
+    after = h.run(rollout=rollout)
+    assert len(rollout.calls) == 1
+    assert "cooldown" in after.summary
 
 
-def test_restarts_outside_the_maintenance_window_are_deferred_not_dropped() -> None:
+def test_changes_outside_the_maintenance_window_are_deferred_not_dropped() -> None:
     h = Harness("apply")
-    windows = cycle.MaintenanceWindows([WINDOW])
-    rollout = FakeRollout()
-    # the rule fires once, then its cooldown holds it: the deferred plan must survive on its own
-    planner = FakePlanner(RAISE, COOLDOWN)
-
-    first = h.run(planner=planner, rollout=rollout, maintenance=windows, advance=1800)
+    windows = MaintenanceWindows([WINDOW])
+    rollout = FakeRollout(h.state)
+    h.run(rollout=rollout, maintenance=windows, advance=30)
+    first = h.run(rollout=rollout, maintenance=windows, advance=1800)  # 01:00:30
     assert rollout.calls == []
-    assert first.summary == ("cycle 1: --max-num-seqs 8→16 deferred (outside the maintenance window; "
+    assert first.summary == ("cycle 2: --max-num-seqs 8→16 deferred (outside the maintenance window; "
                              "next opens 2026-06-06 02:00Z)")
-    assert set(first.deferred) == {"engine-0"}
+    assert first.pending is not None and first.pending.plan.target == "engine-0"
 
-    second = h.run(planner=planner, rollout=rollout, maintenance=windows, advance=1800)  # 01:30
+    h.collectors[0].waiting = 0  # the queue drains: the rule stops firing, the pending change must survive
+    second = h.run(rollout=rollout, maintenance=windows, advance=1770)  # 01:30:30
     assert rollout.calls == []
-    assert second.summary == "cycle 2: no action (kv-pressure: cooldown 4m12s left); still pending: engine-0"
-    assert second.status()["pending"]["engine-0"]["plan"]["changes"][0]["to"] == "16"
+    assert second.summary.endswith("still pending: --max-num-seqs 8→16 (outside the maintenance window; "
+                                   "next opens 2026-06-06 02:00Z)")
+    assert views.status(second)["pending"]["plan"]["recommendations"][0]["to"] == "16"
 
-    third = h.run(planner=planner, rollout=rollout, maintenance=windows)  # 02:00: the window opens
-    assert rollout.calls == [({"engine-0": RAISE}, True)]
-    assert "engine-0: deferred --max-num-seqs 8→16 handed to the rollout (maintenance window open)" in third.summary
-    assert third.deferred == {}
-    assert h.run(planner=planner, rollout=rollout, maintenance=windows).deferred == {}
+    third = h.run(rollout=rollout, maintenance=windows)  # 02:00:00: the window opens
+    ((_, change),) = rollout.calls
+    assert change is not None and change.new_args["engine-0"].argv() == ["--max-num-seqs", "16"]
+    assert "deferred --max-num-seqs 8→16 handed to the rollout (maintenance window open)" in third.summary
+    assert third.pending is None
+    assert h.run(rollout=rollout, maintenance=windows).pending is None
     assert len(rollout.calls) == 1  # handed over exactly once
     v = h.metrics.registry.get_sample_value
     assert v("tuner_decisions_total", {"rule": "queue-pressure", "outcome": "deferred",
-                                       "reason": "queueing while slot-bound"}) == 1
+                                       "reason": "fired"}) == 1
 
 
-def test_a_newer_restart_plan_supersedes_the_deferred_one() -> None:
+def test_a_newer_change_supersedes_the_pending_one() -> None:
     h = Harness("apply")
-    windows = cycle.MaintenanceWindows([WINDOW])
-    bigger = FakePlan(changes=(Change("queue-pressure", "--max-num-seqs", "8", "32", "still queueing"),),
-                      restart_needed=True, text="--max-num-seqs 8→32")
+    windows = MaintenanceWindows([WINDOW])
     rollout = FakeRollout()
-    h.run(planner=FakePlanner(RAISE), rollout=rollout, maintenance=windows)
-    h.run(planner=FakePlanner(bigger), rollout=rollout, maintenance=windows, advance=3600)
-    h.run(planner=FakePlanner(COOLDOWN), rollout=rollout, maintenance=windows)
-    assert rollout.calls == [({"engine-0": bigger}, True)]
+    h.run(rollout=rollout, maintenance=windows)
+    h.run(rollout=rollout, maintenance=windows)  # deferred: 8 → 16
+    h.state.args["engine-0"] = h.state.args["engine-0"].with_value("--max-num-seqs", "12")  # as if a human did
+    h.run(rollout=rollout, maintenance=windows, advance=3600)  # deferred again: 12 → 24 replaces 8 → 16
+    assert h.state.pending is not None and h.state.pending.plan.changes[0].to_value == 24
+    h.run(rollout=rollout, maintenance=windows)  # 02:xx: a fresh change goes out, the pending one with it
+    ((_, change),) = rollout.calls
+    assert change is not None and change.changes[0].to_value == 24 and h.state.pending is None
 
 
-def test_actions_without_a_restart_are_not_held_by_windows_nor_drop_a_deferred_restart() -> None:
+def test_actions_without_a_restart_are_not_held_by_windows_nor_drop_a_pending_change() -> None:
     h = Harness("apply")
-    warm = FakePlan(actions=("keep-warm",), text="cycle 3: keep-warm ×10 (idle 20m)")
+    h.settings = h.settings.model_copy(update={"decisions": h.settings.decisions.model_copy(update={
+        "idle": h.settings.decisions.idle.model_copy(update={"keep_warm_after_seconds": 60})})})
+    windows = MaintenanceWindows([WINDOW])
     rollout = FakeRollout()
-    windows = cycle.MaintenanceWindows([WINDOW])
-    h.run(planner=FakePlanner(RAISE), rollout=rollout, maintenance=windows)
-    result = h.run(planner=FakePlanner(warm), rollout=rollout, maintenance=windows)
-    assert rollout.calls == [({"engine-0": warm}, False)]
-    assert "engine-0: keep-warm ×10 (idle 20m) handed to the rollout" not in result.summary
-    assert result.summary.startswith("cycle 2: keep-warm ×10 (idle 20m) handed to the rollout; still pending")
-    assert set(result.deferred) == {"engine-0"}
+    h.run(rollout=rollout, maintenance=windows)
+    h.run(rollout=rollout, maintenance=windows)  # deferred
+    c = h.collectors[0]
+    c.waiting = c.running = 0
+    c.step = 0  # no request finishes any more: idle
+    for _ in range(4):
+        result = h.run(rollout=rollout, maintenance=windows)
+    actions = [a for acts, ch in rollout.calls for _, a in acts if ch is None]
+    assert [a.kind for a in actions] == ["keep-warm"]
+    assert result.summary == ("cycle 6: keep-warm ×10 (idle for 2m (keep-warm after 1m)); still pending: "
+                              "--max-num-seqs 8→16 (outside the maintenance window; next opens 2026-06-06 02:00Z); "
+                              "rollout: engine-0: keep-warm ×10")
+    assert h.state.pending is not None  # the keep-warm did not drop the pending change
 
 
 def test_apply_without_a_rollout_says_so() -> None:
     h = Harness("apply")
-    result = h.run(planner=FakePlanner(RAISE))
+    h.run()
+    result = h.run()
     assert result.summary.endswith("(no rollout configured: not applied)")
 
 
-def test_failures_become_part_of_the_line_not_exceptions() -> None:
+def test_failures_become_part_of_the_line_not_exceptions(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness("apply", names=("engine-0", "engine-1"))
     h.collectors[1].fail = "cannot connect: [Errno 111] Connection refused"
 
     class Broken:
-        def __call__(self, plans: Any, **kwargs: Any) -> cycle.RolloutOutcome:
+        def __call__(self, actions: Any, change: Any, **kwargs: Any) -> RolloutOutcome:
             raise RuntimeError("actuator exploded")
 
-    result = h.run(planner=FakePlanner(RAISE), rollout=Broken())
+    h.run(rollout=Broken())
+    result = h.run(rollout=Broken())
     assert result.summary == (
-        "cycle 1: engine-0: --max-num-seqs 8→16 handed to the rollout; "
+        "cycle 2: engine-0: --max-num-seqs 8→16 handed to the rollout; "
         "engine-1: scrape failed (cannot connect: [Errno 111] Connection refused); "
         "rollout error (RuntimeError: actuator exploded)")
-    h.collectors[1].fail = "cannot connect: [Errno 111] Connection refused"
-    result = h.run(planner=FakePlanner(ValueError("bad rule")))
-    assert result.summary == ("cycle 2: engine-0: planner error (ValueError: bad rule); "
+
+    from tuner.planning import planner
+
+    def broken_plan(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("bad rule")
+
+    monkeypatch.setattr(planner, "plan", broken_plan)
+    result = h.run(rollout=Broken())
+    assert result.summary == ("cycle 3: engine-0: planner error (ValueError: bad rule); "
                               "engine-1: scrape failed (cannot connect: [Errno 111] Connection refused)")
+    assert result.targets["engine-0"].signals["requests_waiting"].value == 112  # still observed
     v = h.metrics.registry.get_sample_value
-    assert v("tuner_scrape_errors_total", {"target": "engine-1", "source": "engine"}) == 2
+    assert v("tuner_scrape_errors_total", {"target": "engine-1", "source": "engine"}) == 3
     assert v("tuner_decisions_total", {"rule": "queue-pressure", "outcome": "failed",
-                                       "reason": "queueing while slot-bound"}) == 1
+                                       "reason": "fired"}) == 1
 
 
-def test_a_stop_request_skips_planning_and_keeps_plans() -> None:
+def test_a_stop_request_skips_planning_and_acting() -> None:
     h = Harness("apply")
     rollout = FakeRollout()
-    result = h.run(planner=FakePlanner(RAISE), rollout=rollout, should_stop=lambda: True)
+    h.run(rollout=rollout)
+    result = h.run(rollout=rollout, should_stop=lambda: True)
     assert rollout.calls == []
-    assert result.stopped == "stopping: skipped plan and act"
-    assert result.summary == "cycle 1: running 8, waiting 112, kv 1%; stopping: skipped plan and act"
+    assert result.stopped == "stopping: skipped planning and acting"
+    assert result.summary == "cycle 2: running 8, waiting 112, kv 1%; stopping: skipped planning and acting"
 
 
 def test_a_removed_target_is_forgotten() -> None:
@@ -310,27 +315,28 @@ def test_a_removed_target_is_forgotten() -> None:
     h.collectors.pop()
     h.settings = h.settings.model_copy(update={"targets": h.settings.targets[:1]})
     h.run()
-    assert set(h.state.windows) == {"engine-0"}
+    assert set(h.state.targets) == {"engine-0"}
     assert h.metrics.registry.get_sample_value(
         "tuner_signal", {"target": "engine-1", "signal": "requests_waiting"}) is None
 
 
 def test_records_are_json_and_the_json_formatter_carries_them(caplog: pytest.LogCaptureFixture) -> None:
     h = Harness("recommend")
+    h.run()
     with caplog.at_level(logging.INFO, logger="tuner.cycle"):
-        result = h.run(planner=FakePlanner(RAISE))
-    json.dumps(result.status())
-    json.dumps(result.recommendations())
+        result = h.run()
+    json.dumps(views.status(result))
+    json.dumps(views.recommendations(result))
     record = next(r for r in caplog.records if r.name == "tuner.cycle")
     assert record.getMessage() == result.summary
-    line = json.loads(cycle.JsonLogFormatter().format(record))
+    line = json.loads(logs.JsonLogFormatter().format(record))
     assert line["msg"] == result.summary
-    assert line["cycle"]["cycle"] == 1
-    assert line["cycle"]["targets"]["engine-0"]["plan"]["changes"][0]["to"] == "16"
+    assert line["cycle"]["cycle"] == 2
+    assert line["cycle"]["targets"]["engine-0"]["plan"]["recommendations"][0]["to"] == "16"
 
 
 def test_maintenance_windows_are_minute_sets() -> None:
-    windows = cycle.MaintenanceWindows([WINDOW, "30 12 * * 1"])
+    windows = MaintenanceWindows([WINDOW, "30 12 * * 1"])
     assert not windows.is_open(T0)  # 01:00
     assert windows.is_open(T0 + 3600)  # 02:00
     assert windows.is_open(T0 + 3 * 3600 - 1)  # 03:59:59
@@ -338,28 +344,12 @@ def test_maintenance_windows_are_minute_sets() -> None:
     assert windows.next_open(T0) == T0 + 3600
     assert windows.next_open(T0 + 3600 + 30) == T0 + 3600  # open now: this minute
     with pytest.raises(ValueError, match=r"'\* 2-4 \* \*'.*e\.g\. '\* 2-4 \* \* 6,0'"):
-        cycle.MaintenanceWindows(["* 2-4 * *"])
+        MaintenanceWindows(["* 2-4 * *"])
     with pytest.raises(ValueError, match="at least one"):
-        cycle.MaintenanceWindows([])
+        MaintenanceWindows([])
 
 
 def test_maintenance_windows_in_a_time_zone() -> None:
-    windows = cycle.MaintenanceWindows(["* 4 * * *"], timezone="Europe/Berlin")  # 04:xx CEST = 02:xx UTC
+    windows = MaintenanceWindows(["* 4 * * *"], timezone="Europe/Berlin")  # 04:xx CEST = 02:xx UTC
     assert windows.is_open(T0 + 3600)
     assert not windows.is_open(T0)
-
-
-def test_plan_items_with_their_own_as_dict_are_shown_as_they_say() -> None:
-    @dataclass(frozen=True)
-    class OwnChange:
-        from_value: int
-        to_value: int
-
-        def as_dict(self) -> dict[str, Any]:
-            return {"flag": "--max-num-seqs", "from": "8", "to": "16", "rule": "r", "reason": "why"}
-
-    plan = FakePlan(changes=(OwnChange(8, 16),))  # type: ignore[arg-type]
-    assert cycle.change_json(plan.changes[0])["to"] == "16"
-    assert cycle.plan_json(plan)["changes"] == [{"flag": "--max-num-seqs", "from": "8", "to": "16", "rule": "r",
-                                                 "reason": "why"}]
-    assert cycle.plan_summary(COOLDOWN) == "no action (kv-pressure: cooldown 4m12s left)"

@@ -1,5 +1,6 @@
-"""The rollout adapter's booking (tuner.daemon.running.Applying.book): what a finished rollout changes in
-the tuner's owned arguments and the planner's history — and that an interrupted one changes nothing."""
+"""The rollout adapter's booking (tuner.daemon.running.Applying.book, through planning.pooling.book): what a
+finished rollout changes in the tuner's owned arguments and histories — and that an interrupted one
+changes nothing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from tuner import config
 from tuner.daemon import running
+from tuner.daemon.state import TunerState
 from tuner.model import knobs
 from tuner.planning.history import Change
 from tuner.rollout import journal, machine
@@ -23,8 +25,8 @@ def applying(tmp_path: Path) -> running.Applying:
     settings = config.parse({"mode": "apply", "targets": [
         {"name": n, "metrics_url": f"http://127.0.0.1:{p}/metrics", "args": list(OLD)}
         for n, p in (("a", 8001), ("b", 8002))]})
-    state = running.TunerState(tmp_path / "state.json", settings.targets)
-    return running.Applying(settings, state, driver=None, prober=None, replicas={},  # type: ignore[arg-type]
+    state = TunerState.fresh(settings.targets, path=tmp_path / "state.json")
+    return running.Applying(settings, state, driver=None, client=None, replicas={},  # type: ignore[arg-type]
                             journal=journal.Journal(tmp_path / "j.jsonl"), clock=lambda: 1000.0)
 
 
@@ -39,12 +41,33 @@ def rollout_with_a_done() -> machine.Rollout:
 def test_an_interrupted_rollout_is_not_booked_twice_the_journal_resumes_it(tmp_path: Path) -> None:
     ap = applying(tmp_path)
     r = rollout_with_a_done()  # a done, b still pending: the tuner was stopping
-    out = ap.book(r, [CHANGE], {"a": knobs.EngineArgs.parse(NEW), "b": knobs.EngineArgs.parse(NEW)})
+    out = ap.book(r, [CHANGE])
     assert "interrupted" in out.summary and out.state["outcome"] == "running"
-    assert ap.state.args["a"].argv() == list(OLD) and ap.state.histories["a"].restarts == ()
+    assert ap.state.args["a"].argv() == list(OLD) and ap.state.history("a").restarts == ()
+    assert not (tmp_path / "state.json").exists()
     # the resumed rollout, once finished, is booked once
     for e in FORWARD:
         r = machine.handle(r, "b", e, now=2)
-    ap.book(r, [CHANGE], {"a": knobs.EngineArgs.parse(NEW), "b": knobs.EngineArgs.parse(NEW)})
-    assert ap.state.args["a"].argv() == list(NEW) and ap.state.histories["a"].restarts == (1000.0,)
-    assert ap.state.histories["b"].changes["max_num_seqs"].to_value == "8"
+    ap.book(r, [CHANGE])
+    assert ap.state.args["a"].argv() == list(NEW) and ap.state.history("a").restarts == (1000.0,)
+    assert ap.state.history("b").changes["max_num_seqs"].to_value == "8"
+    # the tuner's own restart: warmed by the rollout, not to be warmed again when the next step sees it
+    assert ap.state.history("b").own_restarts_until == 1000.0
+    saved = TunerState.load(tmp_path / "state.json", ap.settings.targets)
+    assert saved.args["b"].argv() == list(NEW) and saved.history("b").restarts == (1000.0,)
+
+
+def test_a_rolled_back_pool_rejects_the_arguments_on_every_replica(tmp_path: Path) -> None:
+    ap = applying(tmp_path)
+    r = rollout_with_a_done()
+    for e in (Event.GO, Event.DRAINED, Event.IDLE, Event.STOPPED, Event.STARTED):
+        r = machine.handle(r, "b", e, now=2)
+    r = machine.handle(r, "b", Event.CRASHED, now=3, reason="engine exited: status 1")
+    for e in (Event.DRAINED, Event.IDLE, Event.STOPPED, Event.STARTED, Event.HEALTHY, Event.CONFIRMED,
+              Event.WARMED, Event.UNDRAINED):
+        r = machine.handle(r, "b", e, now=4)
+    out = ap.book(r, [CHANGE])
+    assert out.results == {"a": "ok", "b": "rolled_back"}
+    new = knobs.EngineArgs.parse(NEW)
+    assert ap.state.history("b").is_bad(new) == "engine exited: status 1"  # crashed: bad for good
+    assert ap.state.args["a"].argv() == list(NEW)  # a stays on what it runs; the pool rolled back at b

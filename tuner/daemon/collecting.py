@@ -1,35 +1,37 @@
-"""Collecting one target's inputs for a cycle: engine snapshot, engine info, GPU readings."""
+"""Collecting one target's inputs for a cycle: engine snapshot, engine info, GPU readings — all through
+the one engine client (``sources.engines.EngineClient``), NVML excepted."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import httpx
+from typing import Protocol
 
 from tuner import config
+from tuner.errors import ConfigError
 from tuner.model import dcgm, dialects, snapshots
 from tuner.model.engines import EngineInfo
-from tuner.model.gpus import GpuReading
+from tuner.model.gpus import GpuInputs
 from tuner.sources import engines, scraping
 
 
-@dataclass(frozen=True)
-class GpuInputs:
-    readings: tuple[GpuReading, ...] = ()
-    unavailable: str | None = None  # why there are no readings
-
-
 def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = None) -> scraping.HttpSettings:
+    """The engine client's settings from ``scrape:``; an unreadable bearer-token file is a ConfigError."""
     token = None
     if scrape.bearer_token_file:
         path = Path(scrape.bearer_token_file)
         if config_dir is not None and not path.is_absolute():
             path = config_dir / path
-        token = path.read_text(encoding="utf-8").strip()
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(str(path), [("scrape.bearer_token_file", f"cannot read the token: "
+                                                                      f"{getattr(exc, 'strerror', None) or exc}")]) from exc
+        if not token:
+            raise ConfigError(str(path), [("scrape.bearer_token_file", "the token file is empty")])
     verify: bool | str = scrape.tls.ca_file or scrape.tls.verify
     return scraping.HttpSettings(
         connect_timeout_seconds=scrape.connect_timeout_seconds,
@@ -41,32 +43,32 @@ def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = No
     )
 
 
+def base_url(target: config.Target) -> str:
+    """Where ``/health``, ``/v1/models`` and ``/version`` live."""
+    return target.base_url or scraping.base_url(target.metrics_url)
+
+
 class Collector:
     """Reads every source of one target. Owns no state across cycles except the NVML handle."""
 
-    def __init__(self, target: config.Target, *, client: httpx.Client, max_body_bytes: int,
-                 clock: Callable[[], float] = time.time, server_load: bool = False) -> None:
+    def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False) -> None:
         self.target = target
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
-        self.max_body_bytes = max_body_bytes
-        self.clock = clock
-        self.dialect = dialects.DIALECTS[target.kind]
-        self.base_url = target.base_url or scraping.base_url(target.metrics_url)
+        self.base_url = base_url(target)
         self._nvml: object | None = None
 
     def scrape_engine(self) -> snapshots.Snapshot:
-        return scraping.scrape(self.client, self.target.metrics_url, max_body_bytes=self.max_body_bytes,
-                               keep_prefixes=self.dialect.parse_prefixes(), clock=self.clock)
+        return self.client.scrape(self.target.metrics_url,
+                                  keep_prefixes=dialects.DIALECTS[self.target.kind].parse_prefixes())
 
     def engine_info(self) -> EngineInfo:
-        return engines.engine_info(self.client, self.base_url, self.target.kind, server_load=self.server_load)
+        return self.client.info(self.base_url, self.target.kind, server_load=self.server_load)
 
     def read_gpus(self) -> GpuInputs:
         source = self.target.gpu
         if isinstance(source, config.DcgmSource):
-            snap = scraping.scrape(self.client, source.url, max_body_bytes=self.max_body_bytes,
-                                   keep_prefixes=dcgm.dcgm_keep_prefixes(), clock=self.clock)
+            snap = self.client.scrape(source.url, keep_prefixes=dcgm.dcgm_keep_prefixes())
             if not snap.ok:
                 return GpuInputs(unavailable=f"dcgm-exporter: {snap.error}")
             readings = dcgm.readings_from_snapshot(
@@ -78,10 +80,95 @@ class Collector:
             from tuner.sources import nvml
 
             if self._nvml is None:
-                self._nvml = nvml.NvmlSource(source.devices, clock=self.clock)
+                self._nvml = nvml.NvmlSource(source.devices)
             src = self._nvml
             assert isinstance(src, nvml.NvmlSource)
             readings = src.read()
             return GpuInputs(tuple(readings), None if readings else
                              f"NVML unavailable: {src.unavailable_reason or 'no devices'}")
         return GpuInputs(unavailable="no GPU source configured for this target")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One target's inputs for one cycle."""
+
+    snapshot: snapshots.Snapshot
+    info: EngineInfo
+    gpus: GpuInputs
+
+
+class Collecting(Protocol):
+    """What the cycle needs from a collector (``Collector``; a fake in tests)."""
+
+    @property
+    def target(self) -> config.Target: ...
+
+    def scrape_engine(self) -> snapshots.Snapshot: ...
+
+    def engine_info(self) -> EngineInfo: ...
+
+    def read_gpus(self) -> GpuInputs: ...
+
+
+def collect_one(c: Collecting, *, clock: Callable[[], float] = time.time) -> Inputs:
+    """Every source of one target; a failing one is reported in the inputs, never raised."""
+    try:
+        snap = c.scrape_engine()
+    except Exception as exc:  # noqa: BLE001 - the client never raises; a fake or a future source might
+        snap = snapshots.Snapshot.failed(clock(), f"{type(exc).__name__}: {exc}")
+    if snap.ok:
+        try:
+            info = c.engine_info()
+        except Exception as exc:  # noqa: BLE001 - one target's failure is reported, not raised
+            info = EngineInfo(error=f"{type(exc).__name__}: {exc}")
+    else:
+        info = EngineInfo(error="not read: the /metrics scrape failed")
+    try:
+        gpus = c.read_gpus()
+    except Exception as exc:  # noqa: BLE001 - one target's failure is reported, not raised
+        gpus = GpuInputs(unavailable=f"{type(exc).__name__}: {exc}")
+    return Inputs(snap, info, gpus)
+
+
+class Gatherer:
+    """Collects every target in parallel, bounded by a deadline for the whole gathering.
+
+    The engine client bounds each call already (``transport.deadline``); this is the backstop for a
+    collector that still does not return (an NVML call that hangs in the driver, a future source): at
+    the deadline its target counts as failed for this cycle, and while its call is still running the
+    target is not collected again (no pile-up of stuck threads), the cycle says so instead.
+    """
+
+    def __init__(self, *, max_workers: int = 8, clock: Callable[[], float] = time.time) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                           thread_name_prefix="tuner-collect")
+        self._stuck: dict[str, concurrent.futures.Future[Inputs]] = {}
+        self._clock = clock
+
+    def gather(self, collectors: Sequence[Collecting], *, deadline_seconds: float) -> list[Inputs]:
+        futures: dict[str, concurrent.futures.Future[Inputs]] = {}
+        out: dict[str, Inputs] = {}
+        for c in collectors:
+            name = c.target.name
+            stuck = self._stuck.get(name)
+            if stuck is not None and not stuck.done():
+                out[name] = _failed(self._clock(), "the previous cycle's read of this target has not returned yet")
+                continue
+            self._stuck.pop(name, None)
+            futures[name] = self._pool.submit(collect_one, c, clock=self._clock)
+        concurrent.futures.wait(futures.values(), timeout=deadline_seconds)
+        for name, future in futures.items():
+            if future.done():
+                out[name] = future.result()
+            else:
+                self._stuck[name] = future
+                out[name] = _failed(self._clock(), f"reading this target took longer than {deadline_seconds:g}s")
+        return [out[c.target.name] for c in collectors]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _failed(at: float, why: str) -> Inputs:
+    return Inputs(snapshots.Snapshot.failed(at, why), EngineInfo(error=f"not read: {why}"), GpuInputs(unavailable=why))

@@ -4,8 +4,8 @@
 ``GET /metrics``       the ``tuner_*`` series (its own registry, Prometheus text format)
 ``GET /healthz``       200 while the loop is alive and the last cycle is recent (or one is
                        running and not stuck); 503 otherwise
-``GET /status``        JSON: targets with their last signals, pending plans, rollout state
-``GET /recommendations``  JSON: this cycle's proposed and held changes, and deferred ones
+``GET /status``        JSON: targets with their last signals, the pending change, rollout state
+``GET /recommendations``  JSON: this cycle's proposed and held changes, and the pending one
 =====================  =========================================================================
 
 Read-only: nothing here changes the tuner or an engine, so there is no authentication; keep it on
@@ -24,7 +24,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from tuner.daemon import cycle, selfmetrics
+from tuner.daemon import selfmetrics, views
+from tuner.daemon.state import TunerState
 
 log = logging.getLogger("tuner.http")
 
@@ -39,7 +40,7 @@ class TunerHttpServer:
         self,
         *,
         metrics: selfmetrics.TunerMetrics,
-        state: cycle.CycleState,
+        state: TunerState,
         max_age_seconds: float,
         is_alive: Callable[[], bool] = lambda: True,
         is_busy: Callable[[], bool] = lambda: False,
@@ -115,9 +116,9 @@ class TunerHttpServer:
         last = self.state.last
         head = {"started_at": self.state.started_at}
         if last is None:
-            return {**head, "cycle": None, "summary": "no cycle finished yet", "targets": {}, "pending": {},
+            return {**head, "cycle": None, "summary": "no cycle finished yet", "targets": {}, "pending": None,
                     "rollout": dict(self.state.rollout_state) or None}
-        body = {**head, **last.status()}
+        body = {**head, **views.status(last)}
         live = self.state.rollout_state
         if live.get("outcome") == "running":  # a rollout in progress (inside a cycle, or resumed at start)
             body["rollout"] = dict(live)
@@ -126,8 +127,8 @@ class TunerHttpServer:
     def recommendations(self) -> dict[str, Any]:
         last = self.state.last
         if last is None:
-            return {"cycle": None, "recommendations": [], "held": [], "deferred": {}}
-        return last.recommendations()
+            return {"cycle": None, "recommendations": [], "held": [], "pending": None}
+        return views.recommendations(last)
 
 
 def _handler_class(owner: TunerHttpServer) -> type[BaseHTTPRequestHandler]:

@@ -12,20 +12,18 @@ rolled back within its restart time + the start margin (60 s by default).
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import httpx
-
 from tuner.actuators import base
 from tuner.errors import ActuatorError, PermanentActuatorError, TemporaryActuatorError
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Event, Step
+from tuner.sources import engines
 
 log = logging.getLogger("tuner.rollout")
 
@@ -64,61 +62,20 @@ class Prober(Protocol):
         """Send ``requests`` small completions straight to the engine; None if all succeeded."""
 
 
-_LOAD = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+class EngineProber:
+    """``Prober`` over the engine client: the driver's only way to talk to the engines."""
 
-
-class HttpProber:
-    """The engine endpoints of contracts.md §3, over httpx. 127.0.0.1 in every test."""
-
-    def __init__(self, client: httpx.Client | None = None, *, timeout_seconds: float = 5.0,
-                 warmup_timeout_seconds: float = 30.0, prompt: str = "Hello", max_tokens: int = 4) -> None:
-        self._client = client or httpx.Client(timeout=timeout_seconds)
-        self._warm_timeout = warmup_timeout_seconds
-        self._prompt, self._max_tokens = prompt, max_tokens
-
-    def _model(self, replica: base.Replica) -> str | None:
-        try:
-            response = self._client.get(replica.base_url + "/v1/models")
-            data = response.json().get("data") or []
-            return str(data[0]["id"]) if response.status_code == 200 and data else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-            return None
+    def __init__(self, client: engines.EngineClient, *, kind: str) -> None:
+        self._client, self._kind = client, kind
 
     def is_healthy(self, replica: base.Replica) -> bool:
-        try:
-            if self._client.get(replica.base_url + "/health").status_code != 200:
-                return False
-        except httpx.HTTPError:
-            return False
-        return self._model(replica) is not None
+        return self._client.is_healthy(replica.base_url, self._kind)
 
     def load(self, replica: base.Replica) -> int | None:
-        try:
-            response = self._client.get(replica.base_url + "/metrics")
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        values = [float(v) for v in _LOAD.findall(response.text)]
-        return int(sum(values)) if values else None
+        return self._client.load(replica.base_url, self._kind)
 
     def warm(self, replica: base.Replica, *, requests: int) -> str | None:
-        model = self._model(replica)
-        if model is None:
-            return "/v1/models lists no model"
-        body = {"model": model, "prompt": self._prompt, "max_tokens": self._max_tokens}
-        for i in range(requests):
-            try:
-                response = self._client.post(replica.base_url + "/v1/completions", json=body,
-                                             timeout=self._warm_timeout)
-            except httpx.HTTPError as exc:
-                return f"warm-up request {i + 1}/{requests} failed: {exc!r}"
-            if response.status_code != 200:
-                return f"warm-up request {i + 1}/{requests} answered {response.status_code}: {response.text[:200]}"
-        return None
-
-    def close(self) -> None:
-        self._client.close()
+        return self._client.warm(replica.base_url, self._kind, requests=requests)
 
 
 @dataclass

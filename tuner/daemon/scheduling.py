@@ -1,4 +1,5 @@
-"""APScheduler 3.x wiring, and nothing else: run one step every ``interval_seconds``; stop gracefully.
+"""APScheduler 3.x wiring, and nothing else: run one step every ``interval_seconds``; stop gracefully;
+read maintenance windows.
 
 - The cycle is an interval job with ``max_instances=1`` and ``coalesce=True``: a cycle that runs long
   (a rolling restart) delays the next one instead of overlapping it, and the missed runs collapse into
@@ -11,6 +12,11 @@
   at half the period systemd asked for while the loop is healthy (a cycle finished recently, or the
   running one is not stuck), ``STOPPING=1`` on the way out.
 
+Maintenance windows. A window is a crontab expression read as the set of minutes it matches
+(``"* 2-4 * * 6,0"`` = 02:00-04:59 on weekends), evaluated with APScheduler's ``CronTrigger`` against
+``now``. Outside every window a change that needs a restart is deferred, not dropped
+(``planning.pooling.admit``). No windows configured: restarts may happen at any time.
+
 The signal handler only records the signal; the main thread polls for it. (Setting a
 ``threading.Event`` from a handler can deadlock when the signal lands inside that Event's own lock.)
 """
@@ -21,13 +27,14 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from tuner.daemon import notify
@@ -70,9 +77,7 @@ class Loop:
         self._stop = threading.Event()
         self._busy = threading.Lock()
         self._signals_seen = 0
-        self._started_mono: float | None = None
         self._running_since: float | None = None
-        self._last_finished: float | None = None
         self.cycles = 0
 
     # -- state ----------------------------------------------------------------------------------
@@ -96,11 +101,6 @@ class Loop:
         """A cycle is running right now (a rolling restart keeps it running for minutes)."""
         return self._running_since is not None
 
-    def seconds_since_last_cycle(self) -> float | None:
-        """Since the last cycle finished (or, before the first, since the loop started)."""
-        ref = self._last_finished if self._last_finished is not None else self._started_mono
-        return None if ref is None else time.monotonic() - ref
-
     # -- running --------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the scheduler in the background (the first cycle runs at once)."""
@@ -118,7 +118,6 @@ class Loop:
             scheduler.add_job(self._ping, IntervalTrigger(seconds=max(0.5, self.watchdog_seconds / 2),
                                                           timezone=UTC),
                               id="watchdog", name="sd_notify watchdog", max_instances=1, coalesce=True)
-        self._started_mono = time.monotonic()
         scheduler.start(paused=True)  # READY=1 goes out before the first cycle's STATUS=
         self._scheduler = scheduler
         self.notifier.ready(f"running a cycle every {self.interval_seconds:g}s")
@@ -187,7 +186,6 @@ class Loop:
                 result = None
             finally:
                 self._running_since = None
-                self._last_finished = time.monotonic()
                 self.cycles += 1
         summary = getattr(result, "summary", None)
         if isinstance(summary, str):
@@ -196,3 +194,35 @@ class Loop:
     def _ping(self) -> None:
         if self.is_alive():
             self.notifier.watchdog()
+
+
+class MaintenanceWindows:
+    """Crontab expressions read as sets of minutes. Raises ValueError naming a bad expression."""
+
+    def __init__(self, expressions: Sequence[str], *, timezone: str = "UTC") -> None:
+        if not expressions:
+            raise ValueError("at least one crontab expression is needed, e.g. '* 2-4 * * *' (02:00-04:59)")
+        self.expressions = tuple(expressions)
+        self.timezone = timezone
+        self._triggers = []
+        for expr in expressions:
+            try:
+                self._triggers.append(CronTrigger.from_crontab(expr, timezone=timezone))
+            except (ValueError, TypeError, LookupError) as exc:
+                raise ValueError(f"maintenance window {expr!r}: {exc}; expected 5 crontab fields "
+                                 "(minute hour day month weekday), e.g. '* 2-4 * * 6,0'") from exc
+        self._tz = self._triggers[0].timezone
+
+    def _minute(self, now: float) -> datetime:
+        return datetime.fromtimestamp(now, self._tz).replace(second=0, microsecond=0)
+
+    def is_open(self, now: float) -> bool:
+        minute = self._minute(now)
+        return any(t.get_next_fire_time(None, minute) == minute for t in self._triggers)
+
+    def next_open(self, now: float) -> float | None:
+        """When a window next opens (now if open); None if no expression ever fires again."""
+        minute = self._minute(now)
+        times = [t.get_next_fire_time(None, minute) for t in self._triggers]
+        known = [t.timestamp() for t in times if t is not None]
+        return min(known) if known else None

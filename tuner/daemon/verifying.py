@@ -16,15 +16,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import httpx
-
 from tuner.actuators import base
 from tuner.model import dialects, snapshots
 from tuner.planning import verification
 from tuner.rollout import machine
 from tuner.signals import Signal
 from tuner.signals import engine as engine_signals
-from tuner.sources import scraping
+from tuner.sources import engines
 
 log = logging.getLogger("tuner.rollout")
 
@@ -56,10 +54,10 @@ class _Expectation:
 class SignalVerifier:
     """``rolling.Verifier`` over real ``/metrics``: ``observe`` at every poll, ``judge`` at the deadline."""
 
-    def __init__(self, client: httpx.Client, *, kind: str = "vllm", max_body_bytes: int = 16 << 20) -> None:
+    def __init__(self, client: engines.EngineClient, *, kind: str = "vllm") -> None:
         self._client = client
+        self._kind = kind
         self._dialect = dialects.DIALECTS[kind]
-        self._max_body = max_body_bytes
         self._expect: dict[str, _Expectation] = {}
         self._windows: dict[tuple[str, str, float | None], list[snapshots.Snapshot]] = {}
 
@@ -76,8 +74,7 @@ class SignalVerifier:
         return self._windows.setdefault(key, [])
 
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
-        snap = scraping.scrape(self._client, replica.base_url + "/metrics", max_body_bytes=self._max_body,
-                               keep_prefixes=self._dialect.parse_prefixes())
+        snap = self._client.metrics(replica.base_url, self._kind)
         self._window(replica, rollout).append(snap)
 
     def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:

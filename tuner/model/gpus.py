@@ -69,3 +69,11 @@ class GpuReading:
     dram_active: float | None = None  # DCGM_FI_PROF_DRAM_ACTIVE, 0..1
     sm_active: float | None = None  # DCGM_FI_PROF_SM_ACTIVE, 0..1
     error: str | None = None  # set when this GPU could not be read at all
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInputs:
+    """What one cycle read of a target's GPUs: one reading per GPU, or why there are none."""
+
+    readings: tuple[GpuReading, ...] = ()
+    unavailable: str | None = None

@@ -115,12 +115,13 @@ def deny(guard: str, reason: str) -> Verdict:
     return Verdict(False, guard, reason)
 
 
-ActionKind = Literal["keep-warm", "warm-up", "sleep", "wake"]
+ActionKind = Literal["keep-warm", "warm-up", "sleep", "wake", "power-cap", "power-restore"]
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """Something the shell should do besides changing flags (send tiny requests)."""
+    """Something the shell should do besides changing flags: tiny requests, sleep or wake the engine,
+    cap or restore the GPUs' power limit (``gpu_control``)."""
 
     kind: ActionKind
     reason: str
@@ -133,8 +134,8 @@ class Action:
         """``keep-warm ×10``, ``warm-up ×10 after the restart``, ``sleep (level 1)``, ``wake``."""
         if self.kind == "sleep":
             return f"sleep (level {self.level})"
-        if self.kind == "wake":
-            return "wake"
+        if self.kind in ("wake", "power-cap", "power-restore"):
+            return self.kind
         return f"{self.kind} ×{self.requests}{' after the restart' if self.after_restart else ''}"
 
     def as_dict(self) -> dict[str, object]:
@@ -274,6 +275,20 @@ def hot(signals: SignalSet, settings: ThermalSettings) -> str | None:
     if settings.max_temp_c is not None and temp is not None and temp >= settings.max_temp_c:
         reasons.append(f"GPU {temp:g} °C ≥ max_temp_c {settings.max_temp_c:g} °C")
     return "; ".join(reasons) or None
+
+
+def power(signals: SignalSet, settings: ThermalSettings, *, capped: bool) -> Action | None:
+    """The privileged power cap (``gpu_control``, off by default): cap while ``hot`` says the GPUs are
+    thermally stressed, restore the board's default once every thermal signal is known and clear. The
+    power cap alone (SW power cap) is never a reason: a loaded H200 sits at it far from its slowdown
+    temperature (docs/gpu-telemetry.md)."""
+    why = hot(signals, settings)
+    if why is not None:
+        return None if capped else Action("power-cap", why, requests=0)
+    known = any(_v(signals, name) is not None for name in ("thermal_throttle", "temp_margin_c", "gpu_temp_c"))
+    if capped and known:
+        return Action("power-restore", "thermal condition cleared", requests=0)
+    return None
 
 
 def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -> Verdict:

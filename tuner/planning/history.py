@@ -87,7 +87,12 @@ class History:
     last_keep_warm: float | None = None
     """When the last keep-warm requests were planned."""
     last_restart_seen: float | None = None
-    """Process start time of the last restart that got a warm-up."""
+    """Process start time of the last engine restart seen (each one gets a warm-up, the tuner's own excepted)."""
+    own_restarts_until: float | None = None
+    """When the tuner's last rollout of this replica finished: an engine start seen before then is the
+    tuner's own restart, already warmed up by the rollout (no second warm-up, no "the engine restarted")."""
+    power_capped: bool = False
+    """A GPU power cap was planned for this target's GPUs and not yet restored (``gpu_control``)."""
 
     def restarts_within(self, seconds: float, *, now: float) -> int:
         return sum(1 for t in self.restarts if now - t < seconds)
@@ -121,6 +126,12 @@ def applied(history: History, changes: Iterable[Change], *, now: float) -> Histo
 def restarted(history: History, *, now: float) -> History:
     """A restart the tuner caused without a flag change (a rollback): it counts toward the budget."""
     return replace(history, restarts=_recent((*history.restarts, now), now=now), streaks=_frozen())
+
+
+def rolled_out(history: History, *, now: float) -> History:
+    """The tuner's rollout restarted and warmed this replica just now (whatever the verdict): its next
+    engine start time is the tuner's own, and the warm-up counts as a keep-warm."""
+    return replace(history, own_restarts_until=now, last_keep_warm=now)
 
 
 def failed_to_start(history: History, args: knobs.EngineArgs, *, reason: str) -> History:
@@ -158,6 +169,8 @@ def to_dict(history: History) -> dict[str, Any]:
         "idle_since": history.idle_since,
         "last_keep_warm": history.last_keep_warm,
         "last_restart_seen": history.last_restart_seen,
+        "own_restarts_until": history.own_restarts_until,
+        "power_capped": history.power_capped,
     }
 
 
@@ -178,4 +191,6 @@ def from_dict(data: Mapping[str, Any]) -> History:
         idle_since=data.get("idle_since"),
         last_keep_warm=data.get("last_keep_warm"),
         last_restart_seen=data.get("last_restart_seen"),
+        own_restarts_until=data.get("own_restarts_until"),
+        power_capped=bool(data.get("power_capped", False)),
     )

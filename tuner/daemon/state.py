@@ -1,0 +1,103 @@
+"""The tuner's state between cycles, in one place: per target its step state (window, history, the
+engine start last seen) and the engine arguments the tuner owns; the pool's pending change.
+
+Only the loop thread changes it. What must survive a restart of the tuner — the owned arguments and
+each target's ``History`` (cooldowns, hysteresis, restart budget, crash memory) — is saved to
+``daemon.state_file`` after every change (atomic write, fsync). Windows and a pending change are not:
+a restarted tuner rebuilds its windows in ``window_seconds`` and re-plans what still holds then.
+
+Owned arguments: ``targets[].args`` at first, then what the last finished rollout left. An edited
+configuration wins over the tuner's own changes (the saved ``config_args`` no longer match).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tuner import config
+from tuner.actuators.files import write_atomically
+from tuner.daemon.results import CycleResult
+from tuner.errors import ConfigError
+from tuner.model import knobs
+from tuner.planning import history as history_mod
+from tuner.planning import pooling, stepping
+
+
+@dataclass
+class TunerState:
+    targets: dict[str, stepping.TargetState]
+    args: dict[str, knobs.EngineArgs]
+    config_args: dict[str, list[str]]
+    path: Path | None = None  # None: never saved (the CLI's one-shot uses)
+    pending: pooling.Pending | None = None
+    started_at: float = field(default_factory=time.time)
+    number: int = 0  # cycles run
+    last: CycleResult | None = None  # the last cycle's result (what /status and /healthz read)
+    rollout_state: Mapping[str, Any] = field(default_factory=dict)  # the rollout as it stands (/status)
+
+    @classmethod
+    def fresh(cls, targets: Sequence[config.Target], *, path: Path | None = None) -> TunerState:
+        return cls(targets={t.name: stepping.TargetState() for t in targets},
+                   args={t.name: knobs.EngineArgs.parse(t.args or []) for t in targets},
+                   config_args={t.name: list(t.args or []) for t in targets}, path=path)
+
+    @classmethod
+    def load(cls, path: Path, targets: Sequence[config.Target]) -> TunerState:
+        """The saved state for these targets (a fresh one where nothing was saved). A file that cannot
+        be read is a ``ConfigError`` naming it: the tuner does not start on state it cannot trust."""
+        state = cls.fresh(targets, path=path)
+        if not path.exists():
+            return state
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            saved_targets = data["targets"]
+            if not isinstance(saved_targets, dict):
+                raise TypeError("targets is not a mapping")
+            for name, saved in saved_targets.items():
+                if name not in state.args:
+                    continue  # a target removed from the config
+                if saved.get("config_args") == state.config_args[name] and saved.get("args") is not None:
+                    state.args[name] = knobs.EngineArgs.parse([str(a) for a in saved["args"]])
+                if saved.get("history"):
+                    state.set_history(name, history_mod.from_dict(saved["history"]))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(str(path), [("", f"the tuner's state file cannot be read ({type(exc).__name__}: "
+                                               f"{exc}); move it aside to start from an empty history")]) from exc
+        return state
+
+    def history(self, name: str) -> history_mod.History:
+        return self.targets[name].history
+
+    def set_history(self, name: str, history: history_mod.History) -> None:
+        self.targets[name] = replace(self.targets[name], history=history)
+
+    def histories(self) -> dict[str, history_mod.History]:
+        return {name: t.history for name, t in self.targets.items()}
+
+    def current_args(self, name: str) -> dict[str, str]:
+        """The flags with values the tuner believes ``name`` runs (for ``tuner_engine_arg_info``)."""
+        args = self.args[name]
+        return {f: str(v) for f in args.flags() if (v := args.get(f)) is not None}
+
+    def book(self, histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.EngineArgs]) -> None:
+        """Take a booked rollout (``pooling.book``) and persist it."""
+        for name, h in histories.items():
+            self.set_history(name, h)
+        self.args.update(args)
+        self.save()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"targets": {name: {"args": self.args[name].argv(), "config_args": self.config_args[name],
+                                   "history": history_mod.to_dict(self.history(name))}
+                            for name in self.args}}
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, json.dumps(self.as_json(), indent=1).encode(), mode=0o600)

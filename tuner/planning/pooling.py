@@ -1,0 +1,182 @@
+"""The pool's decision: every replica's plan → one change for the whole pool, when it may go out, and
+what its rollout does to the tuner's state. Pure; ``now`` is passed in.
+
+The targets of one configuration are one pool of interchangeable replicas (same model, same flags but
+their ports). Each replica is planned on its own signals (``stepping.step``); the pool then rolls ONE
+change out to every replica, one at a time, so the pool never runs mixed arguments longer than a
+rollout takes. Three pure functions, called by the daemon and by ``replay`` alike:
+
+- ``choose``: which change (the first replica by name whose plan has one), every replica's new
+  arguments (``knobs.with_knob``, so each engine kind gets its own spelling — SGLang's chunked prefill
+  is ``--chunked-prefill-size -1``, not ``true``), the checks its verification applies, and the actions
+  to take now: keep-warm, sleep and wake per replica; at most one GPU power action for the pool (a cap
+  wins over a restore). Warm-ups tied to a restart are the rollout's own WARM step.
+- ``admit``: maintenance windows. Outside every window a change is deferred, not dropped: it stays
+  pending (a newer change replaces it) and goes out in the first cycle inside a window, recomputed
+  against the arguments of that moment.
+- ``book``: a finished rollout → the owned arguments and histories. A replica moved to the new arguments
+  keeps them and books the change (cooldown, hysteresis, budget); one rolled back books the restart and
+  remembers the arguments — for good when the engine could not run them, for ``reject_seconds`` when
+  they did no good; when the pool rolled back, every other replica remembers them as rejected too.
+  Every replica the rollout touched was restarted and warmed by it (``history.rolled_out``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from tuner.model import knobs
+from tuner.planning import guards, verification
+from tuner.planning import history as history_mod
+from tuner.planning.planner import DecisionSettings, Plan, known_defaults
+from tuner.signals import SignalSet
+
+Result = Literal["ok", "rolled_back", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolChange:
+    """One change for the whole pool, as its rollout carries it."""
+
+    id: str  # the rollout's id
+    plan: Plan  # the plan that proposed it (the leader's): its changes go to every replica
+    new_args: Mapping[str, knobs.EngineArgs]  # every replica's arguments after the change
+    checks: tuple[verification.Check, ...]
+
+    @property
+    def leader(self) -> str:
+        return self.plan.target
+
+    @property
+    def changes(self) -> tuple[history_mod.Change, ...]:
+        return self.plan.changes
+
+    def text(self) -> str:
+        """``--max-num-seqs 8→16``."""
+        return ", ".join(f"{c.flag} {knobs.format_value(c.from_value)}→{knobs.format_value(c.to_value)}"
+                         for c in self.changes)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    change: PoolChange | None = None
+    refused: str | None = None  # why the wanted change cannot go out (a replica's new arguments are invalid)
+    actions: tuple[tuple[str, guards.Action], ...] = ()  # (replica, action) to take now
+
+
+def choose(plans: Mapping[str, Plan], args: Mapping[str, knobs.EngineArgs], *, kind: knobs.EngineKind,
+           settings: DecisionSettings, signals: Mapping[str, SignalSet], now: float) -> PoolPlan:
+    """The pool's plan for this cycle (``choose`` in the module docstring). ``args``: every replica's
+    current arguments (the pool); ``signals``: each replica's, for the defaults its engine reports."""
+    actions: list[tuple[str, guards.Action]] = []
+    power: tuple[str, guards.Action] | None = None
+    for name in sorted(plans):
+        for action in plans[name].actions:
+            if action.after_restart:
+                continue  # the rollout's WARM step
+            if action.kind in ("power-cap", "power-restore"):
+                if power is None or (action.kind == "power-cap" and power[1].kind != "power-cap"):
+                    power = (name, action)
+                continue
+            actions.append((name, action))
+    if power is not None:
+        actions.append(power)
+    wanting = [name for name in sorted(plans) if plans[name].changes]
+    if not wanting:
+        return PoolPlan(actions=tuple(actions))
+    change, refused = change_for(plans[wanting[0]], args, kind=kind, settings=settings, signals=signals, now=now)
+    return PoolPlan(change=change, refused=refused, actions=tuple(actions))
+
+
+def change_for(plan: Plan, args: Mapping[str, knobs.EngineArgs], *, kind: knobs.EngineKind,
+               settings: DecisionSettings, signals: Mapping[str, SignalSet], now: float
+               ) -> tuple[PoolChange | None, str | None]:
+    """``plan``'s changes applied to every replica's arguments; or None and why not."""
+    new_args: dict[str, knobs.EngineArgs] = {}
+    for name, current in args.items():
+        after = current
+        for c in plan.changes:
+            after = knobs.with_knob(after, c.knob, c.to_value, kind=kind)
+        defaults = known_defaults(signals.get(name, {}), settings, kind)
+        problems = knobs.validate(after, kind, platform=settings.engine.platform, defaults=defaults)
+        if problems:
+            return None, f"not rolled out: {name}: {'; '.join(problems)}"
+        new_args[name] = after
+    return PoolChange(id=f"r{int(now)}", plan=plan, new_args=new_args,
+                      checks=verification.checks_of(plan.changes)), None
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A change waiting for a maintenance window: the plan that proposed it, since when, why."""
+
+    plan: Plan
+    since: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    hand_over: PoolChange | None  # goes to the rollout now
+    pending: Pending | None  # waits (for a window, or because the tuner is stopping)
+    deferred_now: bool = False  # this cycle's change was deferred
+    released: bool = False  # a pending change went out because a window is open
+    dropped: str | None = None  # a pending change that no longer applies, and why
+
+
+def admit(pool: PoolPlan, pending: Pending | None, *, window_open: bool | None, stopping: bool,
+          closed_reason: str, now: float, args: Mapping[str, knobs.EngineArgs], kind: knobs.EngineKind,
+          settings: DecisionSettings, signals: Mapping[str, SignalSet]) -> Admission:
+    """``admit`` of the module docstring. ``window_open``: None when no windows are configured. A
+    pending change is chosen again against ``args`` (the arguments of now) when it is released."""
+    fresh = pool.change
+    if fresh is not None:
+        if stopping:
+            return Admission(None, Pending(fresh.plan, now, "the tuner was stopping"))
+        if window_open is False:
+            return Admission(None, Pending(fresh.plan, now, closed_reason), deferred_now=True)
+        return Admission(fresh, None)  # a fresh change supersedes anything pending
+    if pending is None or window_open is False or stopping:
+        return Admission(None, pending)
+    change, refused = change_for(pending.plan, args, kind=kind, settings=settings, signals=signals, now=now)
+    if change is None:
+        return Admission(None, None, dropped=refused)
+    return Admission(change, None, released=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOutcome:
+    """How one replica left the rollout."""
+
+    result: Result
+    tried: knobs.EngineArgs  # the arguments the rollout moved it to
+    reason: str = ""
+    bad_args: bool = False  # the engine could not run them (never proposed again)
+
+
+def book(histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.EngineArgs], *,
+         changes: Sequence[history_mod.Change], outcomes: Mapping[str, ReplicaOutcome],
+         pool_new_args: Mapping[str, knobs.EngineArgs], rolled_back: bool, now: float, reject_seconds: float,
+         ) -> tuple[dict[str, history_mod.History], dict[str, knobs.EngineArgs]]:
+    """``book`` of the module docstring: the histories and owned arguments after a finished rollout."""
+    hist, owned = dict(histories), dict(args)
+    for name, out in outcomes.items():
+        h = history_mod.rolled_out(hist[name], now=now)
+        if out.result == "ok":
+            owned[name] = out.tried
+            h = history_mod.applied(h, changes, now=now)
+        else:
+            h = history_mod.restarted(h, now=now)
+            why = out.reason or "rolled back"
+            h = history_mod.failed_to_start(h, out.tried, reason=why) if out.bad_args else \
+                history_mod.rejected(h, out.tried, reason=why, now=now, for_seconds=reject_seconds)
+        hist[name] = h
+    if rolled_back:  # one replica failed: the pool stays on the old arguments
+        for name in hist:
+            if name not in outcomes and name in pool_new_args:
+                hist[name] = history_mod.rejected(hist[name], pool_new_args[name],
+                                                  reason="rolled back on another replica", now=now,
+                                                  for_seconds=reject_seconds)
+    return hist, owned
