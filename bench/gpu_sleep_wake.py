@@ -1,6 +1,6 @@
 """Prove the engine client's sleep mode calls (``tuner.sources.engines.EngineClient``) against REAL vLLM on a REAL GPU.
 
-Run on the GPU machine (vLLM unpacked into /tmp/site, see /work/shared/gpu/README.md), from the repo root:
+Run on a GPU machine with vLLM importable (e.g. unpacked into /tmp/site with PYTHONPATH set), from the repo root:
 
     PYTHONPATH=/tmp/site:. VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/gpu_sleep_wake.py OUT.json
 

@@ -39,7 +39,7 @@ def engines() -> Iterator[EngineClient]:
 
 @pytest.fixture(scope="module")
 def queued() -> Iterator[sim.SimServer]:
-    """Slot-bound, like evidence-h200.md's --max-num-seqs 8 run: 32 users, 8 sequence slots."""
+    """Slot-bound, like docs/evidence-h200.md's --max-num-seqs 8 run: 32 users, 8 sequence slots."""
     with sim.start([*VLLM_ARGS, "--sim-concurrency", "32"], time_scale=4.0) as server:
         yield server
 
@@ -121,12 +121,12 @@ def test_exposition_speaks_vllm_0_32(queued: sim.SimServer, http: httpx.Client) 
     # request-token buckets: 1-2-5 capped at --max-model-len (4096)
     assert bounds("vllm:request_prompt_tokens")[:-1] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
     assert bounds("vllm:request_params_max_tokens")[:-1] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
-    assert sim.build_1_2_5_buckets(32768)[-1] == 20000  # contracts.md §1.2's example
+    assert sim.build_1_2_5_buckets(32768)[-1] == 20000  # engine-contract.md §1.2's example
     info = families["vllm:cache_config_info"].samples[0].labels
     assert set(info) == {*sim.CACHE_CONFIG_KEYS, "engine"}
     assert info["block_size"] == "16" and info["gpu_memory_utilization"] == "0.85"
     assert info["enable_prefix_caching"] == "True" and info["num_gpu_blocks"] == "53586"  # evidence: 53,586
-    assert "vllm:gpu_cache_usage_perc" not in text  # removed in 0.32 (contracts.md §1.4)
+    assert "vllm:gpu_cache_usage_perc" not in text  # removed in 0.32 (engine-contract.md §1.4)
 
 
 def test_http_surface(queued: sim.SimServer, http: httpx.Client) -> None:
@@ -173,7 +173,7 @@ def test_raising_max_num_seqs_trades_latency_for_throughput() -> None:
 
 
 def test_a_kv_bound_engine_preempts() -> None:
-    """evidence-h200.md's KV-bound run: more slots than KV room → KV ~1, preemptions, running < slots."""
+    """docs/evidence-h200.md's KV-bound run: more slots than KV room → KV ~1, preemptions, running < slots."""
     cfg = sim.config_from_args(["--max-num-seqs", "256", "--max-model-len", "4096", "--gpu-memory-utilization",
                                 "0.2", "--sim-concurrency", "128", "--sim-prompt-tokens", "3072",
                                 "--sim-output-tokens", "512", "--sim-max-tokens", "1024"])

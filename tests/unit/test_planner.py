@@ -27,7 +27,7 @@ def sig(**values):
 BUSY = dict(window_seconds=60, request_rate=2, idle_seconds=0, prompt_tokens_per_s=500, itl_p99_s=0.02, preemptions_per_s=0,
             requests_rejected_per_s=0, thermal_throttle=0, hw_slowdown=0, temp_margin_c=30, gpu_temp_c=59,
             power_capped=0)
-# H200 at --max-num-seqs 8: running = 8, 112-120 waiting, KV ~1 % (evidence-h200.md)
+# H200 at --max-num-seqs 8: running = 8, 112-120 waiting, KV ~1 % (docs/evidence-h200.md)
 QUEUE_BOUND = BUSY | dict(requests_running=8, requests_running_max=8, requests_waiting=115, requests_waiting_max=120,
                           queue_time_mean_s=14.5, kv_cache_usage=0.01, kv_cache_usage_max=0.012, preemptions_per_s=0,
                           kv_cache_max_concurrency=209)

@@ -2,7 +2,7 @@
 
 This is the one alias table of the project. Each concept maps to candidate *family* names, newest
 first; the first one present in a snapshot wins. Older vLLM names (removed in 0.12-0.14, see
-contracts.md §1.4) stay here as fallbacks so older engines keep working.
+engine-contract.md §1.4) stay here as fallbacks so older engines keep working.
 """
 
 from __future__ import annotations

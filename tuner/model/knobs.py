@@ -19,7 +19,7 @@ chunked_prefill (bool)        --[no-]enable-chunked-prefill   --chunked-prefill-
 ============================  ==============================  ==================================
 
 Values are text in argv and numbers here: ``parse_int`` reads vLLM's human-readable integers
-(``1k`` = 1000, ``1K`` = 1024, ``25.6k`` = 25600; contracts.md §2). ``effective`` answers "what does
+(``1k`` = 1000, ``1K`` = 1024, ``25.6k`` = 25600; engine-contract.md §2). ``effective`` answers "what does
 the engine run with" when a flag is absent — vLLM's defaults depend on the platform (GPU memory,
 CPU), so the caller passes the defaults it knows (``documented_defaults`` plus live config signals);
 an unknown default is ``None`` with a reason, never a guess. ``validate`` implements vLLM's startup
@@ -55,7 +55,7 @@ class Knob:
     sglang: str | None
     description: str
     aliases: tuple[str, ...] = ()  # other spellings the engines accept for the same setting
-    restart: bool = True  # every knob here is fixed at startup (contracts.md §3: no runtime endpoint)
+    restart: bool = True  # every knob here is fixed at startup (engine-contract.md §3: no runtime endpoint)
 
     def flag(self, kind: EngineKind) -> str | None:
         return self.vllm if kind == "vllm" else self.sglang
@@ -473,7 +473,7 @@ def documented_defaults(
     gpu_name: str | None = None,
     parallel: int = 1,
 ) -> dict[str, Value]:
-    """The defaults vLLM documents for ``vllm serve`` (contracts.md §2), as far as the inputs allow.
+    """The defaults vLLM documents for ``vllm serve`` (engine-contract.md §2), as far as the inputs allow.
 
     ``platform`` "cuda" needs ``gpu_memory_gib`` (per GPU) for the scheduler budgets; "cpu" does not.
     ``parallel`` is TP × PP. Anything that cannot be derived is left out (→ unknown in ``effective``).
@@ -523,7 +523,7 @@ class BlockSizes:
         return "a positive integer"
 
 
-# contracts.md §2 "Block-size constraints by platform". "cuda" means FlashAttention/Triton (the default
+# engine-contract.md §2 "Block-size constraints by platform". "cuda" means FlashAttention/Triton (the default
 # backends for standard models); name the backend for the others.
 BLOCK_SIZES: Mapping[str, BlockSizes] = MappingProxyType({
     "cuda": BlockSizes(multiple_of=16, note="FlashAttention/Triton"),

@@ -367,7 +367,7 @@ def max_model_len_floor(signals: SignalSet, settings: SafetySettings) -> Floor:
     """The smallest --max-model-len that rejects no observed request, plus the margin.
 
     vLLM returns 400 when ``max_tokens > max_model_len`` or when the prompt alone reaches it; when
-    prompt + max_tokens exceeds it, output is silently cut (contracts.md §4). So the need is the
+    prompt + max_tokens exceeds it, output is silently cut (engine-contract.md §4). So the need is the
     largest of: prompt_tokens_p99 + max_tokens_p99 (typical requests complete), prompt_tokens_max + 1
     and max_tokens_max (no request since start is refused). The token signals are bucket *upper*
     bounds already; one that fell above the highest finite bucket is only a lower bound, so the need

@@ -1,11 +1,9 @@
 """What the planner remembers between cycles, as one frozen value with pure update functions.
 
-The daemon keeps one ``History`` per target and threads it through::
-
-    p = planner.plan(target, signals, args, history, settings, rules=rules, now=now)
-    history = p.history                                    # streaks, idle, keep-warm: always
-    if applied:   history = history_mod.applied(history, p.changes, now=now)
-    if failed:    history = history_mod.failed_to_start(history, p.args_after, reason=...)
+Each target's ``History`` travels in its ``stepping.TargetState``: every step takes the plan's history
+(streaks, idle, keep-warm), and ``pooling.book`` records what a finished rollout did — ``applied`` (the
+change went out), ``restarted`` + ``failed_to_start`` / ``rejected`` (rolled back), ``rolled_out`` (the
+tuner's own restart, warmed up by its rollout).
 
 Nothing here reads a clock or a file; ``to_dict``/``from_dict`` give a JSON shape for the daemon's
 state file.

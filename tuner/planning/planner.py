@@ -107,7 +107,7 @@ class Plan:
 
     @property
     def restart_needed(self) -> bool:
-        """Every knob is fixed at engine start (contracts.md §3), so any change means a restart."""
+        """Every knob is fixed at engine start (engine-contract.md §3), so any change means a restart."""
         return bool(self.changes)
 
     @property

@@ -5,7 +5,7 @@ Run it like vLLM (the process actuator does)::
     python -m tuner.sim.engine --port 8001 --max-num-seqs 8 --sim-concurrency 64
 
 THIS IS NOT vLLM. The model id is ``SIMULATED-…``, every response carries ``X-Simulated-Engine``, the
-first log line says so. What is faithful (contracts.md §1-§4):
+first log line says so. What is faithful (engine-contract.md §1-§4):
 
 - ``/metrics``: vLLM 0.32's families with its types, ``model_name``/``engine`` labels, HELP texts and
   bucket lists (request-token histograms: 1-2-5 buckets capped at ``--max-model-len``), written by
@@ -21,7 +21,7 @@ first log line says so. What is faithful (contracts.md §1-§4):
   chunked prefill off, a KV cache too small for one ``max_model_len`` request, a block size no CUDA
   attention backend takes), exiting 1 with vLLM's wording.
 
-The model (``GpuModel``) is an 8B-shaped Llama on an H200, calibrated on evidence-h200.md: KV capacity
+The model (``GpuModel``) is an 8B-shaped Llama on an H200, calibrated on docs/evidence-h200.md: KV capacity
 from ``--gpu-memory-utilization`` (0.85 → ~857k tokens, 0.2 → ~113k), one engine step costs
 4.6 ms + 0.045 ms per running sequence + 0.0232 ms per prefill token, so 8 → 128 sequences gives ≈4×
 throughput with ≈2× median inter-token latency, and an 8192-token prefill chunk makes a ~200 ms ITL
@@ -68,7 +68,7 @@ SIM_HEADER = "X-Simulated-Engine"
 SIM_HEADER_VALUE = "vllm-tuner-sim (a queueing model, not vLLM)"
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
-# --- vLLM 0.32's bucket lists (v1/metrics/buckets.py, contracts.md §1.2) ------------------------------
+# --- vLLM 0.32's bucket lists (v1/metrics/buckets.py, engine-contract.md §1.2) ------------------------------
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -99,7 +99,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 @dataclass(frozen=True)
 class GpuModel:
-    """An 8B-shaped Llama (32 layers, 8 KV heads × 128, bf16) on one H200, calibrated on evidence-h200.md."""
+    """An 8B-shaped Llama (32 layers, 8 KV heads × 128, bf16) on one H200, calibrated on docs/evidence-h200.md."""
 
     name: str = "NVIDIA H200 (simulated)"
     memory_gib: float = 139.8
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(ns: argparse.Namespace, *, gpu: GpuModel = H200) -> SimConfig:
-    """vLLM's defaults and start-up checks (contracts.md §2); raises StartupError like vLLM would fail."""
+    """vLLM's defaults and start-up checks (engine-contract.md §2); raises StartupError like vLLM would fail."""
     model = ns.model or ns.model_tag or "SIMULATED-llama-8b"
     if not model.startswith("SIMULATED-"):
         model = f"SIMULATED-{model}"
@@ -263,7 +263,7 @@ def resolve(ns: argparse.Namespace, *, gpu: GpuModel = H200) -> SimConfig:
             f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
             f"(max_position_embeddings={gpu.max_position_embeddings}). Make sure the value is correct and within "
             "the model context size.")
-    # H200-class GPU (≥ 70 GiB, not A100): 1024 sequences, 8192 batched tokens (contracts.md §2)
+    # H200-class GPU (≥ 70 GiB, not A100): 1024 sequences, 8192 batched tokens (engine-contract.md §2)
     batched = 8192 if ns.max_num_batched_tokens is None else int(ns.max_num_batched_tokens)
     if ns.max_num_batched_tokens is None and not chunked:
         batched = max(max_model_len if max_model_len > 0 else gpu.max_position_embeddings, batched)
@@ -434,7 +434,7 @@ class VllmMetrics:
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      [*labels, "engine"], registry=r)
         info.labels(**labels, engine="0").set(1)
-        # prometheus_fastapi_instrumentator's counter (contracts.md §1.1)
+        # prometheus_fastapi_instrumentator's counter (engine-contract.md §1.1)
         self.http = Counter("http_requests_total", "Total number of requests by method, status and handler.",
                             ["handler", "method", "status"], registry=r)
         start = Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
@@ -552,7 +552,7 @@ class SimEngine:
         cfg = self.cfg
         prompt = min(self._draw(cfg.prompt_tokens), cfg.max_model_len - 1)
         max_tokens = min(cfg.max_tokens, cfg.max_model_len)
-        max_tokens = max(1, min(max_tokens, cfg.max_model_len - prompt))  # vLLM clamps (contracts.md §4)
+        max_tokens = max(1, min(max_tokens, cfg.max_model_len - prompt))  # vLLM clamps (engine-contract.md §4)
         output = min(self._draw(cfg.output_tokens), max_tokens)
         return self._new(prompt, output, max_tokens, user)
 
@@ -916,7 +916,7 @@ class SimServer:
                                "sure that `max_model_len` is no smaller than the number of text tokens plus "
                                "multimodal tokens.", "input_tokens", prompt)
         limit = cfg.max_model_len - prompt
-        max_tokens = limit if max_tokens is None else min(max_tokens, limit)  # clamped (contracts.md §4)
+        max_tokens = limit if max_tokens is None else min(max_tokens, limit)  # clamped (engine-contract.md §4)
         output = max_tokens if body.get("ignore_eos") else min(max_tokens, self.engine._draw(cfg.output_tokens))
         if not self.engine.accepting:
             return 503, _error("The server is shutting down (SIMULATED engine).", None, None, code=503)
@@ -953,7 +953,7 @@ def _error(message: str, param: str | None, value: Any, *, code: int = 400) -> d
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-# prometheus_fastapi_instrumentator leaves these out of http_requests_total (contracts.md §1.1)
+# prometheus_fastapi_instrumentator leaves these out of http_requests_total (engine-contract.md §1.1)
 _UNINSTRUMENTED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
 _ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/sim/load", "/sim/drain",
                      "/sim/undrain", "/sim/state"})
@@ -1027,7 +1027,7 @@ def _handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
             return self._json(404, {"detail": "Not Found"})
 
         def _sleep_route(self, method: str, path: str) -> int:
-            """vLLM's dev-mode sleep routes (contracts.md §3), present only with VLLM_SERVER_DEV_MODE=1."""
+            """vLLM's dev-mode sleep routes (engine-contract.md §3), present only with VLLM_SERVER_DEV_MODE=1."""
             query = urllib.parse.parse_qs(self.path.partition("?")[2])
             if path == "/is_sleeping" and method == "GET":
                 return self._json(200, {"is_sleeping": engine.sleep_level is not None})

@@ -1,0 +1,91 @@
+"""The shape of the code, held by tests: every module has a layer, one decision path, one engine client,
+and nothing points outside the repository."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TUNER = ROOT / "tuner"
+STANDALONE = {"tuner.sim", "tuner.launcher"}  # held by their own forbidden contracts
+ROOT_MODULES = {"tuner", "tuner.__main__", "tuner.data"}
+
+
+def contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def top_level_modules() -> set[str]:
+    out = set()
+    for p in TUNER.iterdir():
+        if p.name.startswith((".", "_")) and p.name != "__main__.py":
+            continue
+        if p.is_dir() and (p / "__init__.py").exists():
+            out.add(f"tuner.{p.name}")
+        elif p.suffix == ".py":
+            out.add(f"tuner.{p.stem}")
+    return out
+
+
+def test_every_module_of_tuner_sits_in_a_layer_or_stands_alone() -> None:
+    (layers,) = [c for c in contracts() if c["type"] == "layers"]
+    layered = {m.strip() for layer in layers["layers"] for m in layer.split("|")}
+    standalone = {m for c in contracts() if c["type"] == "forbidden" for m in c["source_modules"]} & STANDALONE
+    missing = top_level_modules() - layered - standalone - ROOT_MODULES
+    assert not missing, f"modules in no import-linter contract: {sorted(missing)}"
+    assert any(c["type"] == "acyclic_siblings" and c["ancestors"] == ["tuner"] for c in contracts())
+
+
+def _grep(pattern: str) -> list[str]:
+    rx = re.compile(pattern)
+    hits = []
+    for p in TUNER.rglob("*.py"):
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if rx.search(code) and not code.lstrip().startswith(('"', "'")) and "``" not in code:
+                hits.append(f"{p.relative_to(ROOT)}:{i}")
+    return hits
+
+
+def test_one_decision_path() -> None:
+    """The planner, the engine signals and the GPU signals are called by the step alone (the rollout's
+    verification computes the signals of its own window after a change)."""
+    assert [h.split(":")[0] for h in _grep(r"\bplanner\.plan\(")] == ["tuner/planning/stepping.py"]
+    assert sorted({h.split(":")[0] for h in _grep(r"\bengine_signals\.compute\(")}) == [
+        "tuner/daemon/verifying.py", "tuner/planning/stepping.py"]
+    assert {h.split(":")[0] for h in _grep(r"\bgpu_signals\.compute\(")} == {"tuner/planning/stepping.py"}
+    assert not _grep(r"def timeline\(")
+
+
+def test_one_engine_client() -> None:
+    """Only tuner/sources speaks HTTP as a client (the http drainer talks to a load balancer, not an engine)."""
+    users = {h.split(":")[0] for h in _grep(r"^\s*(import httpx|from httpx|import httpcore|import urllib\.request)")}
+    assert users <= {"tuner/sources/engines.py", "tuner/sources/scraping.py", "tuner/sources/transport.py",
+                     "tuner/actuators/draining.py"}, users
+
+
+def test_no_project_file_points_outside_the_repository() -> None:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    bad = []
+    for name in files:
+        path = ROOT / name
+        if path.is_symlink() or not path.is_file() or path.suffix in (".prom", ".whl"):
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if re.search(r"/work/|\.\./shared\b|shared/reference|shared/gpu", line):
+                bad.append(f"{name}:{i}: {line.strip()[:100]}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", ["rules/default.yaml"])
+def test_the_checkout_paths_users_read_lead_to_the_shipped_files(path: str) -> None:
+    assert (ROOT / path).resolve() == (TUNER / "data" / "rules" / "default.yaml").resolve()
