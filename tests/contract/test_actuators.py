@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.support import nginx as nginx_support
+from tests.support import required
 from tests.support import systemd as systemd_support
 from tuner.actuators import base, draining, fake, process, systemd
 from tuner.errors import PermanentActuatorError
@@ -56,9 +57,7 @@ def dropin(env_dir: Path) -> str:
 
 @pytest.fixture(scope="session")
 def private_systemd() -> Iterator[systemd_support.PrivateSystemd]:
-    reason = systemd_support.skip_reason()
-    if reason:
-        pytest.skip(f"real systemd unavailable: {reason}")
+    required.need(systemd_support.skip_reason(), "real systemd")
     with systemd_support.PrivateSystemd() as sd:
         env_dir = sd.shared_dir / "env"
         env_dir.mkdir()
@@ -327,8 +326,7 @@ def drain_world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Drai
     ports = {"a": nginx_support.free_port(), "b": nginx_support.free_port()}
     replicas = [base.Replica(n, f"http://127.0.0.1:{p}") for n, p in ports.items()]
     if request.param == "nginx":
-        if nginx_support.skip_reason():
-            pytest.skip(str(nginx_support.skip_reason()))
+        required.need(nginx_support.skip_reason(), "real nginx")
         with nginx_support.NginxBalancer({n: f"127.0.0.1:{p}" for n, p in ports.items()}) as lb:
             d = lb.drainer(settle_seconds=0.2)
             yield DrainWorld(d, lambda n: f"127.0.0.1:{ports[n]} max_fails=0 down;" in lb.upstream_file.read_text())
@@ -383,8 +381,7 @@ def test_draining_an_unknown_replica_is_a_permanent_error(drain_world: DrainWorl
 
 
 def test_nginx_really_stops_routing_to_a_drained_replica(tmp_path: Path) -> None:
-    if nginx_support.skip_reason():
-        pytest.skip(str(nginx_support.skip_reason()))
+    required.need(nginx_support.skip_reason(), "real nginx")
     ports = {"a": nginx_support.free_port(), "b": nginx_support.free_port()}
     engines = process.ProcessActuator([base.Replica(n, "") for n in ports], command=[sys.executable, str(STUB)],
                                       state_dir=tmp_path)

@@ -33,8 +33,8 @@ import pytest
 
 from tests.support import live_rollout as live
 from tests.support import nginx as nginx_support
+from tests.support import required, vllm
 from tests.support import systemd as systemd_support
-from tests.support import vllm
 from tuner.actuators import base, systemd
 from tuner.rollout import journal as journaling
 
@@ -123,9 +123,7 @@ class SystemdPool:
 @pytest.fixture(scope="module")
 def sd_pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdPool]:
     live.require_nginx()
-    reason = systemd_support.skip_reason()
-    if reason:
-        pytest.skip(f"real systemd unavailable: {reason}")
+    required.need(systemd_support.skip_reason(), "real systemd")
     work = tmp_path_factory.mktemp("systemd-live")
     ports = {n: nginx_support.free_port() for n in NAMES}
     with systemd_support.PrivateSystemd() as sd, \

@@ -1,7 +1,11 @@
+"""`make demo` as a newcomer runs it: the recorded real scenarios, then the live loop on simulated replicas."""
+
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +24,7 @@ def test_demo_recorded_part_shows_decisions_with_reasons():
     assert "queue-slot-bound" not in kv.split("result")[0].replace("kv-preemption-cap", "")
 
 
+@pytest.mark.slow
 def test_demo_live_part_rolls_simulated_replicas_to_better_flags():
     """The real daemon (`vllm-tuner run`, apply mode, process actuator) on two simulated replicas."""
     proc = subprocess.run([sys.executable, "-m", "tuner", "demo", "--seconds", "170"], capture_output=True,

@@ -19,19 +19,17 @@ def test_recommend_live_on_a_slot_bound_engine(tmp_path):
             "targets": [{"name": "sim", "metrics_url": f"{server.base_url}/metrics",
                          "args": ["--max-num-seqs", "8"]}],
         }))
-        proc = subprocess.run([sys.executable, "-m", "tuner", "recommend", "--config", str(cfg), "--samples", "6",
+        # 8 scrapes: 7 windows of ≥ 2 snapshots, more than queue-slot-bound's `for: 3` needs to fire
+        proc = subprocess.run([sys.executable, "-m", "tuner", "recommend", "--config", str(cfg), "--samples", "8",
                                "--window-seconds", "1.5", "--min-snapshots", "2", "--format", "json"],
                               capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out["signals"]["requests_running_max"] == 8  # slots pinned (an instant may show 7)
         assert out["signals"]["requests_waiting_max"] > 0
-        flags = {r["flag"]: r for r in out["recommendations"]}
-        held = {h["rule"]: h for h in out["held"]}
-        # either already sustained, or waiting for its sustain windows: never anything else
-        assert "--max-num-seqs" in flags or "queue-slot-bound" in held, (out["recommendations"], out["held"])
-        if "--max-num-seqs" in flags:
-            assert flags["--max-num-seqs"]["to"] == "16"
+        (rec,) = out["recommendations"]
+        assert (rec["flag"], rec["from"], rec["to"], rec["rule"]) == ("--max-num-seqs", "8", "16", "queue-slot-bound")
+        assert out["held"] == [], out["held"]
         assert server.cfg.max_num_seqs == 8  # a dry run changed nothing
     finally:
         server.shutdown(timeout_seconds=5)

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.support import nginx as nginx_support
+from tests.support import required
 from tuner.actuators import base, fake, process
 from tuner.daemon import rolling
 from tuner.errors import PermanentActuatorError
@@ -33,7 +34,12 @@ from tuner.sources.engines import EngineClient
 STUB = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"
 LIMITS = machine.Limits(idle_timeout_seconds=10, stop_timeout_seconds=10, start_timeout_seconds=20,
                         start_margin_seconds=10, verify_seconds=2, warmup_requests=2)
-pytestmark = pytest.mark.skipif(nginx_support.skip_reason() is not None, reason=str(nginx_support.skip_reason()))
+pytestmark = pytest.mark.usefixtures("real_nginx")
+
+
+@pytest.fixture(scope="module")
+def real_nginx() -> None:
+    required.need(nginx_support.skip_reason(), "real nginx")
 
 
 class Load:

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import nginx as nginx_support
+from tests.support import required
 from tests.support import systemd as systemd_support
 from tuner.actuators import settings
 
@@ -55,8 +56,7 @@ def seconds(value: str) -> float:
 def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     # verify insists that ExecStart's binaries exist: give it stand-ins on a tmpfs over /usr/local/bin
     # in a private mount namespace, so the host's /usr/local/bin is never touched.
-    if systemd_support.skip_reason() is not None:
-        pytest.skip(f"needs a private mount namespace: {systemd_support.skip_reason()}")
+    required.need(systemd_support.skip_reason(), "a private mount namespace")
     for unit in (TUNER, ENGINE):
         shutil.copy(unit, tmp_path / unit.name)
     script = (
@@ -139,9 +139,7 @@ json.dump(result, open(out, "w"))
 
 @pytest.fixture(scope="module")
 def booted() -> Iterator[systemd_support.PrivateSystemd]:
-    reason = systemd_support.skip_reason() or nginx_support.skip_reason()
-    if reason:
-        pytest.skip(f"real systemd + nginx unavailable: {reason}")
+    required.need(systemd_support.skip_reason() or nginx_support.skip_reason(), "real systemd + nginx")
     with systemd_support.PrivateSystemd() as sd:
         yield sd
 

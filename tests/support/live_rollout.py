@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support import vllm
+from tests.support import required, vllm
 
 REPO_ROOT = vllm.REPO_ROOT
 SERVED_NAME = "tiny-llama"
@@ -366,15 +366,10 @@ class LiveLoad:
 def require_nginx() -> None:
     """Skip without nginx — or fail, under VLLM_TUNER_REQUIRE_E2E=1 (``make test``, CI), where a
     missing load balancer must not pass silently."""
-    import pytest
 
     from tests.support import nginx as nginx_support
 
-    why = nginx_support.skip_reason()
-    if why:
-        if os.environ.get("VLLM_TUNER_REQUIRE_E2E") == "1":
-            pytest.fail(f"the live rollout tests are required here, but: {why}")
-        pytest.skip(why)
+    required.need(nginx_support.skip_reason(), "real nginx (the live rollout tests)")
 
 
 # --- waiting, processes --------------------------------------------------------------------------------
