@@ -2,7 +2,9 @@
 subprocess (mode apply, process actuator: it launches the two engines itself), a real nginx in front
 (drain kind nginx), load from vLLM's own benchmark client through nginx.
 
-One pool serves the module (a vLLM start costs 45-170 s on 2 cores), in two acts:
+One pool serves the module (a vLLM start costs 45-170 s on 2 cores), in two acts. The engines are
+token-protected (``--api-key``: vLLM guards ``/v1/*``), so every health probe, warm-up and scrape of the
+rollout must carry the token (``scrape.bearer_token_file``), as the load does:
 
 1. Both replicas start at ``--max-num-seqs 4`` under 16 closed-loop clients: requests queue, the test
    rule (rules/default.yaml's queue-slot-bound without its ITL condition, 2 windows of 5 s) fires and
@@ -38,6 +40,7 @@ from tests.support import vllm
 from tuner.rollout import journal as journaling
 
 NAMES = ("a", "b")
+API_KEY = "e2e-engine-token-6f1c"
 TIMING = live.Timing()
 EVIDENCE = vllm.REPO_ROOT / ".cache" / "rollout-evidence"
 FORWARD_PATH = ["draining", "waiting_idle", "stopping", "starting", "waiting_healthy", "confirming_args",
@@ -49,7 +52,7 @@ def pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     live.require_nginx()
     work = tmp_path_factory.mktemp("rollout-live")
     # The tuner launches both engines (process actuator) at --max-num-seqs 4.
-    with live.ProcessPool(work, vllm_ready, NAMES, rules=[live.QUEUE_RULE], timing=TIMING) as p:
+    with live.ProcessPool(work, vllm_ready, NAMES, rules=[live.QUEUE_RULE], timing=TIMING, api_key=API_KEY) as p:
         yield p
 
 

@@ -292,8 +292,9 @@ class LiveLoad:
 
     def __init__(self, base_url: str, model_dir: str | os.PathLike[str], work: Path, *, concurrency: int = 16,
                  input_len: int = 64, output_len: int = 32, max_prompts: int = 20000, seed: int = 0,
-                 name: str = "load") -> None:
+                 name: str = "load", api_key: str | None = None) -> None:
         self.work = work
+        self.api_key = api_key  # sent as Authorization: Bearer (vLLM's benchmark client reads OPENAI_API_KEY)
         self.stop_file = work / f"{name}.stop"
         self.result_file = work / f"{name}.json"
         self.log_path = work / f"{name}.log"
@@ -312,6 +313,8 @@ class LiveLoad:
     def start(self) -> LiveLoad:
         env = {**os.environ, **{k: vllm.DEFAULT_ENV[k] for k in (
             "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")}}
+        if self.api_key:
+            env["OPENAI_API_KEY"] = self.api_key
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          env=env, cwd=str(self.work), start_new_session=True)
@@ -600,10 +603,13 @@ class ProcessPool:
 
     def __init__(self, work: Path, model: Path, names: Sequence[str], *, rules: Sequence[Mapping[str, Any]],
                  timing: Timing = Timing(), max_num_seqs: int = 4, start_timeout: float = 600,
-                 client_keepalive_seconds: int = 0) -> None:
+                 client_keepalive_seconds: int = 0, api_key: str | None = None) -> None:
         from tests.support import nginx as nginx_support
 
         self.work, self.model, self.names, self.timing = work, model, tuple(names), timing
+        # A token-protected pool: the engines run with --api-key (vLLM guards /v1/*), the tuner reads the
+        # token from scrape.bearer_token_file, the load sends it.
+        self.api_key = api_key
         self.max_num_seqs = max_num_seqs
         self.start_timeout = start_timeout
         self.ports = {n: nginx_support.free_port() for n in self.names}
@@ -634,7 +640,8 @@ class ProcessPool:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     def args(self, name: str, max_num_seqs: int | None = None) -> list[str]:
-        return engine_args(self.model, self.ports[name], max_num_seqs=max_num_seqs or self.max_num_seqs)
+        extra = ("--api-key", self.api_key) if self.api_key else ()
+        return engine_args(self.model, self.ports[name], max_num_seqs=max_num_seqs or self.max_num_seqs, extra=extra)
 
     def records(self) -> list[dict[str, Any]]:
         return journal_records(self.journal_path)
@@ -686,6 +693,11 @@ class ProcessPool:
                    "servers": {n: f"127.0.0.1:{p}" for n, p in self.ports.items()}, "parameters": "max_fails=0",
                    "settle_seconds": 1},
         )
+        if self.api_key:
+            token = self.work / "engine-token"
+            token.write_text(self.api_key + "\n")
+            token.chmod(0o600)
+            config["scrape"]["bearer_token_file"] = str(token)
         write_config(self.config_path, config)
 
     def start_tuner(self) -> TunerProcess:
@@ -737,7 +749,8 @@ class ProcessPool:
                  detail=self.diagnostics)
 
     def load(self, *, concurrency: int, name: str, seed: int = 0) -> LiveLoad:
-        return LiveLoad(self.lb.url, self.model, self.work, concurrency=concurrency, name=name, seed=seed)
+        return LiveLoad(self.lb.url, self.model, self.work, concurrency=concurrency, name=name, seed=seed,
+                        api_key=self.api_key)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def __enter__(self) -> ProcessPool:

