@@ -18,6 +18,7 @@ from tuner.errors import ConfigError
 from tuner.planning import stepping
 from tuner.planning.planner import DecisionSettings
 from tuner.rules import loading
+from tuner.rules.schema import unique
 
 
 class _Model(BaseModel):
@@ -173,10 +174,7 @@ class TunerSettings(_Model):
 
     @model_validator(mode="after")
     def _unique_names(self) -> TunerSettings:
-        names = [t.name for t in self.targets]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"target names must be unique; repeated: {', '.join(dupes)}")
+        unique([t.name for t in self.targets], what="target names")
         return self
 
     def apply_problems(self) -> list[tuple[str, str]]:

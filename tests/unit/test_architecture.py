@@ -69,6 +69,9 @@ def test_one_engine_client() -> None:
                      "tuner/actuators/draining.py"}, users
 
 
+OUTSIDE = re.compile("/" + "work/|[.][.]/shared\\b|shared/(reference|gpu)")  # spelled so it does not match itself
+
+
 def test_no_project_file_points_outside_the_repository() -> None:
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     bad = []
@@ -81,7 +84,7 @@ def test_no_project_file_points_outside_the_repository() -> None:
         except UnicodeDecodeError:
             continue
         for i, line in enumerate(text.splitlines(), 1):
-            if re.search(r"/work/|\.\./shared\b|shared/reference|shared/gpu", line):
+            if OUTSIDE.search(line) and name != "tests/unit/test_architecture.py":
                 bad.append(f"{name}:{i}: {line.strip()[:100]}")
     assert not bad, "\n".join(bad)
 

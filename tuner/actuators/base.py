@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from tuner.errors import PermanentActuatorError
+
 
 class State(enum.Enum):
     RUNNING = "running"  # the process/unit is up (not necessarily healthy: ask the engine)
@@ -40,6 +42,17 @@ class ReplicaStatus:
 class Replica:
     name: str
     base_url: str  # where /health, /v1/models and /metrics live, e.g. http://127.0.0.1:8001
+
+
+def is_running_already(status: ReplicaStatus, argv: Sequence[str], *, who: str) -> bool:
+    """``start``'s idempotence: True if the replica runs exactly ``argv`` (nothing to do); raises
+    ``PermanentActuatorError`` if it runs anything else (arguments change only by a restart)."""
+    if status.state is not State.RUNNING:
+        return False
+    if status.argv == tuple(argv):
+        return True
+    pid = f" (pid {status.pid})" if status.pid is not None else ""
+    raise PermanentActuatorError(f"{who}{pid} is running other arguments; stop it first")
 
 
 @runtime_checkable

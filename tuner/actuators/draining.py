@@ -62,7 +62,23 @@ class NoDrainer:
         pass
 
 
-class CommandDrainer:
+class _HookDrainer:
+    """A drainer that calls one hook to drain and another to undrain (a command, an HTTP call)."""
+
+    _drain: object
+    _undrain: object
+
+    def _hook(self, template: object, name: str) -> None:
+        raise NotImplementedError
+
+    def drain(self, name: str) -> None:
+        self._hook(self._drain, name)
+
+    def undrain(self, name: str) -> None:
+        self._hook(self._undrain, name)
+
+
+class CommandDrainer(_HookDrainer):
     def __init__(
         self,
         replicas: Sequence[base.Replica],
@@ -84,28 +100,17 @@ class CommandDrainer:
         fields = _fields(_by_name(self._replicas, name, "command drainer"))
         return [_format(t, fields, "command drainer") for t in template]
 
-    def _run(self, template: Sequence[str], name: str) -> None:
+    def _hook(self, template: object, name: str) -> None:
+        assert isinstance(template, tuple)
         argv = self._argv(template, name)
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=self._timeout, check=False,
-                                  stdin=subprocess.DEVNULL)
-        except FileNotFoundError as exc:
-            raise PermanentActuatorError(f"command drainer: cannot run {argv[0]!r}: {exc.strerror}") from exc
-        except subprocess.TimeoutExpired as exc:
-            raise TemporaryActuatorError(f"command drainer: {argv} took over {self._timeout:g}s") from exc
+        done = files.run(argv, who="command drainer", timeout_seconds=self._timeout)
         if done.returncode != 0:
             raise TemporaryActuatorError(
                 f"command drainer: {argv} exited {done.returncode}: {(done.stderr or done.stdout).strip()[:300]}"
             )
 
-    def drain(self, name: str) -> None:
-        self._run(self._drain, name)
 
-    def undrain(self, name: str) -> None:
-        self._run(self._undrain, name)
-
-
-class HttpDrainer:
+class HttpDrainer(_HookDrainer):
     def __init__(
         self,
         replicas: Sequence[base.Replica],
@@ -123,22 +128,15 @@ class HttpDrainer:
             _format(drain_url, _fields(r), "http drainer")
             _format(undrain_url, _fields(r), "http drainer")
 
-    def _call(self, template: str, name: str) -> None:
+    def _hook(self, template: object, name: str) -> None:
+        assert isinstance(template, str)
         url = _format(template, _fields(_by_name(self._replicas, name, "http drainer")), "http drainer")
         try:
             response = self._client.request(self._method, url)
         except httpx.HTTPError as exc:
             raise TemporaryActuatorError(f"http drainer: {self._method} {url} failed: {exc}") from exc
         if not response.is_success:
-            raise TemporaryActuatorError(
-                f"http drainer: {self._method} {url} answered {response.status_code}: {response.text[:200]}"
-            )
-
-    def drain(self, name: str) -> None:
-        self._call(self._drain, name)
-
-    def undrain(self, name: str) -> None:
-        self._call(self._undrain, name)
+            raise TemporaryActuatorError(f"http drainer: {self._method} {url} answered {response.status_code}")
 
     def close(self) -> None:
         self._client.close()
@@ -194,14 +192,7 @@ class NginxDrainer:
         return drained
 
     def _nginx_run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        argv = [*self._nginx, *args]
-        try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=self._timeout, check=False,
-                                  stdin=subprocess.DEVNULL)
-        except FileNotFoundError as exc:
-            raise PermanentActuatorError(f"nginx drainer: cannot run {argv[0]!r}: {exc.strerror}") from exc
-        except subprocess.TimeoutExpired as exc:
-            raise TemporaryActuatorError(f"nginx drainer: `{' '.join(argv)}` took over {self._timeout:g}s") from exc
+        return files.run([*self._nginx, *args], who="nginx drainer", timeout_seconds=self._timeout)
 
     def _apply(self, drained: set[str]) -> None:
         content = render_upstreams(self._servers, drained=frozenset(drained), parameters=self._parameters)

@@ -1,10 +1,31 @@
-"""Atomic file replacement, shared by the actuators and drainers that hand files to other programs."""
+"""What the actuators and drainers share: atomic file replacement for files handed to other programs,
+and running a helper command (systemctl, nginx, a drain hook) — an argv, never a shell, with a deadline."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+
+from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+
+
+def run(argv: Sequence[str], *, who: str, timeout_seconds: float, delay: float = 30.0
+        ) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with output captured. A missing program is permanent (a human must install or
+    configure it); a run past ``timeout_seconds`` is temporary (retried after ``delay``). The exit code
+    is the caller's to judge."""
+    argv = list(argv)
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_seconds, check=False,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError as exc:
+        raise PermanentActuatorError(f"{who}: cannot run {argv[0]!r}: {exc.strerror}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise TemporaryActuatorError(f"{who}: `{' '.join(argv)}` took longer than {timeout_seconds:g}s",
+                                     delay=delay) from exc
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:

@@ -180,13 +180,8 @@ class ProcessActuator:
         if any("\0" in a for a in argv):
             raise PermanentActuatorError(f"process actuator: {name}: an argument contains a NUL byte")
         with self._locks[name]:
-            current = self.status(name)
-            if current.state is base.State.RUNNING:
-                if current.argv == argv:
-                    return
-                raise PermanentActuatorError(
-                    f"process actuator: {name} (pid {current.pid}) is running other arguments; stop it first"
-                )
+            if base.is_running_already(self.status(name), argv, who=f"process actuator: {name}"):
+                return
             log = self.log_path(name).open("ab")
             try:
                 log.write(f"=== vllm-tuner: starting {name}: {json.dumps([*self.command, *argv])}\n".encode())

@@ -94,15 +94,7 @@ class SystemdActuator:
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [*self._systemctl, *args]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=self._timeout, check=False,
-                                  stdin=subprocess.DEVNULL)
-        except FileNotFoundError as exc:
-            raise PermanentActuatorError(f"systemd actuator: cannot run {cmd[0]!r}: {exc.strerror}") from exc
-        except subprocess.TimeoutExpired as exc:
-            raise TemporaryActuatorError(
-                f"systemd actuator: `{' '.join(cmd)}` took longer than {self._timeout:g}s", delay=10
-            ) from exc
+        done = files.run(cmd, who="systemd actuator", timeout_seconds=self._timeout, delay=10)
         if check and done.returncode != 0:
             raise PermanentActuatorError(
                 f"systemd actuator: `{' '.join(cmd)}` exited {done.returncode}: "
@@ -160,12 +152,8 @@ class SystemdActuator:
         content = environment_file(self._variable, argv).encode("utf-8")
         with self._locks[name]:
             current = self.status(name)
-            if current.state is base.State.RUNNING:
-                if current.argv == argv:
-                    return
-                raise PermanentActuatorError(
-                    f"systemd actuator: {unit} is running other arguments; stop it first"
-                )
+            if base.is_running_already(current, argv, who=f"systemd actuator: {unit}"):
+                return
             if current.state is base.State.FAILED:
                 self._run("reset-failed", unit, check=False)  # also clears the start rate limit
             self.env_dir.mkdir(parents=True, exist_ok=True)

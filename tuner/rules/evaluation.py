@@ -152,22 +152,17 @@ def check(cond: Comparison | AllOf | AnyOf, ctx: Context) -> Truth:
     """Three-valued truth of a condition, with the text of the deciding parts."""
     if isinstance(cond, Comparison):
         return _check_comparison(cond, ctx)
+    # all: one false decides (False), else one unknown (None), else every part is true;
+    # any: one true decides (True), else one unknown (None), else every part is false.
+    every = isinstance(cond, AllOf)
     parts = [check(c, ctx) for c in (cond.all if isinstance(cond, AllOf) else cond.any)]
-    if isinstance(cond, AllOf):
-        falses = [p for p in parts if p.value is False]
-        if falses:
-            return Truth(False, falses[0].text)
-        unknown = [p for p in parts if p.value is None]
-        if unknown:
-            return Truth(None, unknown[0].text)
-        return Truth(True, "; ".join(p.text for p in parts))
-    trues = [p for p in parts if p.value is True]
-    if trues:
-        return Truth(True, trues[0].text)
-    unknown = [p for p in parts if p.value is None]
-    if unknown:
-        return Truth(None, unknown[0].text)
-    return Truth(False, " and ".join(p.text for p in parts))
+    decisive = next((p for p in parts if p.value is (not every)), None)
+    if decisive is not None:
+        return Truth(not every, decisive.text)
+    unknown = next((p for p in parts if p.value is None), None)
+    if unknown is not None:
+        return Truth(None, unknown.text)
+    return Truth(every, ("; " if every else " and ").join(p.text for p in parts))
 
 
 # --- proposals -----------------------------------------------------------------------------------------

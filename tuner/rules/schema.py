@@ -376,11 +376,15 @@ class RuleFile(_Model):
 
     @model_validator(mode="after")
     def _unique(self) -> RuleFile:
-        ids = [r.id for r in self.rules]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"rule ids must be unique; repeated: {', '.join(dupes)}")
+        unique([r.id for r in self.rules], what="rule ids")
         return self
+
+
+def unique(names: list[str], *, what: str) -> None:
+    """Raise ValueError naming every repeated name (rule ids, target names)."""
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
 
 
 AllOf.model_rebuild()
