@@ -260,7 +260,9 @@ def test_a_tuner_killed_mid_rollout_resumes_from_the_journal_to_a_consistent_sta
     assert machine.outcome(final) is Outcome.DONE, machine.describe(final)
     assert stack.live_argv(a) == stack.argv(a, 32) and stack.live_argv(b) == stack.argv(b, 32)
     assert load.failed == 0, load.outcomes
-    assert (a, "interrupted", {"starting": "stopping"}.get(crash_at, "waiting_healthy")) in events(records)
+    # killed before its start ran, a's engine is found down and started again; later, it runs and is resumed
+    expected = (a, "found_down", "stopping") if crash_at == "starting" else (a, "interrupted", "waiting_healthy")
+    assert expected in events(records)
     assert journal.unfinished(records) is None
     assert stack.lb.drainer().drained == set()
 
@@ -389,3 +391,52 @@ def test_a_stop_request_leaves_a_journaled_rollout_that_resumes(tmp_path: Path) 
     assert machine.outcome(r) is Outcome.DONE
     assert again.recover() is None
     again.journal.close()
+
+
+def test_engines_down_at_tuner_start_are_restarted_on_their_leg_not_condemned(tmp_path: Path) -> None:
+    """A host reboot mid-rollout: the tuner comes back with a journal whose last record (a's verdict) was
+    lost, and both engines down. a was verified on the new arguments: it must be started on them again,
+    not judged "crashed" (which marked them bad for good, tried to drain the dead replica, ended failed,
+    and then the start-up adopted it with the "bad" arguments anyway)."""
+    stop = threading.Event()
+    bad: list[object] = []
+    d = fake_driver(tmp_path, stop_event=stop)
+    d._on_tick = lambda: stop.set() if d.journal.records[-1].get("to") == "verifying" else None
+    r = d.run(d.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
+    assert r.of("a").state is machine.State.VERIFYING  # the next record (verified) never reached the disk
+    d.journal.close()
+    for name in ("a", "b"):  # the reboot
+        d.actuator.stop(name, timeout_seconds=1)
+    again = fake_driver(tmp_path, on_bad_args=lambda *x: bad.append(x))
+    again.actuator = d.actuator
+    again.prober = FakeProber(d.actuator)  # type: ignore[arg-type]
+    recovered = again.recover()
+    assert recovered is not None and recovered.of("a").state is machine.State.STOPPING
+    found = [x for x in again.journal.records if x.get("event") == "found_down"]
+    assert [x["replica"] for x in found] == ["a"] and "found the engine stopped" in found[0]["reason"]
+    r = again.run(recovered)
+    assert machine.outcome(r) is Outcome.DONE, machine.describe(r)
+    assert bad == [] and not any(p.bad_args for p in r.progress)
+    assert again.actuator.status("a").argv == NEW and again.actuator.status("b").argv == NEW
+    again.journal.close()
+
+
+def test_a_tuner_stopping_mid_rollout_puts_a_healthy_drained_replica_back(tmp_path: Path) -> None:
+    """SIGTERM while a is drained and verifying on confirmed new arguments: a goes back in the pool
+    before the tuner exits (it used to stay drained until the tuner came back)."""
+    stop = threading.Event()
+    drainer = fake.FakeDrainer()
+    d = fake_driver(tmp_path, stop_event=stop, drainer=drainer)
+    d._on_tick = lambda: stop.set() if d.journal.records[-1].get("to") == "waiting_idle" else None
+    r = d.run(d.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
+    assert r.of("a").state is machine.State.WAITING_IDLE and "a" not in drainer.drained
+    notes = [x for x in d.journal.records if x["kind"] == "note"]
+    assert [(x["replica"], "waiting_idle" in x["note"]) for x in notes] == [("a", True)]
+    d.journal.close()
+    # …and not a replica whose engine is down or starting: there, nginx would route to nothing
+    stop2, drainer2 = threading.Event(), fake.FakeDrainer()
+    d2 = fake_driver(tmp_path / "2", stop_event=stop2, drainer=drainer2)
+    d2._on_tick = lambda: stop2.set() if d2.journal.records[-1].get("to") == "starting" else None
+    r2 = d2.run(d2.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
+    assert r2.of("a").state is machine.State.STARTING and "a" in drainer2.drained
+    d2.journal.close()

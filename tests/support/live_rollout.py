@@ -67,11 +67,14 @@ def engine_args(model_dir: str | os.PathLike[str], port: int, *, max_num_seqs: i
 
     ``--shutdown-timeout 30``: vLLM's default (0) aborts in-flight requests on SIGTERM; the rollout
     drains and waits for idle first, and this is the second line of defence (below the tuner's
-    ``stop_timeout_seconds``, 45 here). ``--max-model-len 2048`` is explicit so a rule can move it.
+    ``stop_timeout_seconds``, 45 here). ``--enable-server-load-tracking``: the idle check then also
+    counts responses still being streamed (GET /load). ``--max-model-len 2048`` is explicit so a rule can
+    move it.
     """
     return ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
             "--port", str(port), "--enforce-eager", "--seed", "0", "--max-model-len", "2048",
-            "--shutdown-timeout", "30", "--max-num-seqs", str(max_num_seqs), *extra]
+            "--shutdown-timeout", "30", "--enable-server-load-tracking", "--max-num-seqs", str(max_num_seqs),
+            *extra]
 
 
 # rules/default.yaml's queue-slot-bound, fitted to a shared 2-core CPU box: the same queue, slot,

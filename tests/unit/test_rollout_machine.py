@@ -216,6 +216,21 @@ def test_rule3_a_second_interruption_rolls_back_and_the_back_leg_resumes_by_drai
     assert (r.of("a").state, r.of("a").leg) == (State.WAITING_HEALTHY, Leg.BACK)
 
 
+def test_rule3_an_engine_found_down_is_stopped_and_started_again_not_judged() -> None:
+    """After a host reboot the tuner finds the engine down: wherever the replica was, it re-enters at the
+    (idempotent) stop and is started again with its leg's arguments — never marked bad for it."""
+    for n in range(len(FORWARD_EVENTS)):
+        r = machine.handle(drive(make(), "a", (E.GO, *FORWARD_EVENTS[:n])), "a", E.FOUND_DOWN, now=50)
+        a = r.of("a")
+        assert (a.state, a.leg, a.resumes, a.bad_args) == (State.STOPPING, Leg.FORWARD, 1, False), n
+    back = drive(make(), "a", (E.GO, E.DRAINED, E.IDLE, E.STOPPED, E.STARTED, E.CRASHED))
+    assert back.of("a").leg is Leg.BACK
+    r = machine.handle(back, "a", E.FOUND_DOWN, now=60)
+    assert (r.of("a").state, r.of("a").leg) == (State.STOPPING, Leg.BACK)
+    again = machine.handle(drive(make(), "a", (E.GO, E.DRAINED, E.FOUND_DOWN)), "a", E.FOUND_DOWN, now=70)
+    assert (again.of("a").state, again.of("a").leg) == (State.ROLLING_BACK, Leg.BACK)  # max_resumes: back
+
+
 def test_abort_admits_nothing_more_but_lets_in_flight_replicas_finish() -> None:
     r = machine.handle(make(), "a", E.GO, now=1)
     r = machine.abort(r, "operator asked")

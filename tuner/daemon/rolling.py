@@ -65,14 +65,14 @@ class Prober(Protocol):
 class EngineProber:
     """``Prober`` over the engine client: the driver's only way to talk to the engines."""
 
-    def __init__(self, client: engines.EngineClient, *, kind: str) -> None:
-        self._client, self._kind = client, kind
+    def __init__(self, client: engines.EngineClient, *, kind: str, server_load: bool = False) -> None:
+        self._client, self._kind, self._server_load = client, kind, server_load
 
     def is_healthy(self, replica: base.Replica) -> bool:
         return self._client.is_healthy(replica.base_url, self._kind)
 
     def load(self, replica: base.Replica) -> int | None:
-        return self._client.load(replica.base_url, self._kind)
+        return self._client.load(replica.base_url, self._kind, server_load=self._server_load)
 
     def warm(self, replica: base.Replica, *, requests: int) -> str | None:
         return self._client.warm(replica.base_url, self._kind, requests=requests)
@@ -168,7 +168,15 @@ class RolloutDriver:
         if rollout is None:
             return None
         for name in rollout.in_flight:
-            rollout = self._apply(rollout, name, Event.INTERRUPTED, "the tuner restarted mid-rollout")
+            status = self._status(name)
+            if status is not None and status.state is not base.State.RUNNING:
+                # a host reboot took the engine down with the tuner: start it again on this leg's
+                # arguments (machine Rule 3); a dead engine here says nothing about them
+                why = f"the tuner restarted mid-rollout and found the engine {status.state.value}" + \
+                    (f" ({status.detail})" if status.detail else "")
+                rollout = self._apply(rollout, name, Event.FOUND_DOWN, why)
+            else:
+                rollout = self._apply(rollout, name, Event.INTERRUPTED, "the tuner restarted mid-rollout")
         log.info("recovered %s", machine.describe(rollout))
         return rollout
 
@@ -203,8 +211,34 @@ class RolloutDriver:
                     break  # recompute: an event can change what the others may do (Rule 2)
             else:
                 self._stop.wait(self._poll)
+        if self._stop.is_set() and machine.outcome(rollout) is machine.Outcome.RUNNING:
+            self._undrain_serving(rollout)
         log.info("%s", machine.describe(rollout))
         return rollout
+
+    def _undrain_serving(self, rollout: machine.Rollout) -> None:
+        """The tuner is stopping mid-rollout: a drained replica whose engine is healthy and may serve is
+        put back now rather than left out of the pool until the tuner comes back (which resumes the
+        rollout and drains it again where its path needs it)."""
+        for p in rollout.progress:
+            if p.state not in machine.MAY_SERVE[p.leg] or not self._safe_healthy(self._replicas[p.name]):
+                continue
+            try:
+                self.drainer.undrain(p.name)
+            except ActuatorError as exc:
+                log.warning("rollout %s: could not put %s back before stopping: %s", rollout.id, p.name, exc)
+                continue
+            self.journal.append("note", at=self._clock(), rollout_id=rollout.id, replica=p.name,
+                                note=f"undrained on stop at {p.state.value} ({p.leg.value} leg); the next "
+                                     "start resumes the rollout")
+            log.info("rollout %s: %s put back in the pool while the tuner stops", rollout.id, p.name)
+
+    def _status(self, name: str) -> base.ReplicaStatus | None:
+        try:
+            return self.actuator.status(name)
+        except ActuatorError:
+            log.exception("reading %s's status failed", name)
+            return None
 
     def _safe_healthy(self, replica: base.Replica) -> bool:
         try:
@@ -296,7 +330,7 @@ class RolloutDriver:
         if step is Step.WAIT_IDLE:
             return self._wait_idle(replica, status, action, now)
         if status.state is not base.State.RUNNING:
-            return Event.CRASHED, f"engine {status.state.value}: {status.detail}"
+            return Event.CRASHED, f"engine {status.state.value}: {status.detail or 'no detail from the actuator'}"
         if step is Step.WAIT_HEALTHY:
             assert action.deadline is not None
             if self.prober.is_healthy(replica):

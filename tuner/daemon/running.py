@@ -252,8 +252,16 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
     journal_path = Path(settings.rollout.journal_file)
     journal = journaling.Journal(journal_path if journal_path.is_absolute() else config_dir / journal_path)
     verifier = verifying.SignalVerifier(client, kind=kind)
+    # The idle check before a stop also counts what vLLM's HTTP server still holds (GET /load), where the
+    # engines track it: the engine core's own gauges miss a response still being streamed.
+    tracked = kind == "vllm" and all("--enable-server-load-tracking" in (t.args or ()) for t in settings.targets)
+    if not tracked and settings.drain.kind != "none":
+        log.warning("the engines run without --enable-server-load-tracking: before a stop the tuner sees only "
+                    "the requests the engine core holds, not a response still being streamed; add the flag to "
+                    "targets[].args (docs/reliability.md)")
     driver = rolling.RolloutDriver(
-        actuator=actuator, drainer=drainer, prober=rolling.EngineProber(client, kind=kind), journal=journal,
+        actuator=actuator, drainer=drainer, prober=rolling.EngineProber(client, kind=kind, server_load=tracked),
+        journal=journal,
         poll_seconds=settings.rollout.poll_seconds, idle_settle_seconds=settings.rollout.idle_settle_seconds,
         hold_timeout_seconds=settings.rollout.hold_timeout_seconds,
         verifier=verifier, confirm=confirm_for(client, actuator, kind=kind),

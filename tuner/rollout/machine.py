@@ -25,7 +25,10 @@ flight finish their own path.
 Rule 3: a tuner that died mid-rollout replays the journal through ``handle`` (the same pure function,
 so the same state) and sends ``INTERRUPTED`` to every replica in flight: it re-enters its path at the
 last step that is safe to repeat (drain, stop, or wait-for-health, where the arguments are checked
-again), so no replica is left on arguments nobody confirmed. A replica interrupted more than
+again), so no replica is left on arguments nobody confirmed. A replica whose engine is not running when
+the tuner comes back (a host reboot took both down) gets ``FOUND_DOWN`` instead: it re-enters at the
+stop — idempotent — and is started again with its leg's arguments, not judged as a crash of them (a
+dead engine after a reboot says nothing about its arguments). A replica interrupted more than
 ``max_resumes`` times on the forward leg is rolled back instead.
 
 Deadlines are absolute times computed from ``since`` (when the replica entered its state). The health
@@ -75,6 +78,7 @@ class Event(enum.Enum):
     FAILED = "failed"  # a step failed or a deadline passed (reason in the journal)
     CRASHED = "crashed"  # the engine process exited or went unhealthy on its own
     INTERRUPTED = "interrupted"  # the tuner restarted while this replica was in flight (Rule 3)
+    FOUND_DOWN = "found_down"  # ... and found its engine not running: stop (no-op) and start again (Rule 3)
 
 
 class Leg(enum.Enum):
@@ -143,6 +147,7 @@ FORWARD: Mapping[tuple[State, Event], State] = {
     **{(s, e): t for s, e, t in _MAIN_PATH},
     **{(s, e): _S.ROLLING_BACK for s in _STEPS_ON_PATH for e in (_E.FAILED, _E.CRASHED)},
     **{(s, _E.INTERRUPTED): t for s, t in _RESUME_AT.items()},
+    **{(s, _E.FOUND_DOWN): _S.STOPPING for s in _STEPS_ON_PATH},
 }
 # The back leg: ROLLING_BACK drains, then the forward table from WAITING_IDLE on, exits renamed.
 _BACK_RENAMES: Mapping[State, State] = {
@@ -160,6 +165,7 @@ BACK: Mapping[tuple[State, Event], State] = {
     (_S.ROLLING_BACK, _E.FAILED): _S.FAILED,
     (_S.ROLLING_BACK, _E.CRASHED): _S.FAILED,
     (_S.ROLLING_BACK, _E.INTERRUPTED): _S.ROLLING_BACK,
+    (_S.ROLLING_BACK, _E.FOUND_DOWN): _S.STOPPING,
 }
 
 _STEP_OF: Mapping[State, Step] = {
@@ -179,6 +185,16 @@ TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED})
 # Once started, the replica runs the new arguments: a crash there on the forward leg means the engine
 # cannot run them, and the caller remembers the set as bad (a start past its deadline is only rejected).
 _NEW_ARGS_LIVE = frozenset({_S.WAITING_HEALTHY, _S.CONFIRMING_ARGS, _S.WARMING, _S.UNDRAINING, _S.VERIFYING})
+
+
+# Where a tuner that stops mid-rollout may put a drained replica back in the pool: its engine runs
+# arguments that may serve — the old ones before the stop, or this leg's once confirmed. Elsewhere the
+# engine is down, starting, unconfirmed, or (back leg, before its restart) runs the arguments being
+# rolled back. The next start resumes the rollout (Rule 3) and drains again where the path needs it.
+MAY_SERVE: Mapping[Leg, frozenset[State]] = {
+    Leg.FORWARD: frozenset({_S.DRAINING, _S.WAITING_IDLE, _S.WARMING, _S.UNDRAINING, _S.VERIFYING}),
+    Leg.BACK: frozenset({_S.WARMING, _S.UNDRAINING}),
+}
 
 
 class RolloutError(Exception):
@@ -312,7 +328,8 @@ def new(
 def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str = "") -> Rollout:
     """Apply one event to one replica (Rule 1). Pure; replaying a journal calls exactly this."""
     p = rollout.of(name)
-    if event is Event.INTERRUPTED and p.leg is Leg.FORWARD and p.resumes >= rollout.limits.max_resumes:
+    resuming = event in (Event.INTERRUPTED, Event.FOUND_DOWN)
+    if resuming and p.leg is Leg.FORWARD and p.resumes >= rollout.limits.max_resumes:
         event, reason = Event.FAILED, reason or f"interrupted {p.resumes + 1} times; rolling back"
     table = FORWARD if p.leg is Leg.FORWARD else BACK
     target = table.get((p.state, event))
@@ -328,7 +345,7 @@ def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str
             # the hysteresis period: on a loaded host a good argument set can start slowly once.
             crashed = event is Event.CRASHED
             q = dataclasses.replace(q, leg=Leg.BACK, bad_args=crashed and p.state in _NEW_ARGS_LIVE)
-    elif event is Event.INTERRUPTED:
+    elif resuming:
         q = dataclasses.replace(q, resumes=p.resumes + 1)
     elif event is Event.STARTED:
         q = dataclasses.replace(q, started_at=now)

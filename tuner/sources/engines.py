@@ -141,8 +141,15 @@ class EngineClient:
                 return False
             return self._model(base_url, kind) is not None
 
-    def load(self, base_url: str, kind: str) -> int | None:
-        """Requests running + waiting (the dialect's gauges); None if unreadable."""
+    def load(self, base_url: str, kind: str, *, server_load: bool = False) -> int | None:
+        """Requests in flight: running + waiting (the dialect's gauges); None if unreadable.
+
+        The engine core's gauges do not see a request the HTTP server still holds — one being parsed
+        and tokenized, or one whose last chunks are still being streamed after the engine finished it —
+        so "0 running, 0 waiting" is not proof that stopping the engine cuts no response. With
+        ``server_load`` (vLLM started with ``--enable-server-load-tracking``) the count is also at least
+        vLLM's ``GET /load``, which counts a generation request from its handler's entry until its
+        response, streamed or not, has been sent."""
         snap = self.metrics(base_url, kind)
         if not snap.ok:
             return None
@@ -151,7 +158,13 @@ class EngineClient:
         waiting = engine_signals.gauge(snap, dialect, "waiting")
         if running is None and waiting is None:
             return None
-        return int((running or 0.0) + (waiting or 0.0))
+        in_flight = int((running or 0.0) + (waiting or 0.0))
+        if server_load and kind == "vllm":
+            held = self.info(base_url, kind, server_load=True).server_load
+            if held is None:
+                return None  # unreadable: not idle as far as we know
+            in_flight = max(in_flight, held)
+        return in_flight
 
     def served_max_model_len(self, base_url: str, kind: str) -> tuple[int | None, str | None]:
         """The max_model_len the engine serves, or (None, why it is unknown)."""
