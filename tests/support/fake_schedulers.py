@@ -62,7 +62,8 @@ def vllm_config(
         scheduler_config.max_num_active_seqs = max_num_active_seqs
     return SimpleNamespace(
         scheduler_config=scheduler_config,
-        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank),
+        # As vLLM runs a non-MoE DP rank: an independent engine whose data_parallel_rank is reset to 0.
+        parallel_config=SimpleNamespace(data_parallel_rank=0, data_parallel_index=dp_rank),
         speculative_config=SimpleNamespace(num_speculative_tokens=3) if speculative else None,
         model_config=SimpleNamespace(runner_type="generate"),
     )

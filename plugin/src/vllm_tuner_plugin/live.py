@@ -270,9 +270,15 @@ class Controller:
 
 
 def _dp_rank(scheduler: Any) -> int:
+    """This engine's data-parallel rank. ``data_parallel_index`` first: for a model without MoE, vLLM
+    (0.26, 0.32) runs each DP rank as an independent engine and resets its ``data_parallel_rank`` to 0,
+    keeping the original rank in ``data_parallel_index``."""
     parallel = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
-    rank = getattr(parallel, "data_parallel_rank", 0)
-    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else 0
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        rank = getattr(parallel, name, None)
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+            return rank
+    return 0
 
 
 def install(scheduler_cls: type, *, engine_version: str, control_dir: str, refusal: str | None = None) -> bool:
