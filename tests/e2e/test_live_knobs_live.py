@@ -124,7 +124,7 @@ def engine(vllm_ready, tmp_path_factory):
     args = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", "1024", "--enforce-eager", "--enable-logging-iteration-details"]
     with vllm.VllmServer(vllm_ready, args, env={live_knobs.ENV_CONTROL_DIR: str(control_dir)},
-                         log_path=log_path) as server:
+                         log_path=log_path, startup_timeout=DEADLINE_S) as server:
         assert server.pid is not None
         yield Engine(server=server, control_dir=control_dir, log_path=log_path, model=vllm_ready,
                      api_pid=server.pid)
