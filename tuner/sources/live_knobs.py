@@ -1,0 +1,187 @@
+"""The tuner's side of the live-knob file protocol with the engine-side plugin (``plugin/``).
+
+The engine runs ``vllm-tuner-plugin`` with ``$VLLM_TUNER_CONTROL_DIR`` set to a directory both sides
+share (in Kubernetes a subdirectory of an emptyDir, created 0700 by the tuner, both containers running
+as the same uid). The tuner writes ``control.json`` (``write_request``); each EngineCore answers in its
+own ``ack-<dp_rank>.json`` (``read_acks``).
+
+The format is defined in ``plugin/src/vllm_tuner_plugin/protocol.py``; this module mirrors it (the
+tuner never imports the plugin, which lives in vLLM's environment), and
+``tests/contract/test_live_knobs_protocol.py`` runs both sides against the same files.
+
+Requests are the whole desired state: a knob left out or ``None`` means "the engine's startup value".
+Stdlib only, no HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import SourceError
+
+PROTOCOL = 1
+CONTROL_FILE = "control.json"
+ACK_GLOB = "ack-*.json"
+ENV_CONTROL_DIR = "VLLM_TUNER_CONTROL_DIR"
+KNOBS = ("max_num_active_seqs", "max_num_batched_tokens")
+REQUEST_FIELDS = ("protocol", "seq", *KNOBS)
+ACK_FIELDS = (
+    "protocol", "live", "seq", "applied", "refused", "effective", "envelope", "not_live", "at", "pid",
+    "dp_rank", "engine_version", "engine_known", "mode", "plugin_version",
+)
+MAX_ACK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Ack:
+    """One EngineCore's acknowledgement. ``live`` is False when the plugin is off in that engine as a
+    whole (``refused`` says why). Otherwise ``refused`` is set when request ``seq`` was refused, and
+    ``applied`` holds the request now in force when it was applied. ``problem`` is set (and the rest
+    left empty) when the file could not be read."""
+
+    path: Path
+    live: bool = False
+    seq: int | None = None
+    applied: Mapping[str, int | None] | None = None
+    refused: str | None = None
+    effective: Mapping[str, Any] = field(default_factory=dict)
+    envelope: Mapping[str, int | None] = field(default_factory=dict)
+    not_live: Mapping[str, str] = field(default_factory=dict)
+    at: float | None = None
+    pid: int | None = None
+    dp_rank: int | None = None
+    engine_version: str | None = None
+    engine_known: bool = False
+    mode: str | None = None
+    plugin_version: str | None = None
+    protocol: int | None = None
+    problem: str | None = None
+
+    def answers(self, seq: int) -> bool:
+        """Whether this acknowledges request ``seq`` (applied or refused)."""
+        return self.problem is None and self.seq == seq
+
+    @property
+    def is_applied(self) -> bool:
+        return self.problem is None and self.refused is None and self.applied is not None
+
+
+
+def prepare_control_dir(control_dir: str | os.PathLike[str]) -> Path:
+    """Create the control directory private to this uid (0700) if missing, and check that it is
+    usable: owned by this uid and writable by nobody else (the plugin refuses it otherwise)."""
+    path = Path(control_dir)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        raise SourceError(str(path), f"cannot create the control directory ({exc.strerror})") from exc
+    if st.st_uid != os.geteuid():
+        raise SourceError(str(path), f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}; "
+                                     "the engine must run as the same uid as the tuner")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SourceError(str(path), f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                                     f"use a private subdirectory (chmod 0700)")
+    return path
+
+
+def request_document(seq: int, **values: int | None) -> dict[str, Any]:
+    """The JSON object of a request; raises ValueError for an unknown knob or a bad value."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise ValueError(f"seq must be an integer >= 0, got {seq!r}")
+    for name, value in values.items():
+        if name not in KNOBS:
+            raise ValueError(f"unknown live knob {name!r} (known: {', '.join(KNOBS)})")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+    return {"protocol": PROTOCOL, "seq": seq, **{k: values.get(k) for k in KNOBS}}
+
+
+def write_request(control_dir: str | os.PathLike[str], seq: int, **values: int | None) -> Path:
+    """Write ``control.json`` atomically (a 0600 temp file in the same directory, then rename) and
+    return its path. ``values``: ``max_num_active_seqs=16, max_num_batched_tokens=None``; a knob left
+    out means the engine's startup value."""
+    document = request_document(seq, **values)
+    directory = Path(control_dir)
+    target = directory / CONTROL_FILE
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".control.", suffix=".tmp")
+    except OSError as exc:
+        raise SourceError(str(directory), f"cannot write a request ({exc.strerror})") from exc
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(document, f)
+            f.write("\n")
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise SourceError(str(target), f"cannot write the request ({exc.strerror})") from exc
+    return target
+
+
+def _opt_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_ack(path: Path, raw: bytes) -> Ack:
+    """One ack file's bytes -> ``Ack``; never raises (a bad file gives ``Ack(problem=...)``)."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return Ack(path=path, problem=f"not valid JSON ({exc})")
+    if not isinstance(data, dict):
+        return Ack(path=path, problem="not a JSON object")
+    if data.get("protocol") != PROTOCOL:
+        return Ack(path=path, problem=f"protocol {data.get('protocol')!r}, this tuner speaks {PROTOCOL}")
+    applied = data.get("applied")
+    at = data.get("at")
+    return Ack(
+        path=path,
+        protocol=PROTOCOL,
+        live=data.get("live") is True,
+        seq=_opt_int(data.get("seq")),
+        applied=dict(applied) if isinstance(applied, dict) else None,
+        refused=str(data["refused"]) if data.get("refused") is not None else None,
+        effective=dict(data.get("effective") or {}),
+        envelope=dict(data.get("envelope") or {}),
+        not_live={str(k): str(v) for k, v in (data.get("not_live") or {}).items()},
+        at=float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None,
+        pid=_opt_int(data.get("pid")),
+        dp_rank=_opt_int(data.get("dp_rank")),
+        engine_version=data.get("engine_version"),
+        engine_known=data.get("engine_known") is True,
+        mode=data.get("mode"),
+        plugin_version=data.get("plugin_version"),
+    )
+
+
+def read_acks(control_dir: str | os.PathLike[str]) -> list[Ack]:
+    """Every ``ack-*.json`` in the directory, by data-parallel rank. A missing directory gives ``[]``;
+    a file that cannot be read or parsed gives an ``Ack`` whose ``problem`` says why."""
+    directory = Path(control_dir)
+    try:
+        paths = sorted(directory.glob(ACK_GLOB))
+    except OSError as exc:
+        raise SourceError(str(directory), f"cannot list acknowledgements ({exc.strerror})") from exc
+    acks = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_ACK_BYTES + 1)
+        except OSError as exc:
+            acks.append(Ack(path=path, problem=f"cannot be read ({exc.strerror})"))
+            continue
+        if len(raw) > MAX_ACK_BYTES:
+            acks.append(Ack(path=path, problem=f"larger than {MAX_ACK_BYTES} bytes"))
+            continue
+        acks.append(parse_ack(path, raw))
+    return sorted(acks, key=lambda a: (a.dp_rank is None, a.dp_rank or 0, a.path.name))
