@@ -216,6 +216,19 @@ def test_stop_escalates_to_sigkill_at_the_deadline(world: World) -> None:
             httpx.get(world.url(name) + "/health", timeout=1)
 
 
+def test_a_sigint_after_the_sigterm_ends_the_wait_without_sigkill(world: World) -> None:
+    """An engine that waits on SIGTERM (vLLM's HTTP server with clients attached) exits on the SIGINT sent
+    after ``force_after_seconds``, long before the SIGKILL deadline."""
+    name = next(iter(world.ports))
+    world.actuator.start(name, world.argv(name, "--stub-ignore-sigterm"))
+    if world.serves_http:
+        world.live_argv(name)
+    stopped = world.actuator.stop(name, timeout_seconds=60, force_after_seconds=1)
+    assert stopped.state is base.State.STOPPED
+    assert "SIGINT after 1s" in stopped.detail and "SIGKILL" not in stopped.detail, stopped.detail
+    assert world.actuator.status(name).state is base.State.STOPPED
+
+
 def test_stop_is_idempotent(world: World) -> None:
     name = next(iter(world.ports))
     assert world.actuator.stop(name, timeout_seconds=1).state is base.State.STOPPED

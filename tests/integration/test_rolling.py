@@ -440,3 +440,22 @@ def test_a_tuner_stopping_mid_rollout_puts_a_healthy_drained_replica_back(tmp_pa
     r2 = d2.run(d2.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
     assert r2.of("a").state is machine.State.STARTING and "a" in drainer2.drained
     d2.journal.close()
+
+
+def test_without_a_drain_the_idle_wait_is_skipped_not_run_to_its_deadline(tmp_path: Path) -> None:
+    """With nothing taking the replica out of the load balancer, requests keep arriving: the old driver
+    waited the whole idle_timeout while the queue grew (1,200-2,450 requests in flight at the deadline on
+    the H200), then cut them anyway."""
+
+    class Busy(FakeProber):
+        def load(self, replica: base.Replica) -> int | None:
+            return 40
+
+    d = fake_driver(tmp_path, drains=False, names=("solo",))
+    d.prober = Busy(d.actuator)  # type: ignore[arg-type]
+    r = d.run(d.begin("r", {"solo": NEW}, limits=machine.Limits(verify_seconds=0, warmup_requests=0,
+                                                                 allow_downtime=True, idle_timeout_seconds=3600)))
+    assert machine.outcome(r) is Outcome.DONE
+    idle = next(x for x in d.journal.records if x.get("event") in ("idle", "idle_timeout"))
+    assert (idle["event"], idle["reason"]) == ("idle", "not waited for: nothing drains this replica")
+    d.journal.close()

@@ -83,9 +83,15 @@ class Actuator(Protocol):
         saying why and what to do.
         """
 
-    def stop(self, name: str, *, timeout_seconds: float) -> ReplicaStatus:
+    def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> ReplicaStatus:
         """SIGTERM (or the platform's equivalent), then SIGKILL after ``timeout_seconds``; returns once
-        the replica is gone (STOPPED, ``detail`` says whether it had to be killed). Idempotent.
+        the replica is gone (STOPPED, ``detail`` says whether it had to be forced or killed). Idempotent.
+
+        ``force_after_seconds``: if the engine still runs that long after the SIGTERM, send SIGINT to its
+        main process. vLLM's HTTP server (uvicorn) waits for every attached client connection to close
+        before it shuts the engine down, and with clients attached it never does; a SIGINT after the
+        SIGTERM makes it stop waiting (uvicorn's forced exit), so the engine exits — and frees its GPU —
+        without waiting for the SIGKILL deadline (docs/reliability.md, measured).
 
         Every method raises ``PermanentActuatorError`` for a name that is not one of ``replicas()``.
         """

@@ -70,7 +70,7 @@ class FakeActuator:
             self.start(name, argv)
         return self.status(name)
 
-    def stop(self, name: str, *, timeout_seconds: float) -> base.ReplicaStatus:
+    def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> base.ReplicaStatus:
         self._check(name)
         with self._lock:
             self.calls.append(("stop", name))
@@ -78,7 +78,12 @@ class FakeActuator:
             detail = ""
             if was.state is base.State.RUNNING:
                 stubborn = self._ignores_sigterm(was.argv or ())
-                detail = f"killed with SIGKILL after {timeout_seconds:g}s" if stubborn else "stopped on SIGTERM"
+                if not stubborn:
+                    detail = "stopped on SIGTERM"
+                elif force_after_seconds is not None and force_after_seconds < timeout_seconds:
+                    detail = f"stopped: SIGTERM, then SIGINT after {force_after_seconds:g}s"
+                else:
+                    detail = f"killed with SIGKILL after {timeout_seconds:g}s"
             self._status[name] = base.ReplicaStatus(name, base.State.STOPPED, None, None, detail)
             return self._status[name]
 

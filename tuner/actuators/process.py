@@ -202,7 +202,7 @@ class ProcessActuator:
             record = {"pid": proc.pid, "starttime": proc.starttime, "argv": list(argv), "command": list(self.command)}
             files.write_atomically(self._pidfile(name), json.dumps(record).encode(), mode=0o600)
 
-    def stop(self, name: str, *, timeout_seconds: float) -> base.ReplicaStatus:
+    def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> base.ReplicaStatus:
         self._check(name)
         with self._locks[name]:
             proc = self._procs[name]
@@ -216,7 +216,16 @@ class ProcessActuator:
             began = self._clock()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGTERM)
-            ended = self._wait(proc, timeout_seconds)
+            forced = False
+            if force_after_seconds is not None and force_after_seconds < timeout_seconds:
+                ended = self._wait(proc, force_after_seconds)
+                if ended is None:  # uvicorn waits for attached clients: a SIGINT now ends that wait
+                    forced = True
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGINT)
+                    ended = self._wait(proc, timeout_seconds - force_after_seconds)
+            else:
+                ended = self._wait(proc, timeout_seconds)
             took = self._clock() - began
             if ended is None:
                 self._killpg(proc.pid)
@@ -226,6 +235,8 @@ class ProcessActuator:
                         f"process actuator: {name} (pid {proc.pid}) survived SIGKILL for 10 s", delay=10
                     )
                 detail = f"killed with SIGKILL after {took:.1f}s (SIGTERM ignored)"
+            elif forced:
+                detail = f"stopped after {took:.1f}s: SIGTERM, then SIGINT after {force_after_seconds:g}s ({ended})"
             else:
                 detail = f"stopped on SIGTERM after {took:.1f}s ({ended})"
             self._killpg(proc.pid)  # stragglers: engine-core children the leader left behind

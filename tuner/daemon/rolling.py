@@ -107,6 +107,7 @@ class RolloutDriver:
         stop_event: threading.Event | None = None,
         clock: Callable[[], float] = time.time,
         max_temporary_failures: int = 3,
+        drains: bool = True,
     ) -> None:
         self.actuator, self.drainer, self.prober, self.journal = actuator, drainer, prober, journal
         self._replicas = {r.name: r for r in actuator.replicas()}
@@ -121,6 +122,7 @@ class RolloutDriver:
         self._stop = stop_event or threading.Event()
         self._clock = clock
         self._max_temporary = max_temporary_failures
+        self._drains = drains  # False: nothing takes the replica out of the load balancer
         self._waits = _Waits(idle_since={}, unhealthy_polls={})
         self._last_hold_reason = ""
 
@@ -321,7 +323,8 @@ class RolloutDriver:
             return Event.UNDRAINED, ""
         if step is Step.STOP:
             assert action.timeout_seconds is not None
-            return Event.STOPPED, self.actuator.stop(name, timeout_seconds=action.timeout_seconds).detail
+            return Event.STOPPED, self.actuator.stop(name, timeout_seconds=action.timeout_seconds,
+                                                     force_after_seconds=action.force_after_seconds).detail
         if step is Step.START:
             assert action.argv is not None
             self.actuator.start(name, action.argv)
@@ -385,6 +388,10 @@ class RolloutDriver:
         assert action.deadline is not None
         if status.state is not base.State.RUNNING:
             return Event.IDLE, f"engine {status.state.value}: nothing in flight"
+        if not self._drains:
+            # Nothing routes traffic away (drain kind none): waiting for idle would only let the queue
+            # grow until the deadline and then cut it anyway.
+            return Event.IDLE, "not waited for: nothing drains this replica"
         load = self.prober.load(replica)
         if load == 0 or load is None:
             since = self._waits.idle_since.setdefault(replica.name, now)

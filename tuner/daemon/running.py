@@ -266,7 +266,7 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
         hold_timeout_seconds=settings.rollout.hold_timeout_seconds,
         verifier=verifier, confirm=confirm_for(client, actuator, kind=kind),
         on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name, " ".join(argv), why),
-        on_transition=on_transition, stop_event=stop_event,
+        on_transition=on_transition, stop_event=stop_event, drains=settings.drain.kind != "none",
     )
     power = None
     if settings.gpu_control.enabled:  # privileged, off by default

@@ -217,6 +217,7 @@ class Limits:
     allow_downtime: bool = False
     idle_timeout_seconds: float = 120.0
     stop_timeout_seconds: float = 60.0
+    force_after_seconds: float | None = 10.0
     start_timeout_seconds: float = 300.0
     start_margin_seconds: float = 60.0
     verify_seconds: float = 120.0
@@ -252,6 +253,7 @@ class Action:
     argv: Argv | None = None  # START / CONFIRM_ARGS: this leg's arguments
     deadline: float | None = None  # WAIT_IDLE / WAIT_HEALTHY / VERIFY: give up (or judge) at this time
     timeout_seconds: float | None = None  # STOP: SIGKILL after this long
+    force_after_seconds: float | None = None  # STOP: make the HTTP server stop waiting for clients after this
     count: int | None = None  # WARM: this many requests
     reason: str = ""  # HOLD: why nothing can be admitted
 
@@ -400,7 +402,8 @@ def _action_for(rollout: Rollout, p: Progress, limits: Limits) -> Action:
     if step is Step.WAIT_IDLE:
         return Action(step, p.name, deadline=since + limits.idle_timeout_seconds)
     if step is Step.STOP:
-        return Action(step, p.name, timeout_seconds=limits.stop_timeout_seconds)
+        return Action(step, p.name, timeout_seconds=limits.stop_timeout_seconds,
+                      force_after_seconds=limits.force_after_seconds)
     if step in (Step.START, Step.CONFIRM_ARGS):
         return Action(step, p.name, argv=rollout.argv_for(p.name))
     if step is Step.WAIT_HEALTHY:
