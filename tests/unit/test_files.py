@@ -31,7 +31,7 @@ def test_replaces_the_file_with_its_mode(tmp_path: Path) -> None:
 def test_a_failed_rename_leaves_no_temp_file_behind(tmp_path: Path) -> None:
     target = tmp_path / "upstreams.conf"
     target.mkdir()  # os.replace cannot put a file over a directory
-    with pytest.raises(OSError):
+    with pytest.raises(IsADirectoryError):
         files.write_atomically(target, b"server 127.0.0.1:8001;\n")
     assert _debris(tmp_path) == []
 
