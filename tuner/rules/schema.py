@@ -66,13 +66,22 @@ def _duration(value: Any) -> Any:
     if isinstance(value, bool):  # YAML's yes/no/on/off
         raise ValueError("expected a duration such as 90s, 15m, 2h or 1d")
     if isinstance(value, int | float):
-        return timedelta(seconds=value)
+        return _seconds(float(value))
     if isinstance(value, str) and not value.startswith("P"):  # "P..." is ISO 8601: pydantic parses it
         m = _DURATION.match(value)
         if m is None:
             raise ValueError(f"expected a duration such as 90s, 15m, 2h or 1d; got {value!r}")
-        return timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
+        return _seconds(float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
     return value
+
+
+_MAX_DURATION_SECONDS = 10 * 365 * 86400.0  # ten years: a longer cooldown is a typo (timedelta overflows at 2.7M)
+
+
+def _seconds(seconds: float) -> timedelta:
+    if not 0 <= seconds <= _MAX_DURATION_SECONDS:  # also false for NaN
+        raise ValueError(f"expected a duration from 0 to 10 years (e.g. 90s, 15m, 2h or 1d); got {seconds:g} s")
+    return timedelta(seconds=seconds)
 
 
 Duration = Annotated[timedelta, BeforeValidator(_duration)]
