@@ -241,6 +241,8 @@ def checked(name: str, signal: Signal) -> Signal:
     if value is None:
         return signal
     domain = DOMAINS.get(name)
+    if domain is not None and domain.low < value <= domain.high:  # the usual case, in one comparison
+        return signal
     why = domain.problem(value) if domain is not None else (None if math.isfinite(value) else f"{value} is not finite")
     if why is None:
         return signal

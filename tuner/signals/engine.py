@@ -62,13 +62,16 @@ def _counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
         for name in (family + "_total", family):
             if name in snap.nonfinite:
                 return None, f"counter {name} holds NaN or ±Inf"
-            if name in snap.series:
-                values = [s.value for s in snap.samples(name) if where is None or where(s.labels)]
-                if values:
-                    low, high = min(values), max(values)
-                    if low < 0 or high > EXACT:
-                        return None, f"counter {name} = {low if low < 0 else high:g} is outside [0, 2^53]"
-                return sum(values), None
+            samples = snap.series.get(name)
+            if samples is not None:
+                values = [s.value for s in samples] if where is None else \
+                    [s.value for s in samples if where(s.labels)]
+                total = sum(values)
+                # all samples ≥ 0 and their sum ≤ 2^53 ⇔ every sample in [0, 2^53] (and the sum too)
+                if total > EXACT or (values and min(values) < 0):
+                    bad = min(values) if min(values) < 0 else max(values)
+                    return None, f"counter {name} = {bad:g} is outside [0, 2^53]"
+                return total, None
     return None, None
 
 
