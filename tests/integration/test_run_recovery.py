@@ -91,7 +91,7 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
 
         wait_for(ready, 30, every=0)
         # READY went out while the rollout was still being resumed: the journal has not finished it
-        assert journal.unfinished(journal.Journal(jpath, fsync=False).records) is not None
+        assert journal.unfinished(journal.read_records(jpath)) is not None
 
         def status_shows_the_resumed_rollout() -> dict | None:
             """/status showing the rollout running"""

@@ -123,7 +123,7 @@ def test_nan_gauge_reads_as_missing_signal(server, client):
     assert snap.ok
     signals = engine_signals.compute([snap])
     assert signals["requests_running"].value is None
-    assert "absent" in signals["requests_running"].reason
+    assert "NaN" in signals["requests_running"].reason  # not a partial sum, not "absent"
 
 
 def test_failed_scrape_marks_the_window_invalid(server, client):

@@ -202,3 +202,87 @@ def test_sleep_level_from_vllm_engine_sleep_state():
         ("1", "awake", 0), ("1", "weights_offloaded", 1), ("1", "discard_all", 0)])
     assert es.compute([snapshots.parse(text, scraped_at=1.0)])["sleep_level"].value == 1.0  # deepest engine
     assert es.compute([snap(1)])["sleep_level"].value is None  # absent: unknown, not "awake"
+
+
+# --- domains: a value outside its domain is None with a reason, never clamped, never passed on ----------
+
+def _window(**kw):
+    return [snap(0, **kw), snap(30, **kw)]
+
+
+@pytest.mark.parametrize("kv", [57, -0.1, 1.0001, 1e308])
+def test_kv_usage_outside_zero_to_one_is_unknown_with_the_value_in_the_reason(kv):
+    s = es.compute(_window(kv=kv))
+    for name in ("kv_cache_usage", "kv_cache_usage_max"):
+        assert s[name].value is None, name
+        assert "outside" in s[name].reason and "[0, 1]" in s[name].reason
+
+
+@pytest.mark.parametrize(("field", "value", "signals"), [
+    ("waiting", -3, ("requests_waiting", "requests_waiting_max")),
+    ("running", 1e308, ("requests_running", "requests_running_max")),
+    ("running", 2.0**53 + 2, ("requests_running",)),
+])
+def test_negative_or_absurd_counts_are_unknown(field, value, signals):
+    s = es.compute(_window(**{field: value}))
+    for name in signals:
+        assert s[name].value is None and "outside" in s[name].reason, name
+
+
+@pytest.mark.parametrize(("field", "first", "last", "signal"), [
+    ("success", 1e308, 1e308, "request_rate"),     # a counter past a float's exact integers
+    ("prompt", -50, -10, "prompt_tokens_per_s"),   # a counter below 0
+    ("gen", 0, 2.0**60, "generation_tokens_per_s"),
+])
+def test_counter_values_outside_their_domain_void_the_rate(field, first, last, signal):
+    s = es.compute([snap(0, **{field: first}), snap(30, **{field: last})])
+    assert s[signal].value is None and "counter" in s[signal].reason
+
+
+def test_nan_in_one_data_parallel_engine_voids_the_signal_instead_of_a_partial_sum():
+    text = expo(running=3, engines=("0", "1")).replace(
+        'vllm:num_requests_running{engine="1",model_name="m"} 3', 'vllm:num_requests_running{engine="1",model_name="m"} NaN')
+    w = [snapshots.parse(text, 0), snapshots.parse(text, 30)]
+    s = es.compute(w)
+    for name in ("requests_running", "requests_running_max"):
+        assert s[name].value is None and "NaN" in s[name].reason, s[name]
+    assert s["requests_waiting"].value == 0  # the other series are fine
+
+
+def _queue(cum, count, total=1.0, t=0.0):
+    bounds = [*QUEUE_BOUNDS, "+Inf"]
+    lines = [f'vllm:request_queue_time_seconds_bucket{{le="{b}"}} {c}' for b, c in zip(bounds, cum, strict=True)]
+    lines += [f"vllm:request_queue_time_seconds_sum {total}", f"vllm:request_queue_time_seconds_count {count}",
+              "vllm:num_requests_running 1", "process_start_time_seconds 1000"]
+    return snapshots.parse("\n".join(lines) + "\n", t)
+
+
+def test_histograms_must_have_monotone_buckets_and_an_inf_bucket_equal_to_the_count():
+    good = [_queue([0] * 10, 0), _queue([1, 2, 3, 3, 3, 3, 3, 3, 3, 4], 4, t=30)]
+    assert es.compute(good)["queue_time_p95_s"].value is not None
+    not_monotone = [_queue([0] * 10, 0), _queue([1, 2, 1, 3, 3, 3, 3, 3, 3, 4], 4, t=30)]
+    s = es.compute(not_monotone)
+    for name in ("queue_time_mean_s", "queue_time_p50_s", "queue_time_p95_s"):
+        assert s[name].value is None and "not cumulative" in s[name].reason, s[name]
+    inf_not_count = [_queue([0] * 10, 0), _queue([1, 2, 3, 3, 3, 3, 3, 3, 3, 4], 9, t=30)]
+    s = es.compute(inf_not_count)
+    assert s["queue_time_mean_s"].value is None and "+Inf bucket 4 ≠ _count 9" in s["queue_time_mean_s"].reason
+
+
+def test_config_signals_outside_their_knob_ranges_are_unknown():
+    text = expo().replace('block_size="128"', 'block_size="1e9"').replace('gpu_memory_utilization="0.92"',
+                                                                           'gpu_memory_utilization="3"')
+    s = es.compute([snapshots.parse(text, 0)])
+    assert s["block_size"].value is None and "outside" in s["block_size"].reason
+    assert s["gpu_memory_utilization"].value is None and "(0, 1]" in s["gpu_memory_utilization"].reason
+
+
+def test_gpu_signals_outside_their_domain_are_unknown():
+    from tuner.model.gpus import GpuReading
+    from tuner.signals import gpu
+
+    r = GpuReading(index=0, source="nvml", read_at=0.0, gpu_util=57.0, power_w=float("nan"), gpu_temp_c=61.0)
+    s = gpu.compute([r])
+    assert s["gpu_util"].value is None and "[0, 1]" in s["gpu_util"].reason
+    assert s["power_w"].value is None and "not a finite number" in s["power_w"].reason
+    assert s["gpu_temp_c"].value == 61.0

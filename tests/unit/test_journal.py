@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tuner.rollout import journal, machine
+from tuner.errors import TunerError
+from tuner.rollout import journal, locks, machine
 from tuner.rollout.machine import Event as E
 
 OLD = ("--max-num-seqs", "8", "--arg with space", "it's")
@@ -130,3 +133,196 @@ def test_sigkill_mid_write_loses_no_acknowledged_record(tmp_path: Path) -> None:
     assert acked >= 200
     assert seqs == list(range(1, len(seqs) + 1))
     assert len(seqs) >= acked
+
+
+# --- failed writes: nothing acknowledged that is not durable ------------------------------------------
+
+
+def _only_on(fd: int, fake, real):  # type: ignore[no-untyped-def]
+    """An ``os.write``/``os.fsync`` stand-in that misbehaves only on the journal's own descriptor."""
+    return lambda f, *a: fake(f, *a) if f == fd else real(f, *a)
+
+
+def test_a_short_write_is_completed_before_the_record_is_acknowledged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "j.jsonl"
+    real_write = os.write
+    with journal.Journal(path, fsync=False) as j:
+        j.append("decision", at=1.0)
+        # The kernel may take fewer bytes than asked (a signal, a nearly full disk): 7 at a time here.
+        monkeypatch.setattr(os, "write", _only_on(j._fd, lambda f, data: real_write(f, bytes(data)[:7]), real_write))
+        j.append("decision", at=2.0, payload="x" * 100)
+        monkeypatch.undo()
+    with journal.Journal(path) as j:
+        assert [r["seq"] for r in j.records] == [1, 2] and j.records[1]["payload"] == "x" * 100
+        assert j.dropped_tail == b""
+
+
+def test_a_write_that_cannot_complete_is_undone_raised_and_the_journal_stays_appendable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "j.jsonl"
+    real_write = os.write
+    with journal.Journal(path, fsync=False) as j:
+        j.append("decision", at=1.0)
+        good = path.read_bytes()
+        calls = []
+
+        def disk_fills(f: int, data: bytes) -> int:  # half the record fits, then the disk is full
+            calls.append(len(data))
+            if len(calls) == 1:
+                return real_write(f, bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "write", _only_on(j._fd, disk_fills, real_write))
+        with pytest.raises(journal.JournalWriteError) as err:
+            j.append("decision", at=2.0, payload="y" * 300)
+        monkeypatch.undo()
+        assert err.value.errno == errno.ENOSPC and err.value.path == str(path)
+        assert str(path) in str(err.value) and "No space left on device" in str(err.value)
+        assert len(calls) == 2  # the short write was retried before giving up
+        assert path.read_bytes() == good  # half a record is not left behind to glue the next one to
+        assert [r["seq"] for r in j.records] == [1]
+        j.append("decision", at=3.0)  # space is back
+    with journal.Journal(path) as j:
+        assert [(r["seq"], r["at"]) for r in j.records] == [(1, 1.0), (2, 3.0)]
+        assert j.dropped_tail == b""
+        j.append("decision", at=4.0)
+    with journal.Journal(path) as j:
+        assert [r["seq"] for r in j.records] == [1, 2, 3]
+
+
+def test_a_write_that_takes_nothing_does_not_loop_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "j.jsonl"
+    with journal.Journal(path, fsync=False) as j:
+        monkeypatch.setattr(os, "write", _only_on(j._fd, lambda f, data: 0, os.write))
+        with pytest.raises(journal.JournalWriteError, match="0 of"):
+            j.append("decision", at=1.0)
+    assert path.read_bytes() == b""
+
+
+def test_a_failed_fsync_undoes_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "j.jsonl"
+    real_fsync = os.fsync
+    with journal.Journal(path) as j:
+        j.append("decision", at=1.0)
+        good = path.read_bytes()
+
+        def eio(f: int) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(os, "fsync", _only_on(j._fd, eio, real_fsync))
+        with pytest.raises(journal.JournalWriteError) as err:
+            j.append("decision", at=2.0)
+        monkeypatch.undo()
+        assert err.value.errno == errno.EIO
+        assert path.read_bytes() == good and len(j.records) == 1
+
+
+_FULL_DISK = r"""
+import errno, json, os, sys
+from tuner.rollout import journal
+mnt = sys.argv[1]
+path = os.path.join(mnt, "j.jsonl")
+out = {}
+j = journal.Journal(path)
+j.append("decision", at=1.0, payload="a" * 100)
+good = os.path.getsize(path)
+fd = os.open(os.path.join(mnt, "filler"), os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(fd, b"f" * 512)
+except OSError as exc:
+    out["filler_errno"] = exc.errno
+os.close(fd)
+try:
+    j.append("decision", at=2.0, payload="b" * 20000)  # a page and more: the disk fills mid-record
+    out["acknowledged"] = True
+except journal.JournalWriteError as exc:
+    out["error"] = [exc.errno, str(exc)]
+out["size_after_failure"], out["good"] = os.path.getsize(path), good
+os.unlink(os.path.join(mnt, "filler"))  # space comes back
+j.append("decision", at=3.0, payload="c" * 20000)
+j.close()
+with journal.Journal(path) as j2:
+    out["seqs"] = [r["seq"] for r in j2.records]
+    out["payloads"] = [r["payload"][0] for r in j2.records]
+    out["dropped"] = j2.dropped_tail.decode()
+print(json.dumps(out))
+"""
+
+
+def test_a_full_disk_on_a_real_tmpfs_acknowledges_nothing_and_recovers_when_space_returns(tmp_path: Path) -> None:
+    """A 64 KiB tmpfs in a private mount namespace (root only): the mount dies with the process."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a private tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    wrapper = 'mount -t tmpfs -o size=64k tmpfs "$1" && exec "$2" -c "$3" "$1"'
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", wrapper, "sh", str(mnt),
+                           sys.executable, _FULL_DISK], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["filler_errno"] == errno.ENOSPC
+    assert "acknowledged" not in out, "a record that did not fit was reported durable"
+    assert out["error"][0] == errno.ENOSPC and "j.jsonl" in out["error"][1]
+    assert out["size_after_failure"] == out["good"]
+    assert out["seqs"] == [1, 2] and out["payloads"] == ["a", "c"] and out["dropped"] == ""
+
+
+# --- one tuner per journal -------------------------------------------------------------------------------
+
+_HOLDER = """
+import sys
+from tuner.rollout import journal
+j = journal.Journal(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_second_process_on_the_same_journal_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(locks.LockedError) as err:
+            journal.Journal(path)
+        assert err.value.pid == holder.pid
+        assert f"pid {holder.pid}" in str(err.value) and "\n" not in str(err.value)
+        assert isinstance(err.value, TunerError)
+        # reading the journal (a status tool, a test) needs no lock and changes nothing
+        assert journal.read_records(path) == []
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    with journal.Journal(path) as j:  # the holder exited: its lock went with it
+        j.append("decision", at=1.0)
+
+
+def test_the_lock_is_released_at_close_and_taken_per_open(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    j = journal.Journal(path)
+    with pytest.raises(locks.LockedError, match=f"pid {os.getpid()}"):
+        journal.Journal(path)  # flock is per open file: the same process cannot open it twice either
+    j.close()
+    journal.Journal(path).close()
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
+    path = tmp_path / "state.json.lock"
+    code = "import sys, time\nfrom tuner.rollout import locks\nl = locks.acquire(sys.argv[1])\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(locks.LockedError, match=f"held by another vllm-tuner \\(pid {holder.pid}\\)"):
+            locks.acquire(path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    with locks.acquire(path) as lock:
+        assert lock.path == path and path.read_text().strip() == str(os.getpid())

@@ -249,3 +249,39 @@ _token = st.one_of(
 @given(st.lists(_token, max_size=12))
 def test_parse_argv_roundtrip(argv):
     assert EngineArgs.parse(argv).argv() == argv
+
+
+# --- hard sanity ranges -------------------------------------------------------------------------------
+
+def test_every_numeric_knob_has_a_hard_range_and_booleans_none():
+    for knob in knobs.KNOBS.values():
+        if knob.type == "bool":
+            assert knob.range is None
+        else:
+            assert knob.range is not None and knob.range.why, knob.name
+    assert knobs.KNOBS["max_num_seqs"].range.contains(65536) and not knobs.KNOBS["max_num_seqs"].range.contains(65537)
+    gmu = knobs.KNOBS["gpu_memory_utilization"].range
+    assert gmu.contains(1.0) and gmu.contains(0.01) and not gmu.contains(0.0) and not gmu.contains(1.0001)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("--max-num-seqs 4000000000", "--max-num-seqs"),           # a rule's factor: 1e9 on 4
+    ("--max-num-batched-tokens 20000000", "--max-num-batched-tokens"),
+    ("--max-model-len 100000000", "--max-model-len"),
+    ("--block-size 4096", "--block-size"),
+    ("--max-num-seqs " + "9" * 400, "--max-num-seqs"),         # not even a float
+])
+def test_values_outside_the_hard_range_are_refused(text, needle):
+    (p,) = _problems(text)
+    assert p.startswith(needle) and "outside" in p
+
+
+def test_an_out_of_range_value_on_the_command_line_is_unknown_not_a_number():
+    e = knobs.effective("--max-num-seqs", EngineArgs.parse(["--max-num-seqs", "9" * 400]))
+    assert e.value is None and e.source == "unknown" and "outside" in (e.reason or "")
+    assert knobs.effective("--max-num-seqs", EngineArgs.parse(["--max-num-seqs", "65536"])).value == 65536
+
+
+def test_sglang_flags_share_the_ranges():
+    (p,) = knobs.validate(EngineArgs.from_string("--max-running-requests 100000"), "sglang", platform=None)
+    assert "--max-running-requests" in p and "outside" in p

@@ -372,3 +372,17 @@ def test_plan_is_pure_and_frozen():
 def test_gpu_reason_bits_are_what_the_guard_reads():
     assert gpus.THERMAL_MASK & gpus.SW_POWER_CAP == 0
     assert knobs.KNOBS["max_num_seqs"].restart
+
+
+def test_a_proposal_past_a_knobs_hard_range_is_held_by_engine_validation():
+    # scale by 1000 (a factor the schema allows) from 256 → 256,000 sequence slots, past 1..65536
+    rules = rules_from("""
+rules:
+  - {id: greedy, when: {all: [{signal: request_rate, op: '>', value: 0}]},
+     then: {flag: --max-num-seqs, op: scale, factor: 1000}}
+""")
+    p = run(BUSY, "--max-num-seqs 256 --max-num-batched-tokens 8192", cycles=1, rules=rules)
+    assert not p.changes and p.args_after == p.args_before
+    (h,) = p.held
+    assert h.rule == "greedy" and h.guard == "engine"
+    assert "--max-num-seqs: 256000 is outside" in h.reason and "65536" in h.reason

@@ -470,3 +470,59 @@ def test_fmt():
     assert evaluation.fmt(-float("inf")) == "-∞"
     assert evaluation.fmt(0.0123456) == "0.01235"
     assert evaluation.fmt(False) == "off"
+
+
+# --- a rule file cannot leave a knob's hard range ---------------------------------------------------
+
+@pytest.mark.parametrize(("then", "where", "needle"), [
+    ({"flag": "--max-num-seqs", "op": "scale", "factor": 2, "max": 4e9}, "then.max", "65536"),
+    ({"flag": "--max-num-seqs", "op": "scale", "factor": 2, "min": 0}, "then.min", "--max-num-seqs"),
+    ({"flag": "--max-num-seqs", "op": "set", "value": 4_000_000_000}, "then.value", "outside"),
+    ({"flag": "--gpu-memory-utilization", "op": "set", "value": 1.5}, "then.value", "(0, 1]"),
+    ({"flag": "--block-size", "op": "step", "values": [16, 4096], "direction": "up"}, "then.values", "4096"),
+    ({"flag": "--max-num-seqs", "op": "scale", "factor": 1e9}, "then.factor", "65536"),
+    ({"flag": "--max-num-seqs", "op": "scale", "factor": 1e-9}, "then.factor", "65536"),
+    ({"flag": "--max-num-seqs", "op": "scale", "factor": float("inf")}, "then.factor", "finite"),
+    ({"flag": "--max-num-seqs", "op": "set", "value": float("nan")}, "then.value", "finite"),
+    ({"flag": "--max-num-seqs", "op": "set", "value_from": {"signal": "kv_cache_max_concurrency",
+                                                             "times": float("inf")}}, "then.value_from.times", "finite"),
+])
+def test_a_rule_outside_the_knobs_hard_range_is_refused(then, where, needle):
+    found = problems({"rules": [with_(then=then)]})
+    assert any(w == f"rules[0] (id: ok).{where}" and needle in what for w, what in found), found
+
+
+def test_a_condition_on_nan_is_refused():
+    found = problems({"rules": [with_(when={"all": [{"signal": "kv_cache_usage", "op": ">", "value": float("nan")}]})]})
+    assert any("finite" in what for _, what in found), found
+
+
+def test_rules_inside_the_ranges_load():
+    loading.parse({"rules": [with_(then={"flag": "--max-num-seqs", "op": "scale", "factor": 1000, "max": 65536,
+                                         "min": 1})]})
+
+
+def test_a_huge_dynamic_target_is_blocked_not_an_overflow():
+    # value_from can still reach past any float: signal × times overflows to inf
+    r = rule("""
+id: huge
+when: {all: [{signal: request_rate, op: '>', value: 0}]}
+then: {flag: --max-num-seqs, op: set, value_from: {signal: kv_cache_max_concurrency, times: 1e300}}
+""")
+    c = ctx({"request_rate": 1, "kv_cache_max_concurrency": 1e300}, "--max-num-seqs 8")
+    o = evaluation.evaluate_rule(r, c)
+    assert o.status == "blocked" and "finite" in o.reason
+    r = rule("""
+id: huge-bound
+when: {all: [{signal: request_rate, op: '>', value: 0}]}
+then: {flag: --max-num-seqs, op: scale, factor: 2, max_from: [{signal: kv_cache_max_concurrency, times: 1e300}]}
+""")
+    o = evaluation.evaluate_rule(r, c)
+    assert o.status == "blocked" and "finite" in o.reason
+
+
+@pytest.mark.parametrize("given", [86_400_000_000_000.0, "99999999999d", -5, float("nan"), "11000d"])
+def test_absurd_cooldowns_are_refused_not_an_overflow(given):
+    # found by tests/fuzz: timedelta(seconds=8.64e13) raised OverflowError out of the loader
+    found = problems({"rules": [with_(cooldown=given)]})
+    assert any(w == "rules[0] (id: ok).cooldown" and "duration" in what for w, what in found), found

@@ -47,10 +47,10 @@ def test_nan_and_inf_values_read_as_absent():
 @pytest.mark.parametrize(
     "body",
     [
-        "<!DOCTYPE html><html><body>Not Found</body></html>",
+        "<!DOCTYPE html><html><body>Not Found</body></html>\n",
         'vllm:x{engine="0" 1\n',
         "vllm:x one\n",
-        "\x00\x01\x02",
+        "\x00\x01\x02\n",
     ],
 )
 def test_junk_gives_an_invalid_snapshot_not_an_exception(body):
@@ -146,8 +146,10 @@ def test_fast_path_agrees_with_reference_or_defers(families):
     except Exception:
         expected = None
     snap = snapshots.parse(text, 0.0)  # never raises
-    if expected is not None:  # where the reference accepts, we read exactly the same samples
-        assert snap.ok
+    if expected is not None:  # where the reference accepts, we read exactly the same samples ...
+        if not snap.ok:  # ... or refuse what Prometheus refuses and prometheus_client lets through
+            assert any(why in (snap.error or "") for why in ("empty body", "duplicate series", "out of range"))
+            return
         assert _ours(snap) == expected
 
 
@@ -157,3 +159,86 @@ def test_junk_is_caught_even_when_no_wanted_line_is_in_it():
     other = snapshots.parse("node_load1 0.5\n", 0.0, keep_prefixes=("vllm:",))
     assert other.ok
     assert other.series == {}
+
+
+# --- what Prometheus would reject is an invalid snapshot, with a reason --------------------------------
+
+WAITING = '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="m"} 27.0\n'
+
+
+def test_a_duplicate_series_makes_the_snapshot_invalid_naming_the_series():
+    # seen in the field: the same series twice was summed, "27 waiting" read as 12,372
+    body = WAITING + 'vllm:num_requests_waiting{engine="0",model_name="m"} 12345.0\n'
+    snap = snapshots.parse(body, 0.0, keep_prefixes=("vllm:",))
+    assert not snap.ok and snap.series == {}
+    assert 'duplicate series vllm:num_requests_waiting{engine="0",model_name="m"}' in snap.error
+
+
+@pytest.mark.parametrize("second", [
+    'vllm:num_requests_waiting{model_name="m",engine="0"} 1\n',   # the same label set, permuted
+    'vllm:num_requests_waiting{model_name="m", engine="0",} 1\n',  # spaces and a trailing comma
+    'vllm:num_requests_waiting{engine="0",model_name="m"} 1 1700000000000\n',  # with a timestamp
+    'vllm:num_requests_waiting{engine="0",model_name="\\u"} 2\nvllm:num_requests_waiting{engine="0",model_name="\\u"} 1\n',
+])
+def test_duplicates_are_found_however_the_labels_are_spelled_and_on_both_parse_paths(second):
+    snap = snapshots.parse(WAITING + second, 0.0)
+    assert not snap.ok and "duplicate series vllm:num_requests_waiting" in snap.error
+
+
+def test_distinct_label_sets_are_not_duplicates():
+    body = WAITING + 'vllm:num_requests_waiting{engine="1",model_name="m"} 3\n'
+    snap = snapshots.parse(body, 0.0)
+    assert snap.ok and sum(s.value for s in snap.samples("vllm:num_requests_waiting")) == 30
+
+
+def test_series_churn_beyond_the_limits_makes_the_snapshot_invalid():
+    churn = "".join(f'vllm:num_requests_waiting{{engine="{i}",model_name="m"}} 1\n' for i in range(100_000))
+    snap = snapshots.parse(churn, 0.0, keep_prefixes=("vllm:",))
+    assert not snap.ok
+    assert "vllm:num_requests_waiting has 100000 series" in snap.error and "per metric name" in snap.error
+    small = snapshots.SeriesLimits(max_series=3, max_series_per_name=2)
+    two = WAITING + 'vllm:num_requests_waiting{engine="1",model_name="m"} 3\n'
+    assert snapshots.parse(two, 0.0, limits=small).ok
+    three = two + 'vllm:num_requests_waiting{engine="2",model_name="m"} 3\n'
+    assert "has 3 series" in (snapshots.parse(three, 0.0, limits=small).error or "")
+    total = two + "a 1\nb 1\n"
+    assert "4 series in total" in (snapshots.parse(total, 0.0, limits=small).error or "")
+
+
+def test_real_vllm_bodies_are_far_inside_the_default_limits():
+    """The defaults must fit real vLLM with room for data-parallel engines and many HTTP handlers: a
+    vLLM 0.32 body has ~460 series, its largest metric name 24 (a histogram's buckets)."""
+    biggest_total = biggest_name = 0
+    for path in FIXTURES:
+        snap = snapshots.parse(path.read_text(), 0.0)
+        assert snap.ok, path
+        biggest_total = max(biggest_total, sum(len(v) for v in snap.series.values()))
+        biggest_name = max(biggest_name, *(len(v) for v in snap.series.values()))
+    limits = snapshots.DEFAULT_LIMITS
+    assert biggest_total * 64 <= limits.max_series and biggest_name * 64 <= limits.max_series_per_name
+
+
+@pytest.mark.parametrize("keep", [None, ("vllm:",)])
+def test_a_body_cut_inside_a_value_is_invalid_on_every_path(keep):
+    # a metrics file cut inside "27.0" would read as 2
+    cut = WAITING[: WAITING.index("27.0") + 1]
+    snap = snapshots.parse(cut, 0.0, keep_prefixes=keep)
+    assert not snap.ok and "does not end with a newline" in snap.error
+    assert not snapshots.parse("", 0.0).ok and "empty" in snapshots.parse(" \n", 0.0).error
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ("# TYPE vllm:x bogus\nvllm:x 1\n", "metric type"),
+    ('vllm:x{a="1",a="2"} 1\n', "not Prometheus text exposition"),
+    ("vllm:x 1e400\n", "out of range"),
+    ("vllm:x -1e999\n", "out of range"),
+])
+def test_what_prometheus_rejects_is_rejected(body, why):
+    snap = snapshots.parse(body, 0.0)
+    assert not snap.ok and why in snap.error
+
+
+def test_nan_and_inf_samples_are_remembered_so_a_partial_sum_is_not_taken():
+    body = 'vllm:kv_cache_usage_perc{engine="0"} NaN\nvllm:kv_cache_usage_perc{engine="1"} 0.5\nc +Inf\n'
+    snap = snapshots.parse(body, 0.0)
+    assert snap.ok and snap.nonfinite == frozenset({"vllm:kv_cache_usage_perc", "c"})

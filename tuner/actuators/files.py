@@ -3,6 +3,7 @@ and running a helper command (systemctl, nginx, a drain hook) — an argv, never
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -30,22 +31,29 @@ def run(argv: Sequence[str], *, who: str, timeout_seconds: float, delay: float =
 
 def write_atomically(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` so that readers (systemd, nginx, a restarted tuner) see the old
-    file or the new one, never a mix: a temp file in the same directory, fsync, rename, fsync the
-    directory (the rename itself must survive a power cut)."""
+    file or the new one, never a mix: a temp file in the same directory, every byte written (short
+    writes are continued), fsync, close, rename, fsync the directory (the rename itself must survive a
+    power cut). Any failure before the rename (a full disk, EIO, a rename onto a directory) removes the
+    temp file and raises the ``OSError``; the old file is untouched."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                if n <= 0:
+                    raise OSError(f"{tmp}: the file system took 0 of {len(view)} bytes")
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # close can report a deferred write error too (NFS)
+        os.replace(tmp, target)
     except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
-    os.close(fd)
-    os.replace(tmp, target)
     dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)

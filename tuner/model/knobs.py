@@ -18,6 +18,12 @@ gpu_memory_utilization        --gpu-memory-utilization        --mem-fraction-sta
 chunked_prefill (bool)        --[no-]enable-chunked-prefill   --chunked-prefill-size -1 = off
 ============================  ==============================  ==================================
 
+Every numeric knob has a hard sanity range (``Knob.range``, ``RANGES``) that no command line, rule file
+or proposal may leave: a value outside it on a command line is an error (``validate``) and unknown
+(``effective``), never a number the core computes with, and the rule schema refuses bounds and values
+outside it. The ranges follow vLLM 0.32's own limits (config/scheduler.py, config/cache.py) where vLLM
+has one and cap at a generous "no real deployment goes there" where it has none; each says why.
+
 Values are text in argv and numbers here: ``parse_int`` reads vLLM's human-readable integers
 (``1k`` = 1000, ``1K`` = 1024, ``25.6k`` = 25600; engine-contract.md §2). ``effective`` answers "what does
 the engine run with" when a flag is absent — vLLM's defaults depend on the platform (GPU memory,
@@ -46,6 +52,39 @@ Form = Literal["space", "equals", "bare", "positional"]
 
 
 @dataclass(frozen=True, slots=True)
+class Range:
+    """A knob's hard sanity range: ``[low, high]``, or ``(low, high]`` with ``low_open``."""
+
+    low: float
+    high: float
+    why: str
+    low_open: bool = False
+    integer: bool = True
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high
+
+    def describe(self) -> str:
+        if self.integer and self.low == 1 and not self.low_open:
+            return f"a positive integer ≤ {format_value(self.high)}"
+        return f"{'(' if self.low_open else '['}{format_value(self.low)}, {format_value(self.high)}]"
+
+    def problem(self, value: float) -> str | None:
+        """Why ``value`` is outside (None: inside)."""
+        if self.contains(value):
+            return None
+        if isinstance(value, int):
+            digits = str(value)
+            shown = digits if len(digits) <= 20 else f"{digits[:8]}… ({len(digits)} digits)"
+        else:
+            shown = f"{value:.6g}"
+        return f"{shown} is outside the tuner's hard range: must be {self.describe()} ({self.why})"
+
+
+@dataclass(frozen=True, slots=True)
 class Knob:
     """One tunable engine setting with its flag on each engine (``None``: the engine has none)."""
 
@@ -56,23 +95,49 @@ class Knob:
     description: str
     aliases: tuple[str, ...] = ()  # other spellings the engines accept for the same setting
     restart: bool = True  # every knob here is fixed at startup (engine-contract.md §3: no runtime endpoint)
+    range: Range | None = None  # None only for booleans
 
     def flag(self, kind: EngineKind) -> str | None:
         return self.vllm if kind == "vllm" else self.sglang
 
 
+# Why these ranges (vLLM 0.32: config/scheduler.py, config/cache.py; the same bounds hold for SGLang's
+# flags, whose limits are no wider in practice):
+# - max_num_seqs ≥ 1 (vLLM: ge=1, no upper limit). Real deployments run 8..2048; vLLM's largest default
+#   is 1024. 65536 slots is 32× past that and still small enough that a factor-of-a-billion rule is
+#   caught long before it would be a command line.
+# - max_model_len ≥ 1 (vLLM refuses more than the model's derived length unless
+#   VLLM_ALLOW_LONG_MAX_MODEL_LEN). The longest released contexts are ~10M tokens: cap at 2^24 = 16.8M.
+# - max_num_batched_tokens ≥ 1 (vLLM: ge=1; largest default 16384). With chunked prefill off it must be
+#   ≥ max_model_len, so it shares max_model_len's ceiling, 2^24.
+# - block_size > 0 (vLLM: gt=0); the largest size any attention kernel accepts is 1024 (FlashInfer on
+#   Blackwell, ``BLOCK_SIZES``). Hybrid (Mamba) models may get a larger block *from vLLM itself*; the
+#   flag never needs one.
+# - gpu_memory_utilization in (0, 1] (vLLM: gt=0, le=1), a fraction of one GPU's memory.
+_TOKENS_CAP = 2**24
+RANGES: Mapping[str, Range] = MappingProxyType({
+    "max_num_seqs": Range(1, 65536, "vLLM needs ≥ 1; real deployments run ≤ 2048 sequence slots"),
+    "max_model_len": Range(1, _TOKENS_CAP, "vLLM needs ≥ 1; the longest released contexts are ~10M tokens"),
+    "max_num_batched_tokens": Range(1, _TOKENS_CAP, "vLLM needs ≥ 1; with chunked prefill off it must "
+                                    "reach max_model_len, so it shares its ceiling"),
+    "block_size": Range(1, 1024, "vLLM needs > 0; no attention kernel takes blocks over 1024 tokens"),
+    "gpu_memory_utilization": Range(0, 1, "a fraction of one GPU's memory, as vLLM requires", low_open=True,
+                                    integer=False),
+})
+
 KNOBS: Mapping[str, Knob] = MappingProxyType({
     k.name: k for k in (
         Knob("max_num_seqs", "int", "--max-num-seqs", "--max-running-requests",
-             "sequence slots: the most requests the scheduler runs at once"),
+             "sequence slots: the most requests the scheduler runs at once", range=RANGES["max_num_seqs"]),
         Knob("max_model_len", "int", "--max-model-len", "--context-length",
-             "the longest prompt + output a request may have (tokens)"),
+             "the longest prompt + output a request may have (tokens)", range=RANGES["max_model_len"]),
         Knob("max_num_batched_tokens", "int", "--max-num-batched-tokens", "--chunked-prefill-size",
-             "tokens per scheduler step (the prefill chunk budget)"),
-        Knob("block_size", "int", "--block-size", "--page-size", "tokens per KV-cache block/page"),
+             "tokens per scheduler step (the prefill chunk budget)", range=RANGES["max_num_batched_tokens"]),
+        Knob("block_size", "int", "--block-size", "--page-size", "tokens per KV-cache block/page",
+             range=RANGES["block_size"]),
         Knob("gpu_memory_utilization", "float", "--gpu-memory-utilization", "--mem-fraction-static",
              "fraction of GPU memory the engine may take (weights + activations + KV cache)",
-             aliases=("--device-memory-utilization",)),
+             aliases=("--device-memory-utilization",), range=RANGES["gpu_memory_utilization"]),
         Knob("chunked_prefill", "bool", "--enable-chunked-prefill", "--chunked-prefill-size",
              "split long prompts into chunks that share steps with decoding"),
     )
@@ -386,14 +451,11 @@ def _knob(knob: Knob | str) -> Knob:
     return found
 
 
-def flag_of(knob: Knob | str, kind: EngineKind) -> str | None:
-    return _knob(knob).flag(kind)
-
-
 def explicit(args: EngineArgs, knob: Knob | str, kind: EngineKind = "vllm") -> Value | None:
     """The knob's value as written on the command line, parsed; None if absent (or ``auto``).
 
-    Raises ValueError for text the engine would refuse (``--max-num-seqs lots``).
+    Raises ValueError for text the engine would refuse (``--max-num-seqs lots``) and for a value
+    outside the knob's hard range (``Knob.range``).
     """
     k = _knob(knob)
     flag = k.flag(kind)
@@ -417,7 +479,12 @@ def explicit(args: EngineArgs, knob: Knob | str, kind: EngineKind = "vllm") -> V
         return None  # "fit to memory": only the live engine knows
     if kind == "sglang" and k.name == "max_num_batched_tokens" and raw.strip() == _SGLANG_CHUNKING_OFF:
         return None  # chunking off: no chunk budget
-    return _parse_value(k, raw)
+    value = _parse_value(k, raw)
+    if k.range is not None and not isinstance(value, bool):
+        why = k.range.problem(value)
+        if why is not None:
+            raise ValueError(why)
+    return value
 
 
 def effective(knob: Knob | str, args: EngineArgs, *, kind: EngineKind = "vllm",
@@ -551,11 +618,12 @@ def validate(args: EngineArgs, kind: EngineKind = "vllm", *, platform: str | Non
              defaults: Mapping[str, Value] | None = None) -> list[str]:
     """Why the engine would refuse to start with ``args`` (empty: it would start).
 
-    vLLM (config/scheduler.py, config/cache.py): max_num_batched_tokens ≥ max_num_seqs always;
-    ≥ max_model_len when chunked prefill is off (only an *explicit* budget — a defaulted one is raised
-    to max_model_len by vLLM itself); gpu-memory-utilization in (0, 1]; block size per platform
-    (``BLOCK_SIZES``); --max-num-active-seqs ≤ max_num_seqs. Values that cannot be known (absent, no
-    default) are not checked.
+    Every explicit value within its knob's hard range (``RANGES``: this covers vLLM's own ≥ 1 and
+    gpu-memory-utilization in (0, 1]); vLLM (config/scheduler.py, config/cache.py):
+    max_num_batched_tokens ≥ max_num_seqs always; ≥ max_model_len when chunked prefill is off (only an
+    *explicit* budget — a defaulted one is raised to max_model_len by vLLM itself); block size per
+    platform (``BLOCK_SIZES``); --max-num-active-seqs ≤ max_num_seqs. Values that cannot be known
+    (absent, no default) are not checked.
     """
     problems: list[str] = []
     values: dict[str, Effective] = {}
@@ -579,13 +647,8 @@ def validate(args: EngineArgs, kind: EngineKind = "vllm", *, platform: str | Non
     def flag_of_knob(name: str) -> str:
         return KNOBS[name].flag(kind) or name
 
-    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
-        v = num(name)
-        if v is not None and values[name].source == "args" and v < 1:
-            problems.append(f"{flag_of_knob(name)} {format_value(v)}: must be a positive integer")
-
     gmu = num("gpu_memory_utilization")
-    if gmu is not None and not 0 < gmu <= 1:
+    if gmu is not None and values["gpu_memory_utilization"].source == "default" and not 0 < gmu <= 1:
         problems.append(f"{flag_of_knob('gpu_memory_utilization')} {format_value(gmu)}: must be in (0, 1] "
                         "(a fraction of the GPU's memory)")
 

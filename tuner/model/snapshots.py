@@ -1,8 +1,30 @@
 """Snapshots: one scrape of one Prometheus text exposition, parsed into frozen samples.
 
-Parsing uses prometheus_client's own text parser. A body that cannot be parsed does not raise: the
-snapshot comes back with ``error`` set and no samples, so the window that contains it is marked invalid
-and the cycle says why.
+A fast parser reads the common shape of an exposition; anything else goes to prometheus_client's own
+text parser. A body that cannot be parsed does not raise: the snapshot comes back with ``error`` set and
+no samples, so the window that contains it is marked invalid and the cycle says why.
+
+``parse`` is the one place where an exposition is validated, for every path that reads one (HTTP
+scrapes, saved ``.prom`` files, recordings). What Prometheus' own scrape loop refuses is refused here
+too (``model/textparse/promparse.go``, ``scrape/scrape.go``):
+
+- an empty body, or one whose last line has no newline (Prometheus' parser needs a line break after
+  every sample; a body cut inside ``27`` would read as ``2``);
+- a line that is not exposition, an unknown ``# TYPE``, a label name twice in one series;
+- a value outside the float64 range (``1e400``: Go's ParseFloat fails with ErrRange);
+- more series than ``SeriesLimits`` allow, per metric name or in total (Prometheus' ``sample_limit``:
+  label churn must not turn into one summed gauge).
+
+Stricter than Prometheus, on purpose: the same series (metric name and label set, whatever the label
+order) twice in one body makes the whole snapshot invalid, naming it. Prometheus keeps the first sample
+and drops the second with a warning ("duplicate sample for timestamp"); a tuner that sums samples cannot
+tell which one is true (27 waiting read as 12,372). A label with an empty value is kept as written (not
+dropped as Prometheus does), so ``x{a=""}`` and ``x`` count as two series here.
+
+With ``keep_prefixes`` only the lines the tuner reads are parsed and validated, which keeps a cycle over
+hundreds of targets cheap; a malformed line in a family the tuner never reads does not void the scrape.
+NaN and ±Inf values are valid exposition: such a sample is left out and its sample name is listed in
+``Snapshot.nonfinite``, so signals read the whole series as unknown (never a partial sum of the rest).
 """
 
 from __future__ import annotations
@@ -43,6 +65,8 @@ class Snapshot:
     series: Mapping[str, tuple[Sample, ...]] = field(default_factory=lambda: _EMPTY)
     error: str | None = None
     source: str = ""
+    nonfinite: frozenset[str] = frozenset()
+    """Sample names that had a NaN or ±Inf sample (left out of ``series``): read them as unknown."""
 
     @property
     def ok(self) -> bool:
@@ -57,6 +81,33 @@ class Snapshot:
     @classmethod
     def failed(cls, scraped_at: float, error: str, *, source: str = "") -> Snapshot:
         return cls(scraped_at=scraped_at, error=error, source=source)
+
+
+@dataclass(frozen=True, slots=True)
+class SeriesLimits:
+    """How many series one exposition may hold (Prometheus' ``sample_limit``, per name and in total).
+
+    A vLLM 0.32 body (one engine, one model) has ~460 series, ~155 of them in the families the tuner
+    reads, and its largest metric name has 24 (a latency histogram's buckets). The defaults leave room
+    for 64 data-parallel engines and many HTTP handlers, and stop label churn (a request id or a
+    timestamp as a label value) long before it costs memory or sums into one number."""
+
+    max_series: int = 50_000
+    """Series in the parsed part of one body (all of it without ``keep_prefixes``)."""
+    max_series_per_name: int = 5_000
+    """Series of one sample name (``vllm:num_requests_waiting``; a histogram's ``_bucket`` on its own)."""
+
+
+DEFAULT_LIMITS = SeriesLimits()
+
+# The metric types of Prometheus' text format 0.0.4 (promparse.go refuses any other).
+PROMETHEUS_TYPES = frozenset({"counter", "gauge", "histogram", "summary", "untyped"})
+_REFERENCE_TYPES = frozenset({"counter", "gauge", "histogram", "summary", "unknown"})  # prometheus_client's names
+_INF_SPELLINGS = frozenset({"inf", "infinity"})
+
+
+class _Rejected(Exception):
+    """Raised by the fast parser for input that no parser may accept (not merely an unusual shape)."""
 
 
 def _wanted_lines(text: str, prefixes: tuple[str, ...]) -> str:
@@ -88,8 +139,11 @@ _LINE = re.compile(
 _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\]*)"[ \t]*(?:,|$)')
 
 # Label sets repeat verbatim from one scrape to the next (and across replicas); sharing one frozen
-# mapping per distinct label text keeps hundreds of windows of snapshots small in memory.
+# mapping per distinct label set keeps hundreds of windows of snapshots small in memory. The sharing is
+# by label *set* (``_CANONICAL``), not by text: two spellings of one set (another order, spaces, a
+# trailing comma) give the very same object, so the duplicate-series check compares identities.
 _LABELS_CACHE: dict[str, Labels] = {}
+_CANONICAL: dict[tuple[tuple[str, str], ...], Labels] = {}
 _LABELS_CACHE_MAX = 200_000
 _NO_LABELS: Labels = MappingProxyType({})
 
@@ -108,24 +162,36 @@ def _labels(text: str) -> Labels | None:
             return None  # duplicate label: let the reference parser decide
         out[m.group(1)] = m.group(2)
         pos = m.end()
-    labels: Labels = MappingProxyType(out)
-    if len(_LABELS_CACHE) >= _LABELS_CACHE_MAX:
-        _LABELS_CACHE.clear()
+    if not out:
+        labels = _NO_LABELS
+    else:
+        key = tuple(sorted(out.items()))
+        labels = _CANONICAL.get(key) or _CANONICAL.setdefault(key, MappingProxyType(out))
     _LABELS_CACHE[text] = labels
     return labels
+
+
+def _trim_label_caches() -> None:
+    """Called between parses only, so that identities stay comparable within one body."""
+    if len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX:
+        _LABELS_CACHE.clear()
+        _CANONICAL.clear()
 
 
 _ALLOWED_SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", "_sum", "_bucket")}
 
 
-def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict[str, list[Sample]] | None:
+def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
+                nonfinite: set[str] | None = None) -> dict[str, list[Sample]] | None:
     """Parse the common exposition shape; None as soon as a line is not plainly of that shape.
 
     Equivalent to prometheus_client's parser on what it accepts (property-tested against it in
     tests/unit/test_snapshots.py); roughly 10× faster on vLLM expositions, which is what keeps one
-    cycle over hundreds of targets within budget (docs/performance.md).
+    cycle over hundreds of targets within budget (docs/performance.md). Names of NaN/±Inf samples go
+    to ``nonfinite``; a value outside the float64 range raises ``_Rejected``.
     """
     index: dict[str, list[Sample]] = {}
+    isfinite = math.isfinite
     # prometheus_client names a counter's samples `<TYPE name>_total` when they are written without
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
@@ -142,7 +208,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict
                 return None
             parts = line.split(None, 3)
             if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                if parts[1] == "TYPE" and len(parts) != 4:
+                if parts[1] == "TYPE" and (len(parts) != 4 or parts[3] not in PROMETHEUS_TYPES):
                     return None
                 if parts[2] != family:
                     family, family_type = parts[2], "untyped"
@@ -169,7 +235,11 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None) -> dict
             family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
         elif family_type == "counter" and not family.endswith("_total"):
             name += "_total"
-        if math.isnan(value) or math.isinf(value):
+        if not isfinite(value):
+            if value == value and value_text.lstrip("+-").lower() not in _INF_SPELLINGS:
+                raise _Rejected(f"the value {value_text} of {name} is out of range for a float64")
+            if nonfinite is not None:
+                nonfinite.add(name)
             continue
         index.setdefault(name, []).append(Sample(name, labels, value))
     return index
@@ -181,30 +251,48 @@ def parse(
     *,
     source: str = "",
     keep_prefixes: tuple[str, ...] | None = None,
+    limits: SeriesLimits = DEFAULT_LIMITS,
 ) -> Snapshot:
-    """Parse exposition text into a Snapshot; never raises on bad input.
+    """Parse and validate exposition text into a Snapshot; never raises on bad input (see the module
+    docstring for what makes a snapshot invalid).
 
     ``keep_prefixes`` restricts parsing to metric names starting with one of the prefixes.
-    NaN and infinite sample values are dropped here, so a NaN gauge reads as a missing series
-    (``None`` downstream) rather than as a number.
+    NaN and infinite sample values are dropped here and their names listed in ``nonfinite``, so a NaN
+    gauge reads as unknown (``None`` downstream) rather than as a number.
     """
-    fast = _fast_parse(text, keep_prefixes)
-    if fast == {} and keep_prefixes is not None:
+    if not text or text.isspace():
+        return Snapshot.failed(scraped_at, "empty body", source=source)
+    if text[-1] != "\n":
+        # prometheus_client always ends the exposition with a newline, and Prometheus' own parser needs a
+        # line break after every sample: a body without one was cut, maybe inside a value.
+        return Snapshot.failed(scraped_at, "body does not end with a newline (truncated?)", source=source)
+    _trim_label_caches()
+    nonfinite: set[str] = set()
+    try:
+        fast = _fast_parse(text, keep_prefixes, nonfinite)
+    except _Rejected as exc:
+        return Snapshot.failed(scraped_at, f"not valid Prometheus text exposition: {exc}", source=source)
+    if fast == {} and keep_prefixes is not None and not nonfinite:
         # Nothing we read was there. Is it exposition at all (another exporter) or junk (an HTML
         # page, a proxy's error text)? Only the full reference parse can tell; this case is rare.
         fast = None
     elif keep_prefixes is not None and fast is None:
         text = _wanted_lines(text, keep_prefixes)
     if fast is not None:
-        return Snapshot(scraped_at=scraped_at, series=MappingProxyType({k: tuple(v) for k, v in fast.items()}),
-                        source=source)
+        return _snapshot(fast, nonfinite, scraped_at, source=source, limits=limits, shared_labels=True)
     index: dict[str, list[Sample]] = {}
+    nonfinite.clear()
     try:
         for family in text_string_to_metric_families(text):
+            if family.type not in _REFERENCE_TYPES:
+                return Snapshot.failed(scraped_at, f"not valid Prometheus text exposition: {family.name} has "
+                                       f"type {family.type!r}, not one of Prometheus' text format "
+                                       f"({', '.join(sorted(PROMETHEUS_TYPES))})", source=source)
             for s in family.samples:
                 value = float(s.value)
                 if math.isnan(value) or math.isinf(value):
-                    continue  # a NaN series reads as absent
+                    nonfinite.add(s.name)  # a NaN series reads as unknown
+                    continue
                 index.setdefault(s.name, []).append(Sample(s.name, MappingProxyType(dict(s.labels)), value))
     except Exception as exc:  # noqa: BLE001 - the parser raises ValueError, TypeError, IndexError… on junk
         first = text.lstrip()[:60].replace("\n", " ")
@@ -215,8 +303,45 @@ def parse(
         )
     if keep_prefixes is not None:
         index = {k: v for k, v in index.items() if k.startswith(keep_prefixes) and "_created" not in k}
-    return Snapshot(
-        scraped_at=scraped_at,
-        series=MappingProxyType({k: tuple(v) for k, v in index.items()}),
-        source=source,
-    )
+        nonfinite = {k for k in nonfinite if k.startswith(keep_prefixes) and "_created" not in k}
+    return _snapshot(index, nonfinite, scraped_at, source=source, limits=limits, shared_labels=False)
+
+
+def _snapshot(index: dict[str, list[Sample]], nonfinite: set[str], scraped_at: float, *, source: str,
+              limits: SeriesLimits, shared_labels: bool) -> Snapshot:
+    """The Snapshot of a parsed index, or an invalid one: too many series, or a series twice.
+
+    ``shared_labels``: every label mapping comes from ``_labels`` (one object per label set), so a
+    duplicate is two samples with the *same* mapping object; otherwise label sets are compared."""
+    series: dict[str, tuple[Sample, ...]] = {}
+    total = 0
+    per_name = limits.max_series_per_name
+    for name, samples in index.items():
+        n = len(samples)
+        total += n
+        if n > 1:
+            if n > per_name:
+                return Snapshot.failed(scraped_at, f"{name} has {n} series, more than the limit of {per_name} "
+                                       "per metric name (label churn?)", source=source)
+            distinct = (len({id(s.labels) for s in samples}) if shared_labels
+                        else len({frozenset(s.labels.items()) for s in samples}))
+            if distinct != n:
+                return Snapshot.failed(scraped_at, _duplicate(name, samples), source=source)
+        series[name] = tuple(samples)
+    if total > limits.max_series:
+        return Snapshot.failed(scraped_at, f"{total} series in total, more than the limit of {limits.max_series} "
+                               "(label churn?)", source=source)
+    return Snapshot(scraped_at=scraped_at, series=MappingProxyType(series), source=source,
+                    nonfinite=frozenset(nonfinite) if nonfinite else frozenset())
+
+
+def _duplicate(name: str, samples: Iterable[Sample]) -> str:
+    seen: set[frozenset[tuple[str, str]]] = set()
+    for s in samples:
+        key = frozenset(s.labels.items())
+        if key in seen:
+            text = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            return (f"duplicate series {name}{{{text}}} in one exposition: Prometheus refuses the second "
+                    "sample; the tuner refuses the scrape rather than guess which one is true")
+        seen.add(key)
+    return f"duplicate series in {name}"  # unreachable: the caller counted fewer distinct label sets

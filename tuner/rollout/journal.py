@@ -13,13 +13,24 @@ driver's clock, seconds) and ``kind``:
 
 Recovery is replay: ``replay(records)`` folds every ``event`` through ``machine.handle`` (the same pure
 function that produced it, with the recorded ``at`` as ``now``), so the rebuilt rollout is exactly the
-one the dead tuner held. A crash can tear only the last line (one ``write`` per record, and the record
-is not acknowledged before its fsync); opening the journal drops such a tail. A bad line anywhere
-else is corruption and raises ``JournalError``: guessing would risk a replica on unknown arguments.
+one the dead tuner held. A crash can tear only the last line (a record is not acknowledged before all
+of it is written and fsync'd); opening the journal drops such a tail. A bad line anywhere else is
+corruption and raises ``JournalError``: guessing would risk a replica on unknown arguments.
+
+A write that fails (a full disk, an I/O error, a short write that cannot complete, a failed fsync) is
+undone: the file is truncated back to its last complete record and ``JournalWriteError`` is raised, so
+nothing is acknowledged that is not durable and no half record is left for the next one to be glued to
+(which would turn a full disk into mid-file corruption). The journal stays appendable: once space is
+back the next append goes on where the last good record ended.
+
+The journal's owner holds ``<journal>.lock`` (``locks``) from open to close: a second tuner on the same
+journal is refused with the first one's pid. ``read_records`` reads without the lock and changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as errno_mod
 import json
 import os
 import threading
@@ -28,7 +39,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from tuner.errors import TunerError
-from tuner.rollout import machine
+from tuner.rollout import locks, machine
 
 VERSION = 1
 Record = Mapping[str, Any]
@@ -45,45 +56,90 @@ class JournalError(TunerError):
         )
 
 
-class Journal:
-    """The file. ``records`` holds everything loaded at open plus everything appended since."""
+class JournalWriteError(TunerError):
+    """A record could not be made durable. Nothing of it is left in the file and it was not acknowledged.
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    ``errno`` is the failing call's errno (``ENOSPC``, ``EIO``…), ``reason`` its text."""
+
+    def __init__(self, path: str, errno: int | None, reason: str) -> None:
+        self.path, self.errno, self.reason = path, errno, reason
+        code = f" [errno {errno}]" if errno is not None else ""
+        super().__init__(
+            f"{path}: cannot append to the journal: {reason}{code}; the record was not written (the file is "
+            "back at its last complete record) and the step it guards was not taken; free space or fix "
+            "the disk and the next append goes on"
+        )
+
+
+def _parse(data: bytes, path: str) -> tuple[list[dict[str, Any]], int, bytes]:
+    """(records, length of the complete records, the torn tail) of a journal's bytes."""
+    good = data.rfind(b"\n") + 1
+    tail = data[good:]
+    lines = data[:good].split(b"\n")[:-1]
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "kind" not in record:
+                raise ValueError("not a journal record")
+        except ValueError as exc:
+            if i == len(lines) and not tail:
+                # The last complete line is unreadable: a torn write that happened to end in "\n".
+                good -= len(line) + 1
+                tail = line
+                break
+            raise JournalError(path, i, f"unreadable record ({exc})") from exc
+        records.append(record)
+    return records, good, tail
+
+
+def read_records(path: str | os.PathLike[str]) -> list[Record]:
+    """The journal's complete records, read without taking its lock or repairing a torn tail (for
+    readers beside a running tuner). A missing file has none."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return []
+    return list(_parse(data, str(path))[0])
+
+
+class Journal:
+    """The file. ``records`` holds everything loaded at open plus everything appended since.
+
+    Opening takes ``<path>.lock`` (``locks.LockedError`` if another process holds it); ``close`` gives it
+    back. ``lock=False`` is for tests that must open a journal twice in one process."""
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True, lock: bool = True) -> None:
         self.path = Path(path)
         self._fsync = fsync
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        created = not self.path.exists()
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
-        if created and fsync:
-            _fsync_dir(self.path.parent)
-        self.dropped_tail = b""  # a torn last record dropped at open (for the log)
-        self._records: list[dict[str, Any]] = self._load()
+        self._owner = locks.acquire(locks.lock_path(self.path)) if lock else None
+        try:
+            created = not self.path.exists()
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+            try:
+                if created and fsync:
+                    _fsync_dir(self.path.parent)
+                self.dropped_tail = b""  # a torn last record dropped at open (for the log)
+                self._records: list[dict[str, Any]] = self._load()
+            except BaseException:
+                os.close(self._fd)
+                raise
+        except BaseException:
+            if self._owner is not None:
+                self._owner.release()
+            raise
+        self._damaged = False  # a failed write could not be undone: repair before the next one
 
     def _load(self) -> list[dict[str, Any]]:
-        data = self.path.read_bytes()
-        good = data.rfind(b"\n") + 1
-        tail = data[good:]
-        lines = data[:good].split(b"\n")[:-1]
-        records: list[dict[str, Any]] = []
-        for i, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict) or "kind" not in record:
-                    raise ValueError("not a journal record")
-            except ValueError as exc:
-                if i == len(lines) and not tail:
-                    # The last complete line is unreadable: a torn write that happened to end in "\n".
-                    good -= len(line) + 1
-                    tail = line
-                    break
-                raise JournalError(str(self.path), i, f"unreadable record ({exc})") from exc
-            records.append(record)
+        records, good, tail = _parse(self.path.read_bytes(), str(self.path))
         if tail:
             os.ftruncate(self._fd, good)
             if self._fsync:
                 os.fsync(self._fd)
         self.dropped_tail = tail
+        self._size = good  # the length of the complete, durable records
         return records
 
     @property
@@ -96,23 +152,62 @@ class Journal:
             seq = (self._records[-1].get("seq", 0) if self._records else 0) + 1
             record = {"v": VERSION, "seq": seq, "at": at, "kind": kind, **fields}
             line = json.dumps(record, separators=(",", ":"), sort_keys=True, ensure_ascii=False) + "\n"
-            os.write(self._fd, line.encode("utf-8"))
-            if self._fsync:
-                os.fsync(self._fd)
+            data = line.encode("utf-8")
+            if self._fd < 0:
+                raise ValueError(f"{self.path}: the journal is closed")
+            try:
+                if self._damaged:
+                    self._truncate()
+                _write_all(self._fd, data)
+                if self._fsync:
+                    os.fsync(self._fd)
+            except BaseException as exc:
+                self._undo()
+                if isinstance(exc, OSError):
+                    raise JournalWriteError(str(self.path), exc.errno, exc.strerror or str(exc)) from exc
+                raise
+            self._size += len(data)
             self._records.append(record)
             return record
+
+    def _truncate(self) -> None:
+        os.ftruncate(self._fd, self._size)
+        if self._fsync:
+            os.fsync(self._fd)
+        self._damaged = False
+
+    def _undo(self) -> None:
+        """Cut whatever part of the failed record reached the file. If even that fails (the disk is gone),
+        the next append tries again before writing."""
+        self._damaged = True
+        with contextlib.suppress(OSError):
+            self._truncate()
 
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            if self._owner is not None:
+                self._owner.release()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written: the kernel may take less than asked (a signal, a
+    nearly full disk); the call after a short one reports why (``ENOSPC``…). Zero bytes is a failure."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno_mod.EIO, f"the file system took 0 of the last {len(view)} bytes "
+                          f"({len(data) - len(view)} of {len(data)} written)")
+        view = view[n:]
 
 
 def _fsync_dir(path: Path) -> None:

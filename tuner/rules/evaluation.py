@@ -207,6 +207,8 @@ def _bound(ctx: Context, refs: Iterable[Ref], static: float | None, *, pick: str
         if raw is None:
             return None, None, f"bound {ref.describe()}: {text}"
         value = raw * ref.times + ref.plus
+        if not math.isfinite(value):
+            return None, None, f"bound {ref.describe()} = {fmt(value)} is not a finite number"
         tighter = best is None or (value < best if pick == "min" else value > best)
         if tighter:
             best, source = value, f"{ref.describe()} = {fmt(value)}"
@@ -237,7 +239,10 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
         return Outcome(rule.id, "fired", streak, f"{when_text}{sustained}", _proposal(
             rule, knob.name, flag, cur, target_bool, 1 if target_bool else -1, f"{when_text}{sustained}", ctx))
 
-    c = float(cur)
+    c = float(cur) if not isinstance(cur, int) or abs(cur) < 2**63 else math.inf
+    if not math.isfinite(c):  # a default given as text can be any size; knobs.RANGES bound only argv
+        return Outcome(rule.id, "blocked", streak, f"{when_text}{sustained}; but the current value of {flag} "
+                       f"({fmt(c)}) is not a finite number")
     # the raw target and the direction the rule means to move
     target: float
     if then.op == "set":
@@ -255,7 +260,7 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
         assert then.factor is not None
         target = c * then.factor
         intent = _sign(then.factor - 1)
-        if knob.type == "int":
+        if knob.type == "int" and math.isfinite(target):
             rounded = float(round(target))
             if intent > 0 and rounded <= c:
                 rounded = c + 1
@@ -272,6 +277,9 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
             return Outcome(rule.id, "no-op", streak, f"{flag} {fmt(c)} has no {then.direction}ward step in "
                            f"{', '.join(fmt(v) for v in valid) or '(no valid values)'}")
         target = candidates[0]
+    if not math.isfinite(target):  # value_from × times past any float: never round it to an int
+        return Outcome(rule.id, "blocked", streak, f"{when_text}{sustained}; but the new value of {flag} "
+                       f"({fmt(target)}) is not a finite number")
     if intent == 0:
         return Outcome(rule.id, "no-op", streak, f"{flag} is already {fmt(c)}")
 

@@ -24,11 +24,16 @@ A rule file::
           max_from: [{signal: kv_cache_max_concurrency}]
 
 Signals must be in ``tuner.signals.VOCABULARY`` and flags in ``tuner.model.knobs.FLAGS``; anything
-else fails validation with the file, the rule id and the field (see ``loading``).
+else fails validation with the file, the rule id and the field (see ``loading``). Every number must be
+finite, and a ``then:`` cannot leave its knob's hard range (``knobs.RANGES``): ``value``, ``values``,
+``min`` and ``max`` must lie inside it, and a ``factor`` must be one that could keep some value inside
+it (at most high/low, at least low/high). A dynamic target (``value_from``, ``max_from``) is checked
+when it is computed: the planner's engine validation refuses a proposal outside the range.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal
@@ -40,6 +45,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -60,21 +66,39 @@ def _duration(value: Any) -> Any:
     if isinstance(value, bool):  # YAML's yes/no/on/off
         raise ValueError("expected a duration such as 90s, 15m, 2h or 1d")
     if isinstance(value, int | float):
-        return timedelta(seconds=value)
+        return _seconds(float(value))
     if isinstance(value, str) and not value.startswith("P"):  # "P..." is ISO 8601: pydantic parses it
         m = _DURATION.match(value)
         if m is None:
             raise ValueError(f"expected a duration such as 90s, 15m, 2h or 1d; got {value!r}")
-        return timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
+        return _seconds(float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
     return value
+
+
+_MAX_DURATION_SECONDS = 10 * 365 * 86400.0  # ten years: a longer cooldown is a typo (timedelta overflows at 2.7M)
+
+
+def _seconds(seconds: float) -> timedelta:
+    if not 0 <= seconds <= _MAX_DURATION_SECONDS:  # also false for NaN
+        raise ValueError(f"expected a duration from 0 to 10 years (e.g. 90s, 15m, 2h or 1d); got {seconds:g} s")
+    return timedelta(seconds=seconds)
 
 
 Duration = Annotated[timedelta, BeforeValidator(_duration)]
 
 
+def _finite(value: Any) -> Any:
+    """One message for `.nan`/`.inf` where a field takes a number or a boolean (not one per union member)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number; got {value}")
+    return value
+
+
 class _Model(BaseModel):
+    # allow_inf_nan=False: `.inf`/`.nan` in a rule file is a mistake, and an infinite bound or factor
+    # would overflow when a proposal is rounded to an integer.
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
-                              populate_by_name=True)
+                              populate_by_name=True, allow_inf_nan=False)
 
 
 def _check_signal(name: str) -> str:
@@ -231,7 +255,7 @@ class Then(_Model):
     op: Literal["set", "scale", "step", "toggle"]
     """set: to ``value`` / ``value_from``; scale: × ``factor``; step: to the next entry of ``values``
     in ``direction``; toggle: a boolean flag to ``value`` (true/false; omitted: the opposite)."""
-    value: float | bool | None = None
+    value: Annotated[float | bool | None, BeforeValidator(_finite)] = None
     """set: the new value; toggle: the state to switch to."""
     value_from: Ref | None = None
     """set: take the new value from a signal or flag (× times + plus)."""
@@ -255,6 +279,32 @@ class Then(_Model):
     @classmethod
     def _flag(cls, v: str) -> str:
         return _check_flag(v)
+
+    @field_validator("value", "min", "max")
+    @classmethod
+    def _in_range(cls, v: float | bool | None, info: ValidationInfo) -> float | bool | None:
+        if v is not None and not isinstance(v, bool):
+            _check_in_range(info, v)
+        return v
+
+    @field_validator("values")
+    @classmethod
+    def _values_in_range(cls, v: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        for value in v or ():
+            _check_in_range(info, value)
+        return v
+
+    @field_validator("factor")
+    @classmethod
+    def _factor(cls, v: float | None, info: ValidationInfo) -> float | None:
+        knob = _knob_of(info)
+        if v is None or knob is None or knob.range is None or knob.range.low <= 0:
+            return v
+        widest = knob.range.high / knob.range.low
+        if not 1 / widest <= v <= widest:
+            raise ValueError(f"factor {v:g} would take any {info.data['flag']} out of its hard range "
+                             f"({knob.range.describe()}); a factor must lie within [1/{widest:g}, {widest:g}]")
+        return v
 
     @property
     def knob(self) -> knobs.Knob:
@@ -281,6 +331,21 @@ class Then(_Model):
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min {self.min:g} > max {self.max:g}")
         return self
+
+
+def _knob_of(info: ValidationInfo) -> knobs.Knob | None:
+    """The knob of the ``flag`` validated before this field (None if the flag itself was invalid)."""
+    flag = info.data.get("flag")
+    return knobs.knob_for(flag) if isinstance(flag, str) else None
+
+
+def _check_in_range(info: ValidationInfo, value: float) -> None:
+    knob = _knob_of(info)
+    if knob is None or knob.range is None:
+        return
+    why = knob.range.problem(value)
+    if why is not None:
+        raise ValueError(f"{info.data['flag']}: {why}")
 
 
 class Verify(_Model):

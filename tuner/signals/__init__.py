@@ -2,12 +2,21 @@
 
 The names are the public vocabulary of rule files (see ``VOCABULARY`` and docs/signals.md).
 A missing value is ``None`` with a human-readable ``reason`` — never 0.
+
+Every signal has a domain (``DOMAINS``): ratios in [0, 1], counts, rates and durations finite and in
+[0, 2^53] (beyond that a float64 holds no exact count: the number is garbage), the live configuration
+within what vLLM accepts. ``checked`` turns a value outside its domain (KV usage 57, a negative gauge,
+1e308, NaN) into ``None`` with the reason; ``engine.compute`` and ``gpu.compute`` pass every signal
+through it, so no rule ever sees such a value, and none is clamped silently.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from tuner.model import knobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,3 +175,75 @@ VOCABULARY: Mapping[str, Definition] = {
     "sm_active": Definition("ratio 0..1", "DCGM_FI_PROF_SM_ACTIVE (not in dcgm-exporter's default CSV)",
                             "mean over GPUs", "gpu"),
 }
+
+
+# --- domains ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Domain:
+    """Where a signal's value may lie: ``[low, high]``, or ``(low, high]`` with ``low_open``. Always finite."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def describe(self) -> str:
+        return f"{'(' if self.low_open else '['}{_short(self.low)}, {_short(self.high)}]"
+
+    def problem(self, value: float) -> str | None:
+        """Why ``value`` is outside the domain (None: inside)."""
+        if not math.isfinite(value):
+            return f"{value} is not a finite number"
+        if value < self.low or (self.low_open and value == self.low) or value > self.high:
+            return f"{value:g} is outside {self.describe()}"
+        return None
+
+
+def _short(x: float) -> str:
+    if x == 2**53:
+        return "2^53"
+    return f"{x:g}"
+
+
+EXACT = float(2**53)  # the largest count a float64 holds exactly: anything above is not a count
+COUNT = Domain(0, EXACT)
+_BY_UNIT: Mapping[str, Domain] = {
+    "requests": COUNT, "tokens": COUNT, "blocks": COUNT,
+    "requests/s": COUNT, "tokens/s": COUNT, "preemptions/s": COUNT, "s": COUNT,
+    "ratio 0..1": Domain(0, 1), "bool 0/1": Domain(0, 1), "level": Domain(0, 2),
+    # a GPU throttles near 90 °C and shuts down near 100 °C: a sensor outside −50…150 °C is broken
+    "°C": Domain(-50, 150),
+    "W": Domain(0, 5000),  # the largest single GPUs draw ~1.2 kW
+}
+
+
+def _range(knob: str) -> Domain:
+    r = knobs.RANGES[knob]
+    return Domain(r.low, r.high, r.low_open)
+
+
+_OVERRIDES: Mapping[str, Domain] = {
+    "temp_margin_c": Domain(-200, 200),  # slowdown threshold − temperature: negative when past it
+    # the live configuration: what vLLM accepts (knobs.RANGES); a hybrid (Mamba) model's block size is
+    # set by vLLM itself and may exceed the flag's 1024, so the signal allows more
+    "block_size": Domain(1, 65536),
+    "gpu_memory_utilization": _range("gpu_memory_utilization"),
+    "max_model_len": _range("max_model_len"),
+}
+
+DOMAINS: Mapping[str, Domain] = {name: _OVERRIDES.get(name) or _BY_UNIT[d.unit] for name, d in VOCABULARY.items()}
+
+
+def checked(name: str, signal: Signal) -> Signal:
+    """``signal``, or ``None`` with the reason when its value lies outside the signal's domain."""
+    value = signal.value
+    if value is None:
+        return signal
+    domain = DOMAINS.get(name)
+    if domain is not None and domain.low < value <= domain.high:  # the usual case, in one comparison
+        return signal
+    why = domain.problem(value) if domain is not None else (None if math.isfinite(value) else f"{value} is not finite")
+    if why is None:
+        return signal
+    return missing(f"{why}: an input series is wrong, not used")

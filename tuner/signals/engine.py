@@ -1,4 +1,10 @@
-"""Engine signals over a window of snapshots. Pure: snapshots (with their times) in, signals out."""
+"""Engine signals over a window of snapshots. Pure: snapshots (with their times) in, signals out.
+
+Inputs are checked where they are read: a series holding NaN/±Inf (``Snapshot.nonfinite``) is unknown
+as a whole (never a partial sum of the other engines), a counter sample outside [0, 2^53] voids its
+rate, a histogram whose buckets are not cumulative or whose +Inf bucket differs from its ``_count``
+voids what is computed from it. Outputs are checked by ``signals.checked`` (each signal's domain).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
-from tuner.signals import Signal, missing
+from tuner.signals import EXACT, Signal, checked, missing
 from tuner.signals import histograms as hist
 
 Snapshot = snapshots.Snapshot
@@ -32,14 +38,16 @@ ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
 
 def _first_present(snap: Snapshot, names: Sequence[str]) -> str | None:
     for name in names:
-        if name in snap.series:
+        if name in snap.series or name in snap.nonfinite:
             return name
     return None
 
 
 def gauge(snap: Snapshot, dialect: dialects.Dialect, concept: str, *, how: str = "sum") -> float | None:
+    """The concept's gauge (summed, or the max, over label sets); None when absent or any sample is
+    NaN/±Inf."""
     name = _first_present(snap, dialect.candidates(concept))
-    if name is None:
+    if name is None or name in snap.nonfinite:
         return None
     values = [s.value for s in snap.samples(name)]
     if not values:
@@ -47,20 +55,44 @@ def gauge(snap: Snapshot, dialect: dialects.Dialect, concept: str, *, how: str =
     return max(values) if how == "max" else sum(values)
 
 
-def counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
-            where: Callable[[Labels], bool] | None = None) -> float | None:
+def _counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
+             where: Callable[[Labels], bool] | None = None) -> tuple[float | None, str | None]:
+    """(the counter summed over label sets, why it is unusable); (None, None) when absent."""
     for family in dialect.candidates(concept):
         for name in (family + "_total", family):
-            if name in snap.series:
-                return sum(s.value for s in snap.samples(name) if where is None or where(s.labels))
-    return None
+            if name in snap.nonfinite:
+                return None, f"counter {name} holds NaN or ±Inf"
+            samples = snap.series.get(name)
+            if samples is not None:
+                values = [s.value for s in samples] if where is None else \
+                    [s.value for s in samples if where(s.labels)]
+                total = sum(values)
+                # all samples ≥ 0 and their sum ≤ 2^53 ⇔ every sample in [0, 2^53] (and the sum too)
+                if total > EXACT or (values and min(values) < 0):
+                    bad = min(values) if min(values) < 0 else max(values)
+                    return None, f"counter {name} = {bad:g} is outside [0, 2^53]"
+                return total, None
+    return None, None
 
 
-def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str
-            ) -> tuple[list[tuple[float, float]], float, float] | None:
-    """Cumulative buckets summed over label sets, plus _sum and _count. None when absent."""
+def counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
+            where: Callable[[Labels], bool] | None = None) -> float | None:
+    """The counter summed over label sets (those ``where`` accepts); None when absent or unusable."""
+    return _counter(snap, dialect, concept, where)[0]
+
+
+Histogram = tuple[list[tuple[float, float]], float, float]
+
+
+def _buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
+    """Cumulative buckets summed over label sets, plus _sum and _count; a string says why they are
+    unusable (NaN, not cumulative, +Inf ≠ _count); None when absent."""
     for family in dialect.candidates(concept):
         samples = snap.samples(family + "_bucket")
+        if snap.nonfinite:
+            bad = [n for n in (family + "_bucket", family + "_sum", family + "_count") if n in snap.nonfinite]
+            if bad:
+                return f"histogram series {bad[0]} holds NaN or ±Inf"
         if not samples:
             continue
         merged: dict[float, float] = {}
@@ -71,9 +103,20 @@ def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str
                 continue
             merged[bound] = merged.get(bound, 0.0) + s.value
         total_sum = sum(s.value for s in snap.samples(family + "_sum"))
-        total_count = sum(s.value for s in snap.samples(family + "_count"))
-        return sorted(merged.items()), total_sum, total_count
+        counts = snap.samples(family + "_count")
+        total_count = sum(s.value for s in counts)
+        cumulative = sorted(merged.items())
+        why = hist.problem(cumulative, total_count if counts else None)
+        if why is None and total_sum < 0:
+            why = f"_sum {total_sum:g} is negative"
+        return f"histogram {family}: {why}" if why else (cumulative, total_sum, total_count)
     return None
+
+
+def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | None:
+    """Cumulative buckets summed over label sets, plus _sum and _count. None when absent or unusable."""
+    found = _buckets(snap, dialect, concept)
+    return None if isinstance(found, str) else found
 
 
 def _cache_info(snap: Snapshot, dialect: dialects.Dialect) -> Mapping[str, str] | None:
@@ -105,7 +148,22 @@ def compute(
     stale_after_seconds: float | None = None,
     min_snapshots: int = 2,
 ) -> dict[str, Signal]:
-    """All engine signals for one target. Every name in ``ALL_SIGNALS`` is present in the result."""
+    """All engine signals for one target. Every name in ``ALL_SIGNALS`` is present in the result, every
+    value inside its domain (``signals.DOMAINS``) or ``None`` with a reason."""
+    out = _compute(window, dialect=dialect, info=info, now=now, stale_after_seconds=stale_after_seconds,
+                   min_snapshots=min_snapshots)
+    return {name: checked(name, signal) for name, signal in out.items()}
+
+
+def _compute(
+    window: Sequence[Snapshot],
+    *,
+    dialect: dialects.Dialect,
+    info: EngineInfo | None,
+    now: float | None,
+    stale_after_seconds: float | None,
+    min_snapshots: int,
+) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
     snaps = sorted(window, key=lambda s: s.scraped_at)
     valid = [s for s in snaps if s.ok]
@@ -160,10 +218,13 @@ def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
         ("kv_cache_usage", "kv_usage", "max"),
     ):
         value = gauge(snap, d, concept, how=how)
-        out[signal] = Signal(value) if value is not None else missing(_absent(d, concept))
+        out[signal] = Signal(value) if value is not None else missing(_why_absent(snap, d, concept))
     for signal, concept in (("prompt_tokens_max", "prompt_len"), ("max_tokens_max", "max_tokens")):
-        b = buckets(snap, d, concept)
-        out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(_absent(d, concept))
+        b = _buckets(snap, d, concept)
+        if isinstance(b, str):
+            out[signal] = missing(b)
+        else:
+            out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(_absent(d, concept))
     out["sleep_level"] = _sleep_level(snap, d)
     return out
 
@@ -173,6 +234,8 @@ def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
     name = _first_present(snap, d.candidates("sleep_state"))
     if name is None:
         return missing(_absent(d, "sleep_state"))
+    if name in snap.nonfinite:
+        return missing(_why_absent(snap, d, "sleep_state"))
     flags: dict[str, dict[str, float]] = {}
     for s in snap.samples(name):
         flags.setdefault(s.labels.get("engine", ""), {})[s.labels.get("sleep_state", "")] = s.value
@@ -192,6 +255,15 @@ def _absent(d: dialects.Dialect, concept: str) -> str:
     if not names:
         return f"{d.kind} does not expose this"
     return f"series {' / '.join(names)} absent"
+
+
+def _why_absent(snap: Snapshot, d: dialects.Dialect, concept: str) -> str:
+    """Why a gauge read nothing: a NaN/±Inf sample, or the series is not there."""
+    if snap.nonfinite:
+        for name in d.candidates(concept):
+            if name in snap.nonfinite:
+                return f"series {name} holds NaN or ±Inf"
+    return _absent(d, concept)
 
 
 def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None
@@ -246,12 +318,20 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     ):
         values = [gauge(s, d, concept, how=how) for s in snaps]
         known = [v for v in values if v is not None]
-        out[signal] = Signal(max(known)) if known else missing(_absent(d, concept))
+        broken = next((s for s in snaps if s.nonfinite and _why_absent(s, d, concept) != _absent(d, concept)), None)
+        if broken is not None:  # a maximum that skips a NaN sample is not the window's maximum
+            out[signal] = missing(f"{_why_absent(broken, d, concept)} at {broken.scraped_at:.0f}")
+        else:
+            out[signal] = Signal(max(known)) if known else missing(_absent(d, concept))
 
     restarted = _restart_between(snaps, d)
 
     def rate(concept: str, where: Callable[[Labels], bool] | None = None) -> Signal:
-        series = [counter(s, d, concept, where) for s in snaps]
+        read = [_counter(s, d, concept, where) for s in snaps]
+        unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
+        if unusable is not None:
+            return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
+        series = [v for v, _ in read]
         if any(v is None for v in series):
             return missing(_absent(d, concept) if series[-1] is None else "series missing in part of the window")
         if restarted:
@@ -304,7 +384,11 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
 
 def _histogram_window(first: Snapshot, last: Snapshot, d: dialects.Dialect, concept: str,
                       restarted: str | None) -> Signal | tuple[list[tuple[float, float]], float, float]:
-    new, old = buckets(last, d, concept), buckets(first, d, concept)
+    new, old = _buckets(last, d, concept), _buckets(first, d, concept)
+    for found, at in ((new, last), (old, first)):
+        if isinstance(found, str):
+            return missing(f"{found} at {at.scraped_at:.0f}")
+    assert not isinstance(new, str) and not isinstance(old, str)
     if new is None:
         return missing(_absent(d, concept))
     if restarted:

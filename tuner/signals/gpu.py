@@ -1,15 +1,17 @@
 """GPU signals: aggregate the latest readings of an engine's GPUs (worst case wins).
 
 Temperatures are maxima, margins and clock ratios minima, throttle flags any-of. A GPU that did
-not report a field does not count as 0: if no GPU reported it, the signal is None with a reason.
+not report a field does not count as 0: if no GPU reported it, the signal is None with a reason. A NaN
+from any GPU, or a value outside the signal's domain (``signals.DOMAINS``), is None with a reason too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from tuner.model import gpus
-from tuner.signals import Signal, missing
+from tuner.signals import Signal, checked, missing
 
 GPU_SIGNALS = ("gpu_temp_c", "mem_temp_c", "temp_margin_c", "thermal_throttle", "power_capped",
                "hw_slowdown", "sm_clock_ratio", "power_w", "power_limit_w", "gpu_util", "dram_active",
@@ -42,6 +44,9 @@ def compute(
         values = [v for r in ok if (v := pick(r)) is not None]
         if not values:
             return missing(f"no GPU reported {name} ({ok[0].source})")
+        if not all(math.isfinite(v) for v in values):  # max()/min() would skip a NaN or keep it by position
+            bad = next(r for r in ok if (v := pick(r)) is not None and not math.isfinite(v))
+            return missing(f"GPU {bad.index} reported {name} = {pick(bad)}: not a finite number")
         partial = len(values) < len(ok)
         return Signal(how(values), f"{len(values)} of {len(ok)} GPUs reported it" if partial else None)
 
@@ -75,4 +80,4 @@ def compute(
         "dram_active": agg("dram_active", lambda r: r.dram_active, mean),
         "sm_active": agg("sm_active", lambda r: r.sm_active, mean),
     }
-    return out
+    return {name: checked(name, signal) for name, signal in out.items()}

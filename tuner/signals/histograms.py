@@ -8,9 +8,29 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tuner.signals import Signal, missing
+from tuner.signals import EXACT, Signal, missing
 
 Buckets = Sequence[tuple[float, float]]
+
+
+def problem(buckets: Buckets, count: float | None) -> str | None:
+    """Why cumulative ``buckets`` cannot be a Prometheus histogram (None: they can): every count in
+    [0, 2^53] and not below the one before it, and the ``+Inf`` bucket equal to ``_count`` (when given)."""
+    counts = [n for _, n in buckets]
+    if counts and (counts[0] < 0 or sorted(counts) != counts):  # sorted(): C speed on the usual sorted list
+        previous, bound_before = 0.0, None
+        for bound, n in buckets:
+            if n < previous:
+                where = f"le={bound:g} holds {n:g}, less than " + (f"le={bound_before:g} ({previous:g})"
+                                                                     if bound_before is not None else "0")
+                return f"buckets are not cumulative ({where})"
+            previous, bound_before = n, bound
+    previous = counts[-1] if counts else 0.0
+    if previous > EXACT:
+        return f"a bucket count {previous:g} is outside [0, 2^53]"
+    if count is not None and buckets and math.isinf(buckets[-1][0]) and buckets[-1][1] != count:
+        return f"+Inf bucket {buckets[-1][1]:g} ≠ _count {count:g}"
+    return None
 
 
 def delta(new: Buckets, old: Buckets | None) -> list[tuple[float, float]] | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuReading, reason_names
-from tuner.signals import VOCABULARY, Signal
+from tuner.signals import DOMAINS, VOCABULARY, Signal
 
 
 def _clean(value: float | None) -> float | None:
@@ -91,11 +91,18 @@ functions over a window of two or more snapshots (engine) or over the latest rea
   at the current max_model_len.
 - Engine series are summed over data-parallel `engine` labels (KV usage: the fullest engine).
 - GPU signals aggregate the engine's GPUs worst-first: max temperature, min margin, any-of flags.
+- Every value lies in its **domain** (last column) or is `null` with a reason: KV usage 57, a negative
+  gauge, 1e308 or NaN never reach a rule, and nothing is clamped. Counts, rates and durations stop at
+  2^53, past which a float64 holds no exact count. A series with a NaN/±Inf sample is unknown as a
+  whole (a data-parallel sum never skips the bad engine), a counter sample outside [0, 2^53] voids its
+  rate, and a histogram must be cumulative with its `+Inf` bucket equal to its `_count`.
+- A scrape Prometheus would refuse is a failed scrape: an empty or cut body, a series twice, more than
+  50,000 series (5,000 per metric name), a value beyond the float64 range.
 
-Generated from `tuner/signals/__init__.py:VOCABULARY` (a test keeps this file in sync).
+Generated from `tuner/signals/__init__.py:VOCABULARY` and `DOMAINS` (a test keeps this file in sync).
 
-| signal | unit | source | computation |
-|---|---|---|---|
+| signal | unit | source | computation | domain |
+|---|---|---|---|---|
 """
 
 
@@ -103,9 +110,9 @@ def vocabulary_markdown() -> str:
     rows = []
     for kind, heading in (("engine", "engine load and latency"), ("config", "engine live configuration"),
                           ("gpu", "GPU")):
-        rows.append(f"| **{heading}** | | | |")
+        rows.append(f"| **{heading}** | | | | |")
         for name, d in VOCABULARY.items():
             if d.kind == kind:
                 rows.append(f"| `{name}` | {d.unit} | {d.source.replace('|', '&#124;')} | "
-                            f"{d.computation.replace('|', '&#124;')} |")
+                            f"{d.computation.replace('|', '&#124;')} | {DOMAINS[name].describe()} |")
     return DOCS_HEADER + "\n".join(rows) + "\n"

@@ -1,8 +1,8 @@
 """HTTP scraping of Prometheus text endpoints (engines, dcgm-exporter) with httpx.
 
 ``scrape()`` never raises: every failure — refused connection, timeout, HTTP 500, an HTML page, a
-truncated or oversized body — comes back as a Snapshot whose ``error`` says what happened, so the
-window that holds it is marked invalid and the cycle says why.
+truncated or oversized body, an exposition Prometheus would refuse — comes back as a Snapshot whose
+``error`` says what happened, so the window that holds it is marked invalid and the cycle says why.
 """
 
 from __future__ import annotations
@@ -98,19 +98,17 @@ def scrape(
     max_body_bytes: int,
     keep_prefixes: tuple[str, ...] | None = None,
     clock: Callable[[], float] = time.time,
+    limits: snapshots.SeriesLimits = snapshots.DEFAULT_LIMITS,
 ) -> snapshots.Snapshot:
-    """One scrape of a Prometheus text endpoint; never raises."""
+    """One scrape of a Prometheus text endpoint; never raises. The body is validated by
+    ``snapshots.parse`` (the same checks as for a saved file); ``limits`` caps its series."""
     scraped_at = clock()
     try:
         text = fetch_text(client, url, max_body_bytes=max_body_bytes)
     except SourceError as exc:
         return snapshots.Snapshot.failed(scraped_at, exc.reason, source=url)
-    if not text.strip():
-        return snapshots.Snapshot.failed(scraped_at, "empty body", source=url)
-    if not text.endswith("\n"):
-        # prometheus_client always ends the exposition with a newline; a body without one was cut.
-        return snapshots.Snapshot.failed(scraped_at, "body does not end with a newline (truncated?)", source=url)
-    return snapshots.parse(text, scraped_at, source=url, keep_prefixes=keep_prefixes)
+    # An empty or cut body, duplicate series, too many series…: validated where saved files are too.
+    return snapshots.parse(text, scraped_at, source=url, keep_prefixes=keep_prefixes, limits=limits)
 
 
 def base_url(metrics_url: str) -> str:
