@@ -12,6 +12,7 @@ For the in-flight case it also counts how the attached requests ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -95,10 +96,8 @@ def run_case(model: Path, case: str, *, grace: float | None, deadline: float, sh
             sent_int = True
         if waited >= deadline:
             for p in [pid, *kids]:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             killed = True
             break
         time.sleep(0.05)
