@@ -28,7 +28,7 @@ def test_recommend_live_on_a_slot_bound_engine(tmp_path):
         assert out["signals"]["requests_running_max"] == 8  # slots pinned (an instant may show 7)
         assert out["signals"]["requests_waiting_max"] > 0
         (rec,) = out["recommendations"]
-        assert (rec["flag"], rec["from"], rec["to"], rec["rule"]) == ("--max-num-seqs", "8", "16", "queue-slot-bound")
+        assert (rec["flag"], rec["from"], rec["to"], rec["rule"]) == ("--max-num-seqs", "8", "80", "queue-slot-bound")
         assert out["held"] == [], out["held"]
         assert server.cfg.max_num_seqs == 8  # a dry run changed nothing
     finally:

@@ -35,11 +35,11 @@ def test_recommend_json_on_the_queue_bound_capture(capsys):
     data = json.loads(out)
     (rec,) = data["recommendations"]
     assert {k: rec[k] for k in ("flag", "from", "to", "rule")} == {
-        "flag": "--max-num-seqs", "from": "4", "to": "8", "rule": "queue-slot-bound"}
+        "flag": "--max-num-seqs", "from": "4", "to": "33", "rule": "queue-slot-bound"}
     assert "queue_time_mean_s" in rec["reason"]
     assert data["held"] == [] and data["restart_needed"] is True
     assert data["signals"]["requests_running_max"] == 4
-    assert data["args_after"] == ["--max-model-len", "2048", "--max-num-seqs", "8"]
+    assert data["args_after"] == ["--max-model-len", "2048", "--max-num-seqs", "33"]
 
 
 def test_recommend_table_explains_each_decision(capsys):
@@ -79,8 +79,8 @@ def test_replay_prints_the_timeline(capsys):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("replay ") and "--max-num-seqs 4" in lines[0]
-    assert sum("--max-num-seqs 4→8 (queue-slot-bound); restart needed" in line for line in lines) == 1
-    assert lines[-1].endswith("--max-num-seqs 8")
+    assert sum("--max-num-seqs 4→40 (queue-slot-bound); restart needed" in line for line in lines) == 1
+    assert lines[-1].endswith("--max-num-seqs 40")
 
 
 def test_replay_json_and_verbose(capsys):
@@ -98,7 +98,7 @@ def test_replay_unix_second_file_names(tmp_path, capsys):
     for i, t in enumerate(times):
         (tmp_path / f"{t:.3f}.prom").write_text((src / f"{i:03d}.prom").read_text())
     rc, out = run(["replay", str(tmp_path), "--args", "--max-num-seqs 4 --max-model-len 2048"], capsys)
-    assert rc == 0 and "--max-num-seqs 4→8" in out
+    assert rc == 0 and "--max-num-seqs 4→40" in out
 
 
 def test_decisions_file_and_defaults(tmp_path, capsys):

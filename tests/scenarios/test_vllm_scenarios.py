@@ -3,6 +3,8 @@ bench/capture_scenarios.py from vLLM 0.32.0 on CPU with a tiny random Llama)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.scenarios.support import DEFAULT_RULES, REPO, meta, replay, scenario_dir
@@ -35,10 +37,16 @@ def test_queue_bound_recommend_raises_max_num_seqs():
     assert s["requests_running_max"].value == 4 and s["requests_waiting_max"].value >= 20
     assert s["kv_cache_usage_max"].value < 0.05 and s["preemptions_per_s"].value == 0
     (change,) = last.plan.changes
-    assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 4, 8,
-                                                                              "queue-slot-bound")
+    # one measured step: 32 closed-loop clients, all inside the engine (running + waiting, a stable queue),
+    # averaged over the whole recording's window (it starts before the load peaks) ÷ 0.8 utilisation
+    inside = s["requests_running_mean"].value + s["requests_waiting_mean"].value
+    assert s["in_system_growth_per_s"].value <= 0.1 * s["arrival_rate_per_s"].value  # closed loop: stable
+    assert (change.flag, change.from_value, change.to_value, change.rule) == (
+        "--max-num-seqs", 4, math.ceil(inside / 0.8), "queue-slot-bound")
+    assert change.to_value == 33
     assert "requests_running_max 4 ≥ 3.6 (0.9×--max-num-seqs 4)" in change.reason
-    assert last.plan.args_after.get("--max-num-seqs") == "8" and last.plan.restart_needed
+    assert "the queue is stable" in change.reason
+    assert last.plan.args_after.get("--max-num-seqs") == "33" and last.plan.restart_needed
     # it fired once it had held for 3 consecutive windows, not before
     first = next(i for i, c in enumerate(cycles) if c.plan.changes)
     assert [h.guard for h in cycles[first - 1].plan.held] == ["sustain"]
@@ -47,7 +55,7 @@ def test_queue_bound_recommend_raises_max_num_seqs():
 def test_queue_bound_replay_applies_once_then_cools_down():
     cycles = replay("queue-bound", apply=True)
     changes = [ch for c in cycles for ch in c.plan.changes]
-    assert [(ch.flag, ch.to_value) for ch in changes] == [("--max-num-seqs", 8)]
+    assert [(ch.flag, ch.to_value) for ch in changes] == [("--max-num-seqs", 40)]  # 32 clients ÷ 0.8, once
 
 
 def test_kv_bound_never_raises_max_num_seqs():
@@ -125,9 +133,12 @@ def test_latency_bound_lowers_the_step_budget():
     assert p99.bounds is not None and p99.bounds[0] >= 1.0
     assert last.signals["preemptions_per_s"].value == 0
     (change,) = last.plan.changes
-    assert (change.flag, change.from_value, change.to_value, change.rule) == (
-        "--max-num-batched-tokens", 16384, 8192, "decode-latency-batched-tokens")
-    assert "itl_p99_s" in change.reason
+    # the step-budget model aims the stalls at the 0.1 s SLO in one step: 16384 × (0.1 − p50) / (p99 − p50)
+    p50 = last.signals["itl_p50_s"].value
+    assert change.to_value == math.floor(16384 * (0.1 - p50) / (p99.value - p50)) == 1179
+    assert (change.flag, change.from_value, change.rule) == (
+        "--max-num-batched-tokens", 16384, "decode-latency-batched-tokens")
+    assert change.experimental and "step-budget model" in change.reason  # kept only if the tail falls
     # no rule raises --max-num-seqs here: no queue, and no decode headroom anyway
     assert all(ch.knob != "max_num_seqs" for c in cycles for ch in c.plan.changes)
 

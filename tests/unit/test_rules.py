@@ -70,9 +70,9 @@ def test_default_decode_rules_read_the_p99():
     by_id = {r.id: r for r in loading.load(REPO / "rules" / "default.yaml")}
     for rid in ("decode-latency-chunked-prefill", "decode-latency-batched-tokens"):
         (itl,) = [c for c in by_id[rid].when.all if getattr(c, "signal", None) == "itl_p99_s"]
-        assert (itl.op, itl.value, itl.max_resolution) == (">", 0.15, 0.05)
+        assert (itl.op, itl.value, itl.slo, itl.max_resolution) == (">", 1.5, "itl_p99_s", 0.05)  # 1.5 × SLO
     (head,) = [c for c in by_id["queue-slot-bound"].when.all if getattr(c, "signal", None) == "itl_p99_s"]
-    assert (head.op, head.value) == ("<", 0.1)
+    assert (head.op, head.factor, head.slo) == ("<", 1.0, "itl_p99_s")
     assert not any("itl_p95_s" in str(r.when) for r in by_id.values())
 
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tuner.model import knobs
 from tuner.planning import guards
 from tuner.planning.history import Change, History
-from tuner.rules import evaluation
+from tuner.rules import evaluation, models
 from tuner.rules.schema import Rule
 from tuner.signals import SignalSet
 
@@ -75,6 +75,11 @@ class DecisionSettings(_Model):
     idle: guards.IdleSettings = guards.IdleSettings()
     safety: guards.SafetySettings = guards.SafetySettings()
     engine: EngineFacts = EngineFacts()
+    slo: models.SloSettings = models.SloSettings()
+    """The service level the rules steer to: they compare the tail with it (a queue-bound engine whose
+    TTFT p99 misses it is still queue-bound) and the step-budget model aims at it."""
+    model: models.ModelSettings = models.ModelSettings()
+    """Parameters of the engine models rules compute one-step targets with (rules/models.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +220,8 @@ def plan(
     cycle = history.cycle + 1
     defaults = known_defaults(signals, settings, kind)
     platform = settings.engine.platform
-    ctx = evaluation.Context(signals=signals, args=args, kind=kind, defaults=defaults, platform=platform)
+    ctx = evaluation.Context(signals=signals, args=args, kind=kind, defaults=defaults, platform=platform,
+                             slo=settings.slo, model=settings.model)
     held: list[Held] = []
     actions: list[guards.Action] = []
     outcomes: tuple[evaluation.Outcome, ...] = ()

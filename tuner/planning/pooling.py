@@ -105,7 +105,7 @@ def change_for(plan: Plan, args: Mapping[str, knobs.EngineArgs], *, kind: knobs.
             return None, f"not rolled out: {name}: {'; '.join(problems)}"
         new_args[name] = after
     return PoolChange(id=f"r{int(now)}", plan=plan, new_args=new_args,
-                      checks=verification.checks_of(plan.changes)), None
+                      checks=verification.checks_of(plan.changes, slo=settings.slo)), None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tuner.planning.history import Change
+from tuner.rules.models import SloSettings
 from tuner.rules.schema import Verify
 
 Values = Mapping[str, float | None]
@@ -35,15 +36,21 @@ class Check:
     rule: str
     verify: Verify
     experimental: bool = False
+    bound: float | None = None  # at-most: the bound, resolved when the change was decided (an SLO may move)
 
     def as_dict(self) -> dict[str, object]:
-        return {"rule": self.rule, "experimental": self.experimental, **self.verify.as_dict()}
+        out: dict[str, object] = {"rule": self.rule, "experimental": self.experimental, **self.verify.as_dict()}
+        if self.bound is not None:
+            out["bound"] = self.bound
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Check:
-        fields = {k: v for k, v in data.items() if k not in ("rule", "experimental")}
+        fields = {k: v for k, v in data.items() if k not in ("rule", "experimental", "bound")}
+        bound = data.get("bound")
         return cls(rule=str(data["rule"]), verify=Verify.model_validate(fields),
-                   experimental=bool(data.get("experimental", False)))
+                   experimental=bool(data.get("experimental", False)),
+                   bound=float(bound) if isinstance(bound, int | float) else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +59,17 @@ class Verdict:
     reason: str  # one line: every check's result, the failing ones first
 
 
-def checks_of(changes: Iterable[Change]) -> tuple[Check, ...]:
-    """The checks of a plan's changes."""
-    return tuple(Check(rule=c.rule, verify=v, experimental=c.experimental) for c in changes for v in c.verify)
+def checks_of(changes: Iterable[Change], *, slo: SloSettings | None = None) -> tuple[Check, ...]:
+    """The checks of a plan's changes; an ``at-most`` check's bound is resolved now (``slo``: the SLOs)."""
+    slo = slo or SloSettings()
+
+    def bound(v: Verify) -> float | None:
+        if v.expect != "at-most":
+            return None
+        return v.value if v.value is not None else slo.value(v.slo or "")
+
+    return tuple(Check(rule=c.rule, verify=v, experimental=c.experimental, bound=bound(v))
+                 for c in changes for v in c.verify)
 
 
 def _fmt(value: float) -> str:
@@ -76,6 +91,15 @@ def judge_check(check: Check, before: float | None, after: float | None,
                 why_missing: str | None = None) -> tuple[bool, str]:
     v = check.verify
     name = f"{v.signal} ({check.rule})"
+    if v.expect == "at-most":
+        limit = check.bound if check.bound is not None else v.value
+        if after is None or limit is None:
+            text = f"{name}: no value in the verification window" + (f" ({why_missing})" if why_missing else "")
+            if check.experimental:
+                return False, f"{text}; an experimental change stays only if shown to help"
+            return True, f"{text}; not judged"
+        ok = after <= limit + 1e-12
+        return ok, f"{name} {_fmt(after)} {'≤' if ok else '>'} {_fmt(limit)}: {'ok' if ok else 'failed'}, {v.describe()}"
     if before is None or after is None:
         which = "before the change" if before is None else "in the verification window"
         text = f"{name}: no value {which}" + (f" ({why_missing})" if why_missing else "")

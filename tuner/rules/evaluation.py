@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tuner.model import knobs
+from tuner.rules import models
 from tuner.rules.schema import AllOf, AnyOf, Comparison, Ref, Rule, Verify
 from tuner.signals import SignalSet
 
@@ -55,6 +56,10 @@ class Context:
     """Known defaults for flags absent from ``args`` (knob name → value)."""
     platform: str | None = None
     """For block-size validity (``knobs.BLOCK_SIZES``); None: any positive size."""
+    slo: models.SloSettings = field(default_factory=models.SloSettings)
+    """The service level objectives conditions may compare with (``slo:``) and models aim at."""
+    model: models.ModelSettings = field(default_factory=models.ModelSettings)
+    """The engine models' parameters (``op: model``)."""
 
     def flag_value(self, flag: str) -> knobs.Effective:
         return knobs.effective(flag, self.args, kind=self.kind, defaults=self.defaults)
@@ -108,14 +113,17 @@ def _compare(left: float, op: str, right: float) -> bool:
 
 def _check_comparison(c: Comparison, ctx: Context) -> Truth:
     # right side
-    right = c.value
-    right_text = fmt(c.value)
+    right = c.factor
+    right_text = fmt(c.factor)
     if c.times is not None:
         ref, ref_text = _ref_value(ctx, c.times)
         if ref is None:
             return Truth(None, ref_text)
-        right = c.value * ref
-        right_text = f"{fmt(right)} ({fmt(c.value)}×{ref_text})"
+        right = c.factor * ref
+        right_text = f"{fmt(right)} ({fmt(c.factor)}×{ref_text})"
+    elif c.slo is not None:
+        right = c.factor * ctx.slo.value(c.slo)
+        right_text = f"{fmt(right)} (SLO {c.slo}" + (f" × {fmt(c.factor)})" if c.factor != 1 else ")")
 
     # left side
     if c.flag is not None:
@@ -267,6 +275,22 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
             if intent < 0 and rounded >= c:
                 rounded = c - 1
             target = rounded
+    elif then.op == "model":
+        if then.model == "concurrency":
+            estimate = models.concurrency(ctx.signals, ctx.model, utilisation=then.utilisation)
+            intent = 1  # more slots; a model that finds enough is a no-op, never a lowering
+        else:
+            estimate = models.step_budget(ctx.signals, ctx.slo, current=c)
+            intent = -1
+        if estimate.value is None:
+            return Outcome(rule.id, "blocked", streak, f"{when_text}{sustained}; but the {then.model} model "
+                           f"cannot size it: {estimate.text}")
+        target = estimate.value
+        if _sign(target - c) != intent:
+            return Outcome(rule.id, "no-op", streak, f"{when_text}{sustained}; but the {then.model} model finds "
+                           f"{flag} {fmt(c)} enough: {estimate.text}")
+        when_text = f"{when_text}{sustained}; {then.model} model: {estimate.text}"
+        sustained = ""
     else:  # step
         assert then.values is not None
         valid = sorted(v for v in set(then.values)

@@ -143,8 +143,10 @@ class Comparison(_SignalOrFlag):
     """Instead of a signal: the effective value of a flag (booleans compare as 1/0)."""
     op: Op
     """How the left side compares with the right side."""
-    value: float
-    """The constant on the right side, or the multiplier when ``times`` is given."""
+    value: float | None = None
+    """The constant on the right side, or the multiplier when ``times`` or ``slo`` is given (default 1)."""
+    slo: Literal["ttft_p99_s", "itl_p99_s"] | None = None
+    """Compare with the service level objective of that name (``decisions.slo``) instead of a constant."""
     times: str | None = None
     """A flag (``--max-num-seqs``) or signal: the right side becomes ``value × its current value``."""
     max_resolution: float | None = Field(default=None, gt=0)
@@ -161,7 +163,17 @@ class Comparison(_SignalOrFlag):
         if (self.signal is None) == (self.flag is None):
             raise ValueError("give exactly one of `signal:` or `flag:`, e.g. "
                              "{signal: queue_time_mean_s, op: \">\", value: 0.2}")
+        if self.value is None and self.times is None and self.slo is None:
+            raise ValueError("give the right side: `value:`, `times:` or `slo:`, e.g. "
+                             "{signal: ttft_p99_s, op: \">\", slo: ttft_p99_s}")
+        if self.times is not None and self.slo is not None:
+            raise ValueError("give at most one of `times:` and `slo:`")
         return self
+
+    @property
+    def factor(self) -> float:
+        """The constant, or the multiplier of ``times``/``slo`` (1 when not given)."""
+        return 1.0 if self.value is None else self.value
 
 
 class AllOf(_Model):
@@ -252,9 +264,16 @@ class Then(_Model):
 
     flag: str
     """The flag, in either engine's spelling; the knob table maps it to the target's engine."""
-    op: Literal["set", "scale", "step", "toggle"]
+    op: Literal["set", "scale", "step", "toggle", "model"]
     """set: to ``value`` / ``value_from``; scale: × ``factor``; step: to the next entry of ``values``
-    in ``direction``; toggle: a boolean flag to ``value`` (true/false; omitted: the opposite)."""
+    in ``direction``; toggle: a boolean flag to ``value`` (true/false; omitted: the opposite); model: to
+    what ``model`` computes from the signals (one measured step; rules/models.py, docs/rules.md)."""
+    model: Literal["concurrency", "step-budget"] | None = None
+    """model: ``concurrency`` (the sequence slots the traffic needs: Little's law on the arrival rate
+    and the slot time, with headroom; raises only) or ``step-budget`` (the per-step token budget for the
+    ITL SLO; lowers only)."""
+    utilisation: float | None = Field(default=None, gt=0, le=1)
+    """model concurrency: the slots' busy share at steady state (default ``decisions.model.utilisation``)."""
     value: Annotated[float | bool | None, BeforeValidator(_finite)] = None
     """set: the new value; toggle: the state to switch to."""
     value_from: Ref | None = None
@@ -316,6 +335,12 @@ class Then(_Model):
     def _op_fields(self) -> Then:
         knob = self.knob
         needs = {"set": "value or value_from", "scale": "factor", "step": "values and direction"}
+        if self.op == "model" and self.model is None:
+            raise ValueError("op model needs `model: concurrency` or `model: step-budget`")
+        if self.op != "model" and (self.model is not None or self.utilisation is not None):
+            raise ValueError("`model:` and `utilisation:` go with op model")
+        if self.op == "model" and knob.type != "int":
+            raise ValueError(f"op model computes a count; {self.flag} is {knob.type}")
         if self.op == "set" and (self.value is None) == (self.value_from is None):
             raise ValueError(f"op set needs exactly one of {needs['set']}")
         if self.op == "scale" and self.factor is None:
@@ -355,9 +380,15 @@ class Verify(_Model):
 
     signal: str
     """The signal to compare."""
-    expect: Literal["decrease", "increase", "no-increase", "no-decrease"]
+    expect: Literal["decrease", "increase", "no-increase", "no-decrease", "at-most"]
     """``decrease``/``increase``: the change must move the signal this way by at least ``min_change``.
-    ``no-increase``/``no-decrease``: it must not move the other way by more than ``tolerance``."""
+    ``no-increase``/``no-decrease``: it must not move the other way by more than ``tolerance``.
+    ``at-most``: after the change it must stay at or below ``value`` or the SLO named by ``slo`` (a price
+    bounded absolutely, whatever it was before)."""
+    value: float | None = None
+    """For at-most: the bound (in the signal's unit)."""
+    slo: Literal["ttft_p99_s", "itl_p99_s"] | None = None
+    """For at-most: the bound is this SLO (``decisions.slo``)."""
     min_change: float = Field(default=0.05, ge=0)
     """For decrease/increase: the least relative improvement that counts (0.05 = 5 %)."""
     tolerance: float = Field(default=0.1, ge=0)
@@ -374,15 +405,24 @@ class Verify(_Model):
             raise ValueError(f"expect {self.expect} takes min_change, not tolerance")
         if self.expect in ("no-increase", "no-decrease") and "min_change" in self.model_fields_set:
             raise ValueError(f"expect {self.expect} takes tolerance, not min_change")
+        if self.expect == "at-most" and (self.value is None) == (self.slo is None):
+            raise ValueError("expect at-most takes exactly one of `value:` and `slo:`")
+        if self.expect != "at-most" and (self.value is not None or self.slo is not None):
+            raise ValueError(f"expect {self.expect} compares with the baseline: `value:`/`slo:` go with at-most")
         return self
 
     def as_dict(self) -> dict[str, object]:
         """The fields that mean something for ``expect`` (what journals and plans show)."""
+        if self.expect == "at-most":
+            bound = {"slo": self.slo} if self.slo is not None else {"value": self.value}
+            return {"signal": self.signal, "expect": self.expect, **bound}
         amount = ("min_change", self.min_change) if self.expect in ("decrease", "increase") else \
             ("tolerance", self.tolerance)
         return {"signal": self.signal, "expect": self.expect, amount[0]: amount[1]}
 
     def describe(self) -> str:
+        if self.expect == "at-most":
+            return f"{self.signal} must stay ≤ " + (f"the SLO {self.slo}" if self.slo else f"{self.value:g}")
         if self.expect in ("decrease", "increase"):
             return f"{self.signal} must {self.expect} by ≥ {self.min_change:.0%}"
         worse = "rise" if self.expect == "no-increase" else "fall"

@@ -110,9 +110,13 @@ VOCABULARY: Mapping[str, Definition] = {
         "s", "as ttft_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
     "ttft_p95_s": Definition(
         "s", "as ttft_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
+    "ttft_p99_s": Definition(
+        "s", "as ttft_mean_s", "quantile of bucket deltas; the tail an SLO is written against (decisions.slo)"),
     "itl_mean_s": Definition(
         "s", "vllm:inter_token_latency_seconds (old: vllm:time_per_output_token_seconds) | "
         "sglang:inter_token_latency_seconds", "Δsum / Δcount"),
+    "itl_p50_s": Definition(
+        "s", "as itl_mean_s", "quantile of bucket deltas: the plain decode step, without prefill stalls"),
     "itl_p95_s": Definition(
         "s", "as itl_mean_s", "quantile of bucket deltas, linear within the bucket; carries bounds"),
     "itl_p99_s": Definition(
@@ -138,6 +142,28 @@ VOCABULARY: Mapping[str, Definition] = {
         "s", "running, waiting and request_success",
         "time since the last snapshot that showed any request activity (≥ the window span if none)"),
     "window_seconds": Definition("s", "snapshot times", "span between the first and last snapshot"),
+    # --- the concurrency model's inputs (planning/models.py) ----------------------------------
+    "requests_running_mean": Definition(
+        "requests", "as requests_running", "mean over the window's snapshots"),
+    "requests_waiting_mean": Definition(
+        "requests", "as requests_waiting", "mean over the window's snapshots"),
+    "in_system_growth_per_s": Definition(
+        "requests/s (signed)", "running + waiting",
+        "(running + waiting) at the window's end minus at its start, over the span: > 0 while a queue builds"),
+    "arrival_rate_per_s": Definition(
+        "requests/s", "request_rate + in_system_growth_per_s + requests_rejected_per_s",
+        "requests that arrived per second: finished, still inside, or turned away (served rate alone "
+        "under-counts a slot-bound engine)"),
+    "slot_seconds_mean": Definition(
+        "s", "vllm:request_inference_time_seconds", "Δsum / Δcount: how long a request holds a sequence slot "
+        "(prefill + decode, queue time excluded)"),
+    "prompt_tokens_mean": Definition(
+        "tokens", "vllm:request_prompt_tokens | sglang:prompt_tokens_histogram", "Δsum / Δcount"),
+    "generation_tokens_mean": Definition(
+        "tokens", "vllm:request_generation_tokens | sglang:generation_tokens_histogram", "Δsum / Δcount"),
+    "kv_concurrency_observed": Definition(
+        "requests", "kv_cache_size_tokens / (prompt_tokens_mean + generation_tokens_mean)",
+        "how many requests of the window's mean size the KV cache holds at once"),
     # --- engine live configuration ----------------------------------------------------------
     "block_size": Definition("tokens", "vllm:cache_config_info{block_size}", "label value", "config"),
     "num_gpu_blocks": Definition("blocks", "vllm:cache_config_info{num_gpu_blocks}", "label value",
@@ -211,6 +237,7 @@ COUNT = Domain(0, EXACT)
 _BY_UNIT: Mapping[str, Domain] = {
     "requests": COUNT, "tokens": COUNT, "blocks": COUNT,
     "requests/s": COUNT, "tokens/s": COUNT, "preemptions/s": COUNT, "s": COUNT,
+    "requests/s (signed)": Domain(-COUNT.high, COUNT.high),
     "ratio 0..1": Domain(0, 1), "bool 0/1": Domain(0, 1), "level": Domain(0, 2),
     # a GPU throttles near 90 °C and shuts down near 100 °C: a sensor outside −50…150 °C is broken
     "°C": Domain(-50, 150),

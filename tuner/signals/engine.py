@@ -23,8 +23,12 @@ WINDOW_SIGNALS = (
     "requests_running_max", "requests_waiting_max", "kv_cache_usage_max",
     "request_rate", "prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_per_s",
     "requests_rejected_per_s", "prefix_cache_hit_rate",
-    "queue_time_mean_s", "queue_time_p50_s", "queue_time_p95_s", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p95_s", "itl_p99_s",
+    "queue_time_mean_s", "queue_time_p50_s", "queue_time_p95_s", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s",
+    "ttft_p99_s", "itl_mean_s", "itl_p50_s", "itl_p95_s", "itl_p99_s",
     "e2e_mean_s", "e2e_p95_s", "prompt_tokens_p99", "max_tokens_p99", "idle_seconds", "window_seconds",
+    # the inputs of the concurrency model (planning/models.py)
+    "requests_running_mean", "requests_waiting_mean", "in_system_growth_per_s", "arrival_rate_per_s",
+    "slot_seconds_mean", "prompt_tokens_mean", "generation_tokens_mean", "kv_concurrency_observed",
 )
 LATEST_SIGNALS = ("requests_running", "requests_waiting", "kv_cache_usage", "prompt_tokens_max",
                   "max_tokens_max", "sleep_level")
@@ -207,7 +211,23 @@ def _compute(
         return out
 
     out.update(_window_signals(snaps, dialect, span))
+    out["kv_concurrency_observed"] = _kv_concurrency(out)
     return out
+
+
+def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
+    """How many requests of the window's mean size (prompt + generated tokens) the KV cache holds."""
+    size = out.get("kv_cache_size_tokens")
+    prompt, generated = out.get("prompt_tokens_mean"), out.get("generation_tokens_mean")
+    for s in (size, prompt, generated):
+        if s is None or s.value is None:
+            return missing((s.reason if s is not None else None) or "KV size or request sizes unknown")
+    assert size is not None and prompt is not None and generated is not None
+    assert size.value is not None and prompt.value is not None and generated.value is not None
+    per_request = prompt.value + generated.value
+    if per_request <= 0:
+        return missing("no tokens per request in the window")
+    return Signal(size.value / per_request)
 
 
 def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
@@ -311,6 +331,7 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     first, last = snaps[0], snaps[-1]
     out: dict[str, Signal] = {"window_seconds": Signal(span)}
 
+    series: dict[str, list[float] | None] = {}
     for signal, concept, how in (
         ("requests_running_max", "running", "sum"),
         ("requests_waiting_max", "waiting", "sum"),
@@ -321,8 +342,20 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
         broken = next((s for s in snaps if s.nonfinite and _why_absent(s, d, concept) != _absent(d, concept)), None)
         if broken is not None:  # a maximum that skips a NaN sample is not the window's maximum
             out[signal] = missing(f"{_why_absent(broken, d, concept)} at {broken.scraped_at:.0f}")
+            series[concept] = None
         else:
             out[signal] = Signal(max(known)) if known else missing(_absent(d, concept))
+            series[concept] = [v for v in values if v is not None] if len(known) == len(values) else None
+    for signal, concept in (("requests_running_mean", "running"), ("requests_waiting_mean", "waiting")):
+        vals = series.get(concept)
+        out[signal] = Signal(sum(vals) / len(vals)) if vals else missing(
+            out[f"{signal[:-5]}_max"].reason or "not read in every snapshot of the window")
+    running, waiting = series.get("running"), series.get("waiting")
+    if running and waiting:
+        # requests that arrived and are still inside the engine: the growth of running + waiting
+        out["in_system_growth_per_s"] = Signal(((running[-1] + waiting[-1]) - (running[0] + waiting[0])) / span)
+    else:
+        out["in_system_growth_per_s"] = missing("running or waiting not read in every snapshot of the window")
 
     restarted = _restart_between(snaps, d)
 
@@ -354,6 +387,14 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     else:
         out["requests_rejected_per_s"] = missing(f"{d.kind} does not expose per-handler HTTP status counts")
 
+    served, growth = out["request_rate"], out["in_system_growth_per_s"]
+    if served.value is None or growth.value is None:
+        out["arrival_rate_per_s"] = missing(served.reason or growth.reason or "unknown")
+    else:
+        # every request that arrived either finished, is still inside (its growth), or was turned away
+        rejected = out["requests_rejected_per_s"].value or 0.0
+        out["arrival_rate_per_s"] = Signal(max(0.0, served.value + growth.value + rejected))
+
     hits, queries = rate("prefix_hits"), rate("prefix_queries")
     if hits.value is None or queries.value is None:
         out["prefix_cache_hit_rate"] = missing(hits.reason or queries.reason or "absent")
@@ -361,6 +402,14 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
         out["prefix_cache_hit_rate"] = missing("no prefix-cache queries in the window")
     else:
         out["prefix_cache_hit_rate"] = Signal(hits.value / queries.value)
+
+    for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
+                            ("generation_tokens_mean", "generation_len")):
+        window = _histogram_window(first, last, d, concept, restarted)
+        if isinstance(window, Signal):
+            out[signal] = window
+        else:
+            out[signal] = Signal(window[1] / window[2]) if window[2] > 0 else missing("no requests finished in the window")
 
     for prefix, concept in (("queue_time", "queue_time"), ("ttft", "ttft"), ("itl", "itl"), ("e2e", "e2e")):
         window = _histogram_window(first, last, d, concept, restarted)

@@ -1,0 +1,134 @@
+"""Models of the engine a rule may compute its target from (``then: {op: model, model: ...}``), instead
+of a fixed factor: one measured step, not doublings. Pure: signals and settings in, an estimate with the
+arithmetic that produced it out.
+
+``concurrency`` — how many sequence slots the traffic needs (``--max-num-seqs``, or the live admission cap):
+
+- the arrival rate λ from the engine's own counters: finished requests per second, plus the growth of
+  running + waiting (requests that arrived and are still inside), plus rejections
+  (``arrival_rate_per_s``) — the served rate alone is what a slot-bound engine lets through, not what
+  arrives;
+- the time a request holds a slot at today's batch, S₀ (``slot_seconds_mean``: vLLM's request inference
+  time, prefill + decode, queue excluded), measured at n₀ = ``requests_running_mean`` running;
+- a larger batch makes every step slower: the slot time grows as S(n) = S₀ · (n / n₀)^α
+  (``tpot_exponent`` α; on an H200 with an 8B model 8 → 128 slots took the mean time per output token
+  5.2 → 12.7 ms: α = ln 2.44 / ln 16 ≈ 0.32; measure it for your hardware, see docs/rules.md);
+- Little's law, N = λ · S(N), solved for N: N = (λ · S₀ · n₀^−α)^(1 / (1 − α));
+- while the queue is stable rather than growing (closed-loop clients: every user waits for an answer
+  before asking again), the arrival rate is throttled by the engine itself and Little's law on it only
+  returns today's cap; the requests inside (running + waiting, ``requests_*_mean``) are then the demand;
+- headroom: the slots are sized so they are busy ``utilisation`` of the time at steady state,
+  ⌈N / utilisation⌉. The rule's ``max`` and ``max_from`` (e.g. what the KV cache holds for the observed
+  request sizes, ``kv_concurrency_observed``) cap it as for any other op.
+
+``step-budget`` — the per-step token budget (``--max-num-batched-tokens``) for an inter-token-latency
+target: a decode step alone takes about the median inter-token gap p₅₀; a step that also carries a prefill
+chunk of up to B tokens takes about p₉₉ (the stalls). Scaling the chunk's share linearly,
+B′ = B · (SLO − p₅₀) / (p₉₉ − p₅₀) brings the tail to the SLO (``decisions.slo.itl_p99_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.signals import Signal
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class SloSettings(_Model):
+    """The service level the rules steer to (``decisions.slo``): rules compare the tail with it
+    (``{signal: ttft_p99_s, op: ">", slo: ttft_p99_s}``) and the step-budget model aims at it."""
+
+    ttft_p99_s: float = Field(default=1.0, gt=0)
+    """Time to first token that 99 % of requests should meet, in seconds. Slots pinned near the cap while
+    this tail is missed is still a queue, even when the mean queue time looks small."""
+    itl_p99_s: float = Field(default=0.1, gt=0)
+    """Inter-token latency that 99 % of gaps should meet, in seconds (100 ms ≈ 10 tokens/s per stream)."""
+
+    def value(self, name: str) -> float:
+        return float(getattr(self, name))
+
+
+SLO_NAMES = tuple(SloSettings.model_fields)
+
+
+class ModelSettings(_Model):
+    """The engine models' parameters (``decisions.model``)."""
+
+    utilisation: float = Field(default=0.8, gt=0, le=1)
+    """Size the slots so they are busy this share of the time at steady state (headroom for bursts)."""
+    tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
+    """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
+    H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
+    (bench/evidence.py's batch sweep); 0 assumes a bigger batch costs nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    value: float | None  # None: not computable (``text`` says why)
+    text: str
+
+
+def _v(signals: Mapping[str, Signal], name: str) -> float | None:
+    s = signals.get(name)
+    return None if s is None else s.value
+
+
+def _why(signals: Mapping[str, Signal], name: str) -> str:
+    s = signals.get(name)
+    return f"{name} unknown ({(s.reason if s is not None else None) or 'not computed'})"
+
+
+def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
+                growth_share: float = 0.1) -> Estimate:
+    """The sequence slots the traffic needs (see the module docstring). ``growth_share``: the queue counts
+    as growing (open loop) when running + waiting rises faster than this share of the arrival rate."""
+    u = settings.utilisation if utilisation is None else utilisation
+    alpha = settings.tpot_exponent
+    names = ("arrival_rate_per_s", "slot_seconds_mean", "requests_running_mean", "requests_waiting_mean",
+             "in_system_growth_per_s")
+    values = {n: _v(signals, n) for n in names}
+    missing = [n for n, v in values.items() if v is None]
+    if missing:
+        return Estimate(None, "; ".join(_why(signals, n) for n in missing))
+    lam, s0, n0 = values["arrival_rate_per_s"], values["slot_seconds_mean"], values["requests_running_mean"]
+    waiting, growth = values["requests_waiting_mean"], values["in_system_growth_per_s"]
+    assert lam is not None and s0 is not None and n0 is not None and waiting is not None and growth is not None
+    if lam <= 0 or s0 <= 0 or n0 <= 0:
+        return Estimate(None, f"no traffic to size for (arrivals {lam:.3g}/s, slot time {s0:.3g} s, "
+                              f"{n0:.3g} running)")
+    little = (lam * s0 * n0 ** -alpha) ** (1 / (1 - alpha))
+    text = (f"arrivals {lam:.3g}/s × slot time {s0:.3g} s at {n0:.3g} running, slot time ∝ running^{alpha:g}"
+            f" → {little:.3g} in service (Little's law)")
+    need = little
+    if growth <= growth_share * lam:  # a stable queue: the arrivals are throttled, the demand is inside
+        inside = n0 + waiting
+        if inside > need:
+            need = inside
+            text += f"; the queue is stable, {inside:.3g} requests inside (running + waiting) are the demand"
+    target = math.ceil(need / u - 1e-9)
+    return Estimate(float(target), f"{text}; ÷ {u:g} utilisation → {target}")
+
+
+def step_budget(signals: Mapping[str, Signal], slo: SloSettings, *, current: float) -> Estimate:
+    """The per-step token budget that brings the inter-token tail to the SLO (module docstring)."""
+    p50, p99 = _v(signals, "itl_p50_s"), _v(signals, "itl_p99_s")
+    if p50 is None or p99 is None:
+        return Estimate(None, "; ".join(_why(signals, n) for n in ("itl_p50_s", "itl_p99_s")
+                                        if _v(signals, n) is None))
+    target_itl = slo.itl_p99_s
+    if p99 <= target_itl:
+        return Estimate(current, f"itl_p99_s {p99:.3g} s already meets the SLO {target_itl:g} s")
+    if target_itl <= p50 or p99 <= p50:
+        return Estimate(None, f"a plain decode step (itl_p50_s {p50:.3g} s) already misses the ITL SLO "
+                              f"{target_itl:g} s: a smaller step budget cannot help")
+    target = current * (target_itl - p50) / (p99 - p50)
+    return Estimate(math.floor(target), f"{current:g} tokens × (SLO {target_itl:g} − itl_p50 {p50:.3g}) / "
+                                        f"(itl_p99 {p99:.3g} − itl_p50 {p50:.3g}) → {math.floor(target)}")
