@@ -59,6 +59,8 @@ class LauncherProcess:
         return argvs.sha256(self.engine_argv)
 
     def start(self) -> LauncherProcess:
+        if self.proc is not None:
+            raise RuntimeError("this launcher was already started")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -108,6 +110,7 @@ class LauncherProcess:
                 base_sha256: str | None = None) -> int:
         """Write the next desired.json generation; returns it."""
         self.generation += 1
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         protocol.write_desired(self.state_dir, generation=self.generation, overrides=overrides,
                                base_sha256=base_sha256 or self.base_sha256, drain=drain)
         return self.generation
@@ -149,7 +152,7 @@ class LauncherProcess:
         return "<no log>"
 
     def __enter__(self) -> LauncherProcess:
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop(timeout=30)
@@ -216,6 +219,15 @@ class ProbeRecorder:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+    def wait_first(self, timeout: float = 10) -> ProbeRecorder:
+        """Until both probes have been sampled once (so the record starts before what a test does next)."""
+        deadline = time.monotonic() + timeout
+        while {p for _, p, _, _ in self.samples} != {"/livez", "/readyz"}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no probe sample from {self.url} in {timeout:g}s")
+            time.sleep(0.02)
+        return self
 
     def codes(self, path: str) -> list[int]:
         return [code for _, p, code, _ in self.samples if p == path]

@@ -88,13 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_timeout_seconds=args.start_timeout, stop_timeout_seconds=args.stop_timeout,
         kill_timeout_seconds=args.kill_timeout, poll_seconds=args.poll, wedge_seconds=args.wedge_seconds)
     launcher = launching.Launcher(settings, command)
-    launcher.install_signals()
     try:
-        return launcher.run()
-    except OSError as exc:  # the probe port taken, most often
-        print(f"launcher: {exc.strerror or exc} (probe {args.probe_host}:{args.probe_port}, state {state_dir})",
-              file=sys.stderr)
+        launcher.listen()
+    except OSError as exc:
+        print(f"launcher: cannot listen on {args.probe_host}:{args.probe_port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    launcher.install_signals()
+    return launcher.run()
 
 
 __all__ = ["main", "protocol"]

@@ -160,6 +160,18 @@ def sha256(argv: Sequence[str]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def secrets(argv: Sequence[str]) -> list[str]:
+    """The values ``redact`` hides (at least 4 characters: shorter ones are not worth hiding in logs)."""
+    shown = redact(argv)
+    hidden = []
+    for token, seen in zip(argv, shown, strict=True):
+        if token != seen:
+            value = token.partition("=")[2] if seen.endswith("=" + REDACTED) else token
+            if len(value) >= 4:
+                hidden.append(value)
+    return hidden
+
+
 def redact(argv: Sequence[str]) -> list[str]:
     """``argv`` for display: the values of flags named like a key, token, secret or password hidden."""
     out: list[str] = []

@@ -249,13 +249,20 @@ class Launcher:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, self._on_signal)
 
+    def listen(self) -> None:
+        """Bind the probe server (OSError when the address is taken)."""
+        self.server = probes.ProbeServer(self.settings.probe_host, self.settings.probe_port, live=self.live,
+                                         ready=self.ready, status=self.public_status)
+
     def run(self) -> int:
         """Until the engine is gone for good; returns the exit code."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.server is None:
+            self.listen()
+        assert self.server is not None
+        self.server.start()
         if not processes.become_subreaper():
             log("warning: not PID 1 and cannot become a child subreaper: orphans of the engine are not reaped here")
-        self.server = probes.ProbeServer(self.settings.probe_host, self.settings.probe_port, live=self.live,
-                                         ready=self.ready, status=self.public_status).start()
         log(f"probes on http://{self.settings.probe_host}:{self.server.port} (/livez /readyz /status); "
             f"state in {self.state_dir}; base sha256 {self.base_sha256[:12]}")
         self.health.start()
@@ -419,7 +426,8 @@ class Launcher:
         e = self.engine
         assert e is not None
         if e.exit_code is not None:
-            self.last_exit = {"code": e.exit_code, "at": time.time(), "planned": False, "log_tail": e.log.lines()}
+            self.last_exit = {"code": e.exit_code, "at": time.time(), "planned": False,
+                              "log_tail": self._scrub(e.log.lines())}
             self._begin_stop("exit", f"the engine exited unplanned with code {e.exit_code}", code=e.exit_code)
             return
         self._fresh_request = False
@@ -466,7 +474,7 @@ class Launcher:
             return
         self.stop = None
         seconds = round(now - stop.started, 3)
-        tail = e.log.lines() if e is not None else []
+        tail = self._scrub(e.log.lines()) if e is not None else []
         if e is not None:
             log(f"engine stopped in {seconds:.1f}s{' (SIGKILL)' if stop.killed else ''}: no process of it is left")
         if self._relaunch is not None and stop.then == "start":
@@ -550,8 +558,15 @@ class Launcher:
             "started_at": self.started_at,
             "state_since": self.state_since,
             "updated_at": time.time(),
-            "log_tail": e.log.lines() if e is not None else [],
+            "log_tail": self._scrub(e.log.lines()) if e is not None else [],
         }
+
+    def _scrub(self, lines: list[str]) -> list[str]:
+        """Log lines without the values of secret flags (an --api-key the engine may print)."""
+        secrets = {v for argv in (self.base, self.engine.argv if self.engine else []) for v in argvs.secrets(argv)}
+        for secret in secrets:
+            lines = [line.replace(secret, argvs.REDACTED) for line in lines]
+        return lines
 
     def _write_status(self, *, force: bool = False) -> None:
         doc = self.status()
