@@ -235,35 +235,51 @@ def test_a_failing_candidate_is_reported_then_the_rollback_serves(pod: Pod) -> N
 
 
 def test_sigterm_lets_the_inflight_request_finish_and_returns_the_engines_code(pod: Pod) -> None:
-    """The kubelet's SIGTERM, forwarded to the engine's group; --shutdown-timeout 30 lets the request that
-    runs finish; the launcher exits with vLLM's own code, and no process of the group is left."""
+    """The kubelet's SIGTERM, forwarded to the engine (its leader; the rest of the group after it): vLLM's
+    --shutdown-timeout 30 lets the streamed request that runs finish every token; the launcher exits with
+    vLLM's own code, and no process of the group is left. (A SIGTERM to the whole group cut the same
+    request after its first token: tuner/launcher/launching.py, ``Launcher._terminate``.)"""
     lp = pod.launcher
     pid = lp.status()["pid"]
     group = support.group_members(pid)
-    answer: dict[str, Any] = {}
+    answer: dict[str, Any] = {"chunks": 0}
+    first_token = threading.Event()
 
     def long_request() -> None:
+        """A streamed completion: the first token says it runs; every token after SIGTERM is counted."""
+        body = {"model": live.SERVED_NAME, "prompt": "the engine", "max_tokens": 600, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
         try:
-            r = httpx.post(f"http://127.0.0.1:{pod.port}/v1/completions", timeout=120, json={
-                "model": live.SERVED_NAME, "prompt": "the engine", "max_tokens": 400, "ignore_eos": True})
-            answer.update(status=r.status_code, body=r.json())
+            with httpx.stream("POST", f"http://127.0.0.1:{pod.port}/v1/completions", json=body, timeout=120) as r:
+                answer["status"] = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):
+                        answer["chunks"] += 1
+                        first_token.set()
+                    if chunk.get("usage"):
+                        answer["usage"] = chunk["usage"]
         except (httpx.HTTPError, ValueError) as exc:
-            answer.update(error=repr(exc))
+            answer["error"] = repr(exc)
+        finally:
+            first_token.set()
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    live.wait_for(lambda: (engine_requests(pod.port) or 0) >= 1, 60, "the request running", poll=0.1)
+    assert first_token.wait(60) and "error" not in answer, answer
     pod.recorder.stop()
     t0 = time.monotonic()
     lp.signal(signal.SIGTERM)
     code = lp.wait_exit(120)
     thread.join(timeout=120)
-    assert answer.get("status") == 200, answer
-    assert answer["body"]["usage"]["completion_tokens"] == 400
+    assert answer.get("status") == 200 and "error" not in answer, answer
+    assert answer.get("usage", {}).get("completion_tokens") == 600, answer  # every token, after the SIGTERM too
     assert code == lp.status()["last_exit"]["code"] and lp.status()["state"] == "exited"
     assert all(support.proc_state(p) is None for p in group)
     pod.figures["sigterm"] = {"exit_code": code, "seconds": round(time.monotonic() - t0, 1)}
-    print(f"\nSIGTERM with a request in flight: it finished (400 tokens), launcher exit code {code}")
+    print(f"\nSIGTERM with a request in flight: it finished (600 tokens), launcher exit code {code}")
 
 
 def test_an_unplanned_engine_exit_ends_the_launcher_with_its_code(pod: Pod) -> None:

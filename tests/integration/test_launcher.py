@@ -159,7 +159,9 @@ def test_a_first_start_without_overrides_that_fails_exits_with_its_code(state):
         lp.kill_all()
 
 
-def test_sigterm_is_forwarded_to_the_group_and_its_exit_code_returned(state):
+def test_sigterm_goes_to_the_engine_then_to_what_is_left_of_its_group(state):
+    """The leader first (vLLM's API server drains and stops its own engine core; a SIGTERM straight to the
+    engine core ends the requests in flight), the rest of the group once the leader is gone."""
     port = free_port()
     lp = LauncherProcess(state, fake_engine_argv(port, "--children", "2", "--term-delay", "1")).start()
     try:
@@ -168,7 +170,10 @@ def test_sigterm_is_forwarded_to_the_group_and_its_exit_code_returned(state):
         lp.signal(signal.SIGTERM)
         assert lp.wait_exit(30) == 0
         assert all(support.proc_state(p) is None for p in pids)
-        assert "fake-engine: SIGTERM" in lp.log_tail()
+        log = lp.log_tail(80)
+        assert log.index("fake-engine: SIGTERM") < log.index("fake-engine: stopped") \
+            < log.index("fake-engine child: SIGTERM"), log
+        assert log.count("fake-engine child: SIGTERM") == 2
         assert lp.status()["last_exit"]["planned"] is True
     finally:
         lp.kill_all()

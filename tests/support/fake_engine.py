@@ -27,7 +27,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-CHILD = "import signal, time\n{ignore}\nwhile True: time.sleep(1)\n"
+CHILD = ("import os, signal, sys, time\n"
+         "def on_term(signum, frame):\n"
+         "    print('fake-engine child: SIGTERM', flush=True)\n"
+         "    os._exit(0)\n"
+         "signal.signal(signal.SIGTERM, on_term)\n"
+         "{ignore}\nwhile True: time.sleep(1)\n")
 ORPHAN = ("import os, subprocess, sys\n"
           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(0.5)'])\n"
           "os._exit(0)\n")

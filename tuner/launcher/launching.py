@@ -14,8 +14,9 @@ starting            engine spawned, waiting for ``GET /health`` 200 (``start_tim
 serving, draining   engine healthy; draining = desired.json ``drain: true`` (readiness false, engine kept);
                     leader exits → stopping the rest, then the launcher exits with the leader's code
                     (unplanned: ordinary Kubernetes restarts apply); desired command line differs → stopping
-stopping            SIGTERM to the group, wait until *every* process of it (and every descendant) is gone,
-                    SIGKILL at ``stop_timeout_seconds``; then start the desired command line
+stopping            SIGTERM to the engine's leader (then to what is left of its group once it exited), wait
+                    until *every* process of the group (and every descendant) is gone, SIGKILL to all at
+                    ``stop_timeout_seconds``; then start the desired command line
 candidate-failed    nothing runs; readiness false, liveness OK; the next desired.json generation starts again
 terminating         the kubelet's SIGTERM: the same stop, then exit with the engine's exit code
 ==================  =========================================================================================
@@ -167,6 +168,7 @@ class Stop:
     deadline: float
     code: int | None = None  # for "exit": the code to exit with (None: the engine's)
     killed: bool = False
+    stragglers_signalled: bool = False
     kill_deadline: float = 0.0
     survivors: tuple[int, ...] = ()
 
@@ -446,8 +448,22 @@ class Launcher:
         self._set_state("terminating" if self._term else "stopping")
         log(f"stopping the engine: {reason}")
         if e is not None:
-            processes.signal_all(e.pid, signal.SIGTERM)
+            self._terminate(e)
         self.health.watch(0, None)
+
+    def _terminate(self, e: Engine) -> None:
+        """SIGTERM to the engine's leader only, as the kubelet sends it to a container's PID 1: vLLM's API
+        server then drains and stops its own engine core. A SIGTERM to the whole group reaches the engine
+        core directly as well, and vLLM then ends the requests in flight at once (measured here: a streamed
+        request cut after 1 of 1500 tokens with --shutdown-timeout 30; all 1500 with the leader alone).
+        What is left of the group once the leader is gone gets its SIGTERM then (``_drive_stop``)."""
+        if e.exit_code is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(e.pid, signal.SIGTERM)
+        else:
+            processes.signal_all(e.pid, signal.SIGTERM)
+            if self.stop is not None:
+                self.stop.stragglers_signalled = True
 
     def _begin_terminate(self) -> None:
         log("SIGTERM: stopping the engine, then exiting with its code")
@@ -465,6 +481,10 @@ class Launcher:
         assert stop is not None
         left = processes.remaining(e.pid) if e is not None else []
         if e is not None and (left or e.exit_code is None):
+            if left and e.exit_code is not None and not stop.stragglers_signalled:
+                log(f"the engine's leader exited; SIGTERM to what is left of its group: {left}")
+                processes.signal_all(e.pid, signal.SIGTERM)
+                stop.stragglers_signalled = True
             if not stop.killed and now > stop.deadline:
                 log(f"SIGKILL after {self.settings.stop_timeout_seconds:g}s: {left}")
                 processes.signal_all(e.pid, signal.SIGKILL)
