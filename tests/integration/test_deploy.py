@@ -184,7 +184,7 @@ def test_the_chart_lints_clean():
     assert report["errors"] == [] and all(m["severity"] < 2 for m in report["messages"]), report
 
 
-FULL = {"mode": "apply", "rules": [{"id": "x"}], "maintenanceWindows": ["Mon-Fri 22:00-06:00"],
+FULL = {"mode": "apply", "rules": [{"id": "x"}], "maintenanceWindows": ["* 2-4 * * 1-5"],
         "pdb": {"enabled": True}, "rbac": {"createLeases": True}}
 
 
@@ -208,7 +208,7 @@ def test_the_configuration_carries_the_values():
     docs = helm_render(FULL)
     config = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "vllm-tuner-config")
     settings = yaml.safe_load(config["data"]["config.yaml"])
-    assert settings["mode"] == "apply" and settings["daemon"]["maintenance_windows"] == ["Mon-Fri 22:00-06:00"]
+    assert settings["mode"] == "apply" and settings["daemon"]["maintenance_windows"] == ["* 2-4 * * 1-5"]
     assert settings["kubernetes"]["max_unavailable"] == 1 and settings["kubernetes"]["shutdown_timeout_seconds"] == 30
     assert yaml.safe_load(config["data"]["rules.yaml"]) == {"version": 1, "rules": [{"id": "x"}]}
 
