@@ -61,3 +61,5 @@ def test_a_desired_file_written_in_the_agents_container_relaunches_the_engine_in
     assert st["argv"][-2:] == ["--max-num-seqs", "8"] and st["pid"] != before["pid"]
     assert st["launcher_pid"] == 1 and st["planned_restarts"] == 1
     assert played.restart_count(played.engine) == restarts, "a relaunch must not restart the container"
+    init = played.podman.inspect(f"{played.name}-vllm-tuner-agent-init")
+    assert init["State"]["Status"] == "exited" and init["State"]["ExitCode"] == 0 and init.get("RestartCount", 0) == 0

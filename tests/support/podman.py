@@ -217,8 +217,9 @@ from pathlib import Path
 from vllm_tuner_launcher import protocol
 shutil.copyfile("{ZIPAPP_DIR}/launcher.pyz", "{STATE_DIR}/.launcher.pyz.tmp")
 os.replace("{STATE_DIR}/.launcher.pyz.tmp", "{STATE_DIR}/launcher.pyz")
-protocol.write_desired(Path("{STATE_DIR}"), generation=1, base_sha256=os.environ["BASE_SHA256"])
-print("agent-init: launcher.pyz and desired.json generation 1 in place", flush=True)
+if not os.path.exists("{STATE_DIR}/desired.json"):  # a restarted pod keeps what the agent asked for last
+    protocol.write_desired(Path("{STATE_DIR}"), generation=1, base_sha256=os.environ["BASE_SHA256"])
+print("agent-init: launcher.pyz and desired.json in place", flush=True)
 """
 AGENT_STAND_IN = "import time\nwhile True: time.sleep(3600)\n"
 
@@ -304,9 +305,12 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     agent.pop("args", None)
     spec["initContainers"] = [init]
     # podman 4.3 removes a finished "once" init container and sometimes races its exit ("cannot remove
-    # container ... as it is running"); "always" keeps it (exited) instead.
+    # container ... as it is running"); "always" keeps it (exited) instead. podman applies the pod's
+    # restartPolicy to init containers too: with Always it reran the agent's start-up every few seconds
+    # (rewriting desired.json), so OnFailure here; the test is about relaunching without restarts.
     for meta in (deployment["metadata"], deployment["spec"]["template"]["metadata"]):
         meta.setdefault("annotations", {})["io.podman.annotations.init.container.type"] = "always"
+    spec["restartPolicy"] = "OnFailure"
     spec["containers"].append(agent)
     for container in [*spec["containers"], *spec["initContainers"]]:
         # --network none has no port mappings; podman 4.3 runs httpGet probes with curl inside the

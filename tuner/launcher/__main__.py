@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long processes may outlive SIGKILL before liveness says so (default 15)")
     p.add_argument("--poll", type=_positive, default=0.5, metavar="SECONDS",
                    help="how often desired.json and the engine's /health are read (default 0.5)")
+    p.add_argument("--health-period", type=_positive, default=2.0, metavar="SECONDS",
+                   help="how often the engine's /health is read once it serves (default 2; while it starts: --poll)")
     p.add_argument("--wedge-seconds", type=_positive, default=30.0, metavar="SECONDS",
                    help="/livez fails when the launcher's loop stalls this long (default 30)")
     p.add_argument("--build-zipapp", metavar="OUT.pyz",
@@ -86,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = launching.Settings(
         state_dir=state_dir, probe_host=args.probe_host, probe_port=args.probe_port, health_url=args.health_url,
         start_timeout_seconds=args.start_timeout, stop_timeout_seconds=args.stop_timeout,
-        kill_timeout_seconds=args.kill_timeout, poll_seconds=args.poll, wedge_seconds=args.wedge_seconds)
+        kill_timeout_seconds=args.kill_timeout, poll_seconds=args.poll, health_period_seconds=args.health_period,
+        wedge_seconds=args.wedge_seconds)
     launcher = launching.Launcher(settings, command)
     try:
         launcher.listen()

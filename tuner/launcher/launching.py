@@ -63,7 +63,9 @@ class Settings:
     the pod's terminationGracePeriodSeconds."""
     kill_timeout_seconds: float = 15.0
     poll_seconds: float = 0.5
-    """How often desired.json and the engine's /health are read."""
+    """How often desired.json is read, and the engine's /health while it starts."""
+    health_period_seconds: float = 2.0
+    """How often the engine's /health is read once it serves (vLLM logs every request it answers)."""
     wedge_seconds: float = 30.0
     status_every_seconds: float = 5.0
 
@@ -112,7 +114,9 @@ class HealthPoller:
         self._wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="health", daemon=True)
 
-    def watch(self, serial: int, url: str | None) -> None:
+    def watch(self, serial: int, url: str | None, *, period: float | None = None) -> None:
+        if period is not None:
+            self.period = period
         with self._lock:
             self._target = (serial, url) if url else None
             self._last = None
@@ -395,7 +399,7 @@ class Launcher:
         now = time.monotonic()
         self.engine = Engine(self._serial, argv, self.observed_generation, overrides, candidate, spawned.pid,
                              spawned.log, url, now, time.time())
-        self.health.watch(self._serial, url)
+        self.health.watch(self._serial, url, period=self.settings.poll_seconds)
         log(f"engine pid {spawned.pid} started{' (candidate)' if candidate else ''}: {argvs.redact(argv)}")
         self._set_state("starting")
 
@@ -409,6 +413,7 @@ class Launcher:
         last = self.health.last(e.serial)
         if last is not None and last[0]:
             e.healthy_at = now
+            self.health.period = self.settings.health_period_seconds
             log(f"engine pid {e.pid} healthy after {now - e.spawned_at:.1f}s")
             if self._relaunch is not None:
                 self._relaunch.update(start_seconds=round(now - e.spawned_at, 3),
@@ -534,7 +539,7 @@ class Launcher:
         if self.wanted()[0] != e.argv:
             return False, "the running command line is not the desired one yet"
         last = self.health.last(e.serial)
-        max_age = max(5.0, 4 * self.settings.poll_seconds) + 5.0
+        max_age = 4 * max(self.settings.poll_seconds, self.settings.health_period_seconds) + 5.0
         if last is None:
             return False, "no /health answer from the engine yet"
         ok, at, detail = last
