@@ -7,7 +7,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-real test venv vllm-env system-deps lint typecheck unit e2e bench clean
+.PHONY: demo demo-real test venv vllm-env system-deps lint typecheck unit e2e bench clean launcher-zipapp
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -32,11 +32,14 @@ $(VLLM_VENV)/.plugin-stamp: $(VLLM_VENV)/.stamp $(PLUGIN_FILES)
 	rm -rf plugin/build plugin/src/*.egg-info
 	touch $@
 
-# Real nginx fronts real engines in the rollout tests; systemd must be there too (it is on Debian).
+# Real nginx fronts real engines in the rollout tests; podman plays the Kubernetes pod; systemd must be
+# there too (it is on Debian).
+SYSTEM_PACKAGES := nginx podman
 system-deps:
-	@command -v nginx >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; \
-	  else echo "nginx is missing: install it (apt-get install nginx) or run as root" >&2; exit 1; fi; }
+	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "missing:$$missing: install them (apt-get install$$missing) or run as root" >&2; exit 1; fi; fi
 	@test -x /lib/systemd/systemd || { echo "systemd (/lib/systemd/systemd) is missing: apt-get install systemd" >&2; exit 1; }
 
 demo: venv
@@ -62,6 +65,11 @@ e2e: venv vllm-env
 # The whole suite, real-vLLM end-to-end tests included.
 test: venv vllm-env system-deps lint typecheck
 	VLLM_TUNER_REQUIRE_E2E=1 $(PY) -m pytest -q
+
+# The in-pod launcher as one file (what the agent sidecar copies into the pod's emptyDir).
+launcher-zipapp: venv
+	$(PY) -m tuner.launcher --build-zipapp dist/launcher.pyz
+	@echo "dist/launcher.pyz: python3 dist/launcher.pyz --help"
 
 bench: venv
 	$(PY) bench/cycle_cost.py

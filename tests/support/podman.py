@@ -1,0 +1,413 @@
+"""A real ``podman kube play`` for tests (Debian's podman 4.3), pod-shaped, without a registry.
+
+What makes it work on this kind of machine (a VM with a hybrid cgroup v1 tree and a read-only tmpfs on
+/sys/fs/cgroup), each measured here:
+
+- **ulimits**: podman's default ``nofile`` is above what the VM allows (``crun: setrlimit RLIMIT_NOFILE:
+  Operation not permitted``): a private ``containers.conf`` (``$CONTAINERS_CONF``) lowers the defaults.
+- **cgroups**: crun refuses the hybrid tree ("cgroups in hybrid mode not supported") and cannot write
+  the read-only one: every podman command runs in a private mount namespace (``unshare --mount``) where
+  a fresh tmpfs on /sys/fs/cgroup holds only the v1 hierarchies (the kernel's own, shared with the host;
+  nothing changes outside the namespace).
+- **network**: ``--network none`` (the pod still has its own loopback, shared by its containers).
+- **images**: ``podman import`` of a skeleton root file system (merged-/usr symlinks and a few /etc
+  files, a few KB); the host's /usr, the Python the virtualenvs link to (/root/.pyenv), the virtualenvs
+  and the model come in as hostPath volumes, read-only, instead of a 3.5 GB image.
+- **storage**: its own ``--root`` under /var/tmp (kept between runs: the imported image is cached there)
+  and ``--runroot`` under /run, so nothing touches the machine's default podman storage.
+
+podman 4.3 ignores readiness probes and has no native sidecars (init containers with
+``restartPolicy: Always``): tests render those as an init container plus an ordinary container.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import resource
+import shutil
+import subprocess
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path("/var/tmp/vllm-tuner-podman")
+RUNROOT = Path("/run/vllm-tuner-podman")
+SKELETON = "localhost/vllm-tuner-test-rootfs:2"  # bump when import_skeleton changes
+
+CONTAINERS_CONF = """\
+# vllm-tuner's test podman: default ulimits no higher than this machine's hard limits (nproc 65536 was refused here, 32768 works), no journald.
+[containers]
+default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
+log_driver = "k8s-file"
+
+[engine]
+events_logger = "file"
+cgroup_manager = "cgroupfs"
+"""
+
+# Run inside `unshare --mount --propagation private`: a private /sys/fs/cgroup with the v1 hierarchies
+# only (controllers that share a hierarchy are mounted together, as the kernel requires), then podman.
+CGROUP_V1 = r"""
+set -e
+mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup
+awk 'NR > 1 && $4 == 1 { print $1, $2 }' /proc/cgroups | sort -k2 -n | awk '
+  { if ($2 == 0) print $1; else groups[$2] = (groups[$2] ? groups[$2] "," : "") $1 }
+  END { for (h in groups) print groups[h] }' | while read -r opts; do
+    mkdir -p "/sys/fs/cgroup/$opts"
+    mount -t cgroup -o "$opts" cgroup "/sys/fs/cgroup/$opts"
+    case "$opts" in *,*) for c in $(echo "$opts" | tr , ' '); do ln -sfn "$opts" "/sys/fs/cgroup/$c"; done;; esac
+done
+mkdir -p /sys/fs/cgroup/systemd
+mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd
+exec "$@"
+"""
+
+
+def needs_private_cgroups() -> bool:
+    """True on a hybrid/v1 host whose /sys/fs/cgroup is a tmpfs (this VM); False on a pure cgroup v2 host."""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[1] == "/sys/fs/cgroup":
+                return fields[2] == "tmpfs"
+    return False
+
+
+def skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "podman kube play in these tests runs as root"
+    if shutil.which("podman") is None:
+        return "podman is not installed: `apt-get install -y podman` (make test installs it)"
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is missing"
+    return None
+
+
+class Podman:
+    def __init__(self, root: Path = ROOT, runroot: Path = RUNROOT) -> None:
+        self.root, self.runroot = root, runroot
+        self.conf = root / "containers.conf"
+
+    def prepare(self) -> Podman:
+        self.root.mkdir(parents=True, exist_ok=True)
+        def hard(limit: int, most: int) -> int:
+            value = resource.getrlimit(limit)[1]
+            return most if value == resource.RLIM_INFINITY else min(value, most)
+
+        self.conf.write_text(CONTAINERS_CONF.format(nofile=hard(resource.RLIMIT_NOFILE, 65536),
+                                                    nproc=hard(resource.RLIMIT_NPROC, 32768)))
+        return self
+
+    @property
+    def prefix(self) -> list[str]:
+        podman = ["podman", "--root", str(self.root / "storage"), "--runroot", str(self.runroot),
+                  "--tmpdir", str(self.runroot / "tmp")]
+        if needs_private_cgroups():
+            return ["unshare", "--mount", "--propagation", "private", "sh", "-c", CGROUP_V1, "sh", *podman]
+        return podman
+
+    def run(self, *args: str, check: bool = True, timeout: float = 120,
+            input: bytes | None = None) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "CONTAINERS_CONF": str(self.conf)}
+        proc = subprocess.run([*self.prefix, *args], capture_output=True, timeout=timeout, env=env, check=False,
+                              input=input)
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode("utf-8", "replace"),
+                                             proc.stderr.decode("utf-8", "replace"))
+        if check and result.returncode != 0:
+            raise RuntimeError(f"podman {' '.join(args[:3])} failed ({result.returncode}): {result.stderr[-2000:]}")
+        return result
+
+    # -- images ----------------------------------------------------------------------------------
+    def has_image(self, name: str) -> bool:
+        return self.run("image", "exists", name, check=False).returncode == 0
+
+    def import_skeleton(self, name: str = SKELETON) -> str:
+        """A root file system of a few KB: merged-/usr symlinks, /etc basics, empty mount points. Cached."""
+        if self.has_image(name):
+            return name
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            def add_dir(path: str, mode: int = 0o755) -> None:
+                info = tarfile.TarInfo(path)
+                info.type, info.mode = tarfile.DIRTYPE, mode
+                tar.addfile(info)
+
+            def add_link(path: str, target: str) -> None:
+                info = tarfile.TarInfo(path)
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                tar.addfile(info)
+
+            for d in ("usr", "etc", "proc", "sys", "dev", "root", "run", "var", "var/run", "var/tmp", "home", "opt",
+                      "work", "model"):
+                add_dir(d)
+            add_dir("tmp", 0o1777)
+            for link, target in (("bin", "usr/bin"), ("sbin", "usr/sbin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")):
+                add_link(link, target)
+            for f in ("passwd", "group", "nsswitch.conf", "hosts", "ld.so.cache", "ld.so.conf"):
+                src = Path("/etc") / f
+                if src.is_file():
+                    data = src.read_bytes()
+                    info = tarfile.TarInfo(f"etc/{f}")
+                    info.size, info.mode = len(data), 0o644
+                    tar.addfile(info, io.BytesIO(data))
+        self.run("import", "--change", "CMD=[\"/bin/sh\"]", "--change",
+                 "ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "-", name,
+                 input=buf.getvalue(), timeout=300)
+        return name
+
+    # -- pods --------------------------------------------------------------------------------------
+    def kube_play(self, yaml_file: Path, *, timeout: float = 300) -> str:
+        return self.run("kube", "play", "--network", "none", str(yaml_file), timeout=timeout).stdout
+
+    def kube_down(self, yaml_file: Path) -> None:
+        self.run("kube", "down", str(yaml_file), check=False, timeout=180)
+
+    def remove_pod(self, name: str, *, stop_seconds: int = 60) -> None:
+        self.run("pod", "rm", "-f", "-t", str(stop_seconds), name, check=False, timeout=stop_seconds + 120)
+
+    def exec(self, container: str, argv: Sequence[str], *, timeout: float = 60, check: bool = True,
+             input: bytes | None = None) -> subprocess.CompletedProcess[str]:
+        flags = ["-i"] if input is not None else []
+        return self.run("exec", *flags, container, *argv, check=check, timeout=timeout, input=input)
+
+    def logs(self, container: str, tail: int = 60) -> str:
+        result = self.run("logs", "--tail", str(tail), container, check=False, timeout=60)
+        return result.stdout + result.stderr
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        out = self.run("container", "inspect", container, check=False, timeout=60)
+        with contextlib.suppress(ValueError, IndexError):
+            return dict(json.loads(out.stdout)[0])
+        return {}
+
+    def containers(self, pod: str) -> list[str]:
+        out = self.run("ps", "-a", "--filter", f"pod={pod}", "--format", "{{.Names}}", check=False)
+        return out.stdout.split()
+
+    def wait(self, predicate: Any, timeout: float, what: str, *, poll: float = 2.0, detail: Any = None) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:g}s for {what}" + (f"\n{detail()}" if detail else ""))
+            time.sleep(poll)
+
+
+# --- the example pool, as a pod podman can play -------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "deploy" / "kubernetes" / "example"
+CHART = REPO / "deploy" / "helm" / "vllm-tuner"
+STATE_DIR = "/var/run/vllm-tuner"
+ZIPAPP_DIR = "/opt/vllm-tuner"  # where the agent's image keeps launcher.pyz (a hostPath here)
+
+# What the agent does before its startupProbe passes (the real agent: `vllm-tuner agent`, coming):
+# put the launcher zipapp in the shared directory and write the pool's verified args (none yet).
+AGENT_INIT = f"""\
+import os, shutil, sys
+sys.path.insert(0, "{ZIPAPP_DIR}/launcher.pyz")
+from pathlib import Path
+from vllm_tuner_launcher import protocol
+shutil.copyfile("{ZIPAPP_DIR}/launcher.pyz", "{STATE_DIR}/.launcher.pyz.tmp")
+os.replace("{STATE_DIR}/.launcher.pyz.tmp", "{STATE_DIR}/launcher.pyz")
+if not os.path.exists("{STATE_DIR}/desired.json"):  # a restarted pod keeps what the agent asked for last
+    protocol.write_desired(Path("{STATE_DIR}"), generation=1, base_sha256=os.environ["BASE_SHA256"])
+print("agent-init: launcher.pyz and desired.json in place", flush=True)
+"""
+AGENT_STAND_IN = "import time\nwhile True: time.sleep(3600)\n"
+
+
+def kubectl() -> str:
+    import sys
+
+    candidate = Path(sys.executable).parent / "kubectl"
+    return str(candidate) if candidate.exists() else "kubectl"
+
+
+def render_example() -> list[dict[str, Any]]:
+    """``kubectl kustomize deploy/kubernetes/example``, as documents."""
+    import yaml
+
+    out = subprocess.run([kubectl(), "kustomize", str(EXAMPLE)], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def chart_configmap() -> dict[str, Any]:
+    """The Helm chart's ConfigMap (what the component mounts at /etc/vllm-tuner)."""
+    import helm_python
+    import yaml
+
+    with helm_python.Chart.load(str(CHART)) as chart:
+        rendered = chart.render({}, name="tuner", namespace="default")
+    return yaml.safe_load(rendered["vllm-tuner/templates/configmap.yaml"])
+
+
+def host_path(name: str, path: Path | str, mount: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    p = str(path)
+    return ({"name": name, "hostPath": {"path": p, "type": "Directory"}},
+            {"name": name, "mountPath": mount or p, "readOnly": True})
+
+
+def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence[str], env: dict[str, str],
+                 zipapp_dir: Path, host_dirs: Sequence[Path]) -> tuple[list[dict[str, Any]], str]:
+    """The example pool, made playable here (the rendered example is changed only where this machine
+    needs it): one replica; ``engine`` (an argv) instead of the example's model command, after the
+    component's launcher prefix; the skeleton image with the host's /usr and ``host_dirs`` as read-only
+    hostPath volumes; no GPU; no service-account token (no API server here); and the native sidecar as an
+    init container (the agent's start-up: zipapp + desired.json) plus an ordinary container (the agent
+    itself; a stand-in until the real agent exists); no ports or probes (below). Returns the documents and
+    the base argv's sha256."""
+    import copy
+
+    from tuner.launcher import argv as argvs
+
+    docs = copy.deepcopy(docs)
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    deployment["spec"]["replicas"] = 1
+    spec = deployment["spec"]["template"]["spec"]
+    engine_c = spec["containers"][0]
+    prefix = engine_c["command"][: engine_c["command"].index("--") + 1]
+    engine_c["command"] = [*prefix, *engine]
+    engine_c["image"] = image
+    engine_c.pop("resources", None)
+    engine_c["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    base_sha256 = argvs.sha256(engine)
+
+    mounts: list[dict[str, Any]] = []
+    for i, d in enumerate([Path("/usr"), *host_dirs]):
+        volume, mount = host_path(f"host-{i}", d)
+        spec["volumes"].append(volume)
+        mounts.append(mount)
+    zip_volume, zip_mount = host_path("launcher-zipapp", zipapp_dir, ZIPAPP_DIR)
+    spec["volumes"].append(zip_volume)
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "vllm-tuner-token"]
+    engine_c["volumeMounts"] += mounts
+
+    (sidecar,) = spec["initContainers"]
+    sidecar.pop("restartPolicy")
+    sidecar.pop("startupProbe")
+    sidecar["image"] = image
+    sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["name"] != "vllm-tuner-token"] + mounts
+    init = {**copy.deepcopy(sidecar), "name": "vllm-tuner-agent-init", "command": ["python3", "-c", AGENT_INIT]}
+    init.pop("args", None)
+    init.pop("ports", None)
+    init["env"] = [*init.get("env", []), {"name": "BASE_SHA256", "value": base_sha256}]
+    init["volumeMounts"] = [*init["volumeMounts"], zip_mount]
+    agent = {**sidecar, "command": ["python3", "-c", AGENT_STAND_IN]}
+    agent.pop("args", None)
+    spec["initContainers"] = [init]
+    # podman 4.3 removes a finished "once" init container and sometimes races its exit ("cannot remove
+    # container ... as it is running"); "always" keeps it (exited) instead. podman applies the pod's
+    # restartPolicy to init containers too: with Always it reran the agent's start-up every few seconds
+    # (rewriting desired.json), so OnFailure here; the test is about relaunching without restarts.
+    for meta in (deployment["metadata"], deployment["spec"]["template"]["metadata"]):
+        meta.setdefault("annotations", {})["io.podman.annotations.init.container.type"] = "always"
+    spec["restartPolicy"] = "OnFailure"
+    spec["containers"].append(agent)
+    for container in [*spec["containers"], *spec["initContainers"]]:
+        # --network none has no port mappings; podman 4.3 runs httpGet probes with curl inside the
+        # container (not in this image) and ignores readiness: the test probes /livez and /readyz itself.
+        for key in ("ports", "livenessProbe", "readinessProbe", "startupProbe"):
+            container.pop(key, None)
+        # podman 4.3 has no downward API for metadata.namespace/uid: plain values stand in.
+        for var in container.get("env", []):
+            field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            if field is not None:
+                var.pop("valueFrom")
+                var["value"] = {"metadata.name": "vllm-pod-0", "metadata.namespace": "default"}.get(field, "podman")
+    return [deployment, chart_configmap()], base_sha256
+
+
+def write_yaml(path: Path, docs: Sequence[dict[str, Any]]) -> Path:
+    """Multi-line strings as literal blocks (podman's YAML reader refused PyYAML's folded quoted ones)."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+    Dumper.add_representer(str, text)
+    path.write_text(yaml.dump_all(list(docs), Dumper=Dumper, sort_keys=False, width=10000))
+    return path
+
+
+PROBE = """\
+import sys, urllib.request, urllib.error
+req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() if len(sys.argv) > 2 else None,
+                             headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 30) as r:
+        print(r.status); print(r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code); print(e.read().decode())
+except OSError as e:
+    print(0); print(repr(e))
+"""
+
+
+class PlayedPod:
+    """The example pool's pod under ``podman kube play``; everything is looked at from inside the pod
+    (its own loopback: --network none), through ``podman exec`` in the agent's container."""
+
+    def __init__(self, podman: Podman, yaml_file: Path, *, name: str = "vllm-pod-0") -> None:
+        self.podman, self.yaml_file, self.name = podman, yaml_file, name
+        self.engine = f"{name}-vllm"
+        self.agent = f"{name}-vllm-tuner-agent"
+
+    def play(self) -> PlayedPod:
+        self.podman.remove_pod(self.name, stop_seconds=10)  # a leftover of an interrupted run
+        self.podman.kube_play(self.yaml_file)
+        return self
+
+    def down(self) -> None:
+        self.podman.kube_down(self.yaml_file)
+        self.podman.remove_pod(self.name, stop_seconds=60)
+
+    def status(self) -> dict[str, Any]:
+        out = self.podman.exec(self.agent, ["cat", f"{STATE_DIR}/status.json"], check=False)
+        with contextlib.suppress(ValueError):
+            return dict(json.loads(out.stdout))
+        return {}
+
+    def http(self, url: str, body: dict[str, Any] | None = None, *, timeout: float = 60) -> tuple[int, str]:
+        """A request from inside the pod (the agent's container): (status, body); status 0: no answer."""
+        argv = ["python3", "-c", PROBE, url] + ([json.dumps(body), str(timeout)] if body is not None else [])
+        out = self.podman.exec(self.agent, argv, timeout=timeout + 30, check=False).stdout
+        code, _, text = out.partition("\n")
+        return (int(code) if code.strip().isdigit() else 0), text
+
+    def restart_count(self, container: str) -> int:
+        return int(self.podman.inspect(container).get("RestartCount", 0))
+
+    def wait_status(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+        return dict(self.podman.wait(lambda: (lambda st: st if st and predicate(st) else None)(self.status()),
+                                     timeout, what, poll=2.0, detail=lambda: self.podman.logs(self.engine, 40)))
+
+
+class ExecAgent:
+    """The agent's side of the protocol, done by hand: desired.json written with ``podman exec`` in the
+    agent's container, by the zipapp's own ``protocol.write_desired`` (atomic). When the real agent
+    exists, this is the one piece a test swaps for it."""
+
+    def __init__(self, pod: PlayedPod, *, base_sha256: str, generation: int = 1) -> None:
+        self.pod, self.base_sha256, self.generation = pod, base_sha256, generation
+
+    def request(self, overrides: Sequence[tuple[str, str]], *, drain: bool = False) -> int:
+        self.generation += 1
+        script = (f"import sys; sys.path.insert(0, '{STATE_DIR}/launcher.pyz'); from pathlib import Path; "
+                  "from vllm_tuner_launcher import protocol; "
+                  f"protocol.write_desired(Path('{STATE_DIR}'), generation={self.generation}, "
+                  f"overrides={[tuple(o) for o in overrides]!r}, base_sha256={self.base_sha256!r}, drain={drain!r})")
+        self.pod.podman.exec(self.pod.agent, ["python3", "-c", script])
+        return self.generation

@@ -1,0 +1,106 @@
+"""``python3 launcher.pyz [options] -- vllm serve MODEL ...`` (or ``python -m tuner.launcher``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import launching, packaging, protocol
+
+DEFAULT_STATE_DIR = "/var/run/vllm-tuner"
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launcher.pyz",
+        description="vllm-tuner's in-pod engine launcher: PID 1 of the engine container. It runs the engine "
+                    "command given after --, plus the overrides the agent writes to STATE_DIR/desired.json, "
+                    "relaunches it in place on request, and answers the kubelet's probes.",
+        epilog="example: python3 /var/run/vllm-tuner/launcher.pyz --probe-host 0.0.0.0 -- vllm serve MODEL --port 8000")
+    p.add_argument("--state-dir", default=os.environ.get("VLLM_TUNER_STATE_DIR", DEFAULT_STATE_DIR),
+                   help=f"the directory shared with the agent (default $VLLM_TUNER_STATE_DIR or {DEFAULT_STATE_DIR})")
+    p.add_argument("--probe-host", default="127.0.0.1",
+                   help="address of /livez /readyz /status (default 127.0.0.1; the manifests use 0.0.0.0 so the "
+                        "kubelet can reach them on the pod IP)")
+    p.add_argument("--probe-port", type=_port, default=8081, help="default 8081")
+    p.add_argument("--health-url", help="the engine's health URL (default http://127.0.0.1:<its --port>/health)")
+    p.add_argument("--start-timeout", type=_positive, default=1200.0, metavar="SECONDS",
+                   help="an engine not healthy by then failed (default 1200)")
+    p.add_argument("--stop-timeout", type=_positive, default=60.0, metavar="SECONDS",
+                   help="SIGTERM → SIGKILL for the engine's process group (default 60; above its --shutdown-timeout)")
+    p.add_argument("--kill-timeout", type=_positive, default=15.0, metavar="SECONDS",
+                   help="how long processes may outlive SIGKILL before liveness says so (default 15)")
+    p.add_argument("--poll", type=_positive, default=0.5, metavar="SECONDS",
+                   help="how often desired.json and the engine's /health are read (default 0.5)")
+    p.add_argument("--health-period", type=_positive, default=2.0, metavar="SECONDS",
+                   help="how often the engine's /health is read once it serves (default 2; while it starts: --poll)")
+    p.add_argument("--wedge-seconds", type=_positive, default=30.0, metavar="SECONDS",
+                   help="/livez fails when the launcher's loop stalls this long (default 30)")
+    p.add_argument("--build-zipapp", metavar="OUT.pyz",
+                   help="write the launcher as a zipapp to OUT.pyz and exit (no engine command needed)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the engine's command line")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.build_zipapp:
+        try:
+            packaging.build_zipapp(Path(args.build_zipapp))
+        except OSError as exc:
+            print(f"launcher: cannot write {args.build_zipapp}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        return 0
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("give the engine's command after --, e.g. -- vllm serve MODEL --port 8000")
+    state_dir = Path(args.state_dir)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        probe = state_dir / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        print(f"launcher: the state directory {state_dir} is not writable: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    settings = launching.Settings(
+        state_dir=state_dir, probe_host=args.probe_host, probe_port=args.probe_port, health_url=args.health_url,
+        start_timeout_seconds=args.start_timeout, stop_timeout_seconds=args.stop_timeout,
+        kill_timeout_seconds=args.kill_timeout, poll_seconds=args.poll, health_period_seconds=args.health_period,
+        wedge_seconds=args.wedge_seconds)
+    launcher = launching.Launcher(settings, command)
+    try:
+        launcher.listen()
+    except OSError as exc:
+        print(f"launcher: cannot listen on {args.probe_host}:{args.probe_port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    launcher.install_signals()
+    return launcher.run()
+
+
+__all__ = ["main", "protocol"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The engine's command line, patched by flag: the launcher's own copy of ``knobs.EngineArgs.with_value``.
+
+Stdlib only, like the whole launcher (it runs under the engine image's Python). An override replaces
+the flag's value in place, keeping its spelling and form (``--flag v`` or ``--flag=v``), or is appended
+when the flag is absent; ``True``/``False`` on a boolean flag writes ``--flag``/``--no-flag``; ``None``
+removes the flag. Nothing here ever goes through a shell. ``tests/unit/test_launcher_argv.py`` holds
+this module and ``tuner.model.knobs.EngineArgs`` to the same answers on a table of cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+Value = str | bool | None
+
+# A copy of tuner.model.knobs.BOOLEAN_FLAGS (a test keeps the two equal): a bare boolean flag followed
+# by a non-flag token is a flag and a positional, not a flag and its value.
+BOOLEAN_FLAGS: frozenset[str] = frozenset({
+    "--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager", "--trust-remote-code",
+    "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
+    "--async-scheduling", "--enable-lora", "--enable-prompt-tokens-details",
+    "--enable-server-load-tracking", "--disable-custom-all-reduce", "--enable-expert-parallel",
+    "--disable-frontend-multiprocessing", "--enable-auto-tool-choice", "--disable-fastapi-docs",
+    "--skip-tokenizer-init", "--disable-sliding-window", "--disable-cascade-attn",
+    "--enable-metrics", "--disable-radix-cache", "--enable-mixed-chunk", "--enable-torch-compile",
+    "--disable-cuda-graph", "--enable-dp-attention", "--collect-tokens-histogram",
+})
+
+FLAG_NAME = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_-]*$")
+# --api-key, --hf-token, --x-secret, --db-password; not --max-num-batched-tokens or --ssl-keyfile.
+_SECRET = re.compile(r"(?:^--|[-_])(?:key|token|secret|password|passwd|credentials?)$", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+class Item(NamedTuple):
+    flag: str | None  # as written; None for a positional
+    value: str | None
+    form: str  # "positional" | "bare" | "space" | "equals"
+
+    @property
+    def key(self) -> str | None:
+        return normalize(self.flag) if self.flag is not None else None
+
+    def tokens(self) -> list[str]:
+        if self.form == "positional":
+            return [self.value or ""]
+        assert self.flag is not None
+        if self.form == "bare":
+            return [self.flag]
+        if self.form == "equals":
+            return [f"{self.flag}={self.value}"]
+        return [self.flag, self.value or ""]
+
+
+def normalize(flag: str) -> str:
+    """``--max_num_seqs`` → ``--max-num-seqs`` (vLLM's parser accepts both spellings)."""
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
+def _is_flag_token(token: str) -> bool:
+    if token.startswith("--") and len(token) > 2:
+        return True
+    return token.startswith("-") and len(token) > 1 and not re.match(r"^-\.?\d", token)
+
+
+def _is_boolean(key: str) -> bool:
+    return key in BOOLEAN_FLAGS or (key.startswith("--no-") and "--" + key[5:] in BOOLEAN_FLAGS)
+
+
+def parse(argv: Sequence[str]) -> list[Item]:
+    items: list[Item] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--":  # everything after is positional
+            items.extend(Item(None, t, "positional") for t in tokens[i:])
+            break
+        if not _is_flag_token(token):
+            items.append(Item(None, token, "positional"))
+            i += 1
+        elif token.startswith("--") and "=" in token:
+            flag, _, value = token.partition("=")
+            items.append(Item(flag, value, "equals"))
+            i += 1
+        else:
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            if nxt is None or _is_flag_token(nxt) or _is_boolean(normalize(token)):
+                items.append(Item(token, None, "bare"))
+                i += 1
+            else:
+                items.append(Item(token, nxt, "space"))
+                i += 2
+    return items
+
+
+def render(items: Sequence[Item]) -> list[str]:
+    return [t for item in items for t in item.tokens()]
+
+
+def _same(item: Item, key: str) -> bool:
+    return item.key is not None and (item.key == key or item.key == "--no-" + key[2:])
+
+
+def _find(items: Sequence[Item], key: str) -> int | None:
+    """The last item for ``key`` (argparse: the last one wins), ``--no-`` forms included."""
+    found = None
+    for i, item in enumerate(items):
+        if _same(item, key):
+            found = i
+    return found
+
+
+def _text(value: str | bool) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value
+
+
+def with_value(items: Sequence[Item], flag: str, value: Value) -> list[Item]:
+    key = normalize(flag)
+    if value is None:
+        return [it for it in items if not _same(it, key)]
+    boolean = isinstance(value, bool) and (_is_boolean(key) or key.startswith("--enable-"))
+    new = Item(key if value else "--no-" + key[2:], None, "bare") if boolean else Item(key, _text(value), "space")
+    out = list(items)
+    at = _find(out, key)
+    if at is None:
+        return [*out, new]
+    old = out[at]
+    if not boolean and old.form in ("equals", "space"):
+        new = Item(old.flag, new.value, old.form)
+    out[at] = new
+    return [it for i, it in enumerate(out) if i == at or not _same(it, key)]  # earlier duplicates go
+
+
+def apply(base: Sequence[str], overrides: Sequence[tuple[str, Value]]) -> list[str]:
+    """``base`` with each override applied in order."""
+    items = parse(base)
+    for flag, value in overrides:
+        items = with_value(items, flag, value)
+    return render(items)
+
+
+def value_of(argv: Sequence[str], flag: str) -> str | None:
+    """The text value of ``flag`` in ``argv`` (the last one), or None (absent or bare)."""
+    items = parse(argv)
+    at = _find(items, normalize(flag))
+    return None if at is None else items[at].value
+
+
+def sha256(argv: Sequence[str]) -> str:
+    """The identity of a base command line: sha256 of its canonical JSON (a list of strings, compact
+    separators, UTF-8). The agent computes the same from the pod spec (or copies it from status.json)."""
+    text = json.dumps(list(argv), separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def secrets(argv: Sequence[str]) -> list[str]:
+    """The values ``redact`` hides (at least 4 characters: shorter ones are not worth hiding in logs)."""
+    shown = redact(argv)
+    hidden = []
+    for token, seen in zip(argv, shown, strict=True):
+        if token != seen:
+            value = token.partition("=")[2] if seen.endswith("=" + REDACTED) else token
+            if len(value) >= 4:
+                hidden.append(value)
+    return hidden
+
+
+def redact(argv: Sequence[str]) -> list[str]:
+    """``argv`` for display: the values of flags named like a key, token, secret or password hidden."""
+    out: list[str] = []
+    hide_next = False
+    for token in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+        elif token.startswith("--") and _SECRET.search(token.partition("=")[0]):
+            if "=" in token:
+                out.append(token.partition("=")[0] + "=" + REDACTED)
+            else:
+                out.append(token)
+                hide_next = True
+        else:
+            out.append(token)
+    return out

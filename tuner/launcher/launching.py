@@ -1,0 +1,608 @@
+"""The launcher's loop: PID 1 of the engine container.
+
+It starts the engine (the base command line plus desired.json's overrides) in its own process group,
+reaps every zombie, answers the kubelet's probes, relaunches the engine in place when desired.json asks
+for another command line, and forwards the kubelet's SIGTERM. One thread (the loop) decides; the probe
+server, the health poller and the log pump only read or report.
+
+States (``status.json`` ``state``) and what moves them:
+
+==================  =========================================================================================
+starting            engine spawned, waiting for ``GET /health`` 200 (``start_timeout_seconds``) → serving |
+                    draining; exit or timeout → candidate-failed (a *candidate*: any start but a first start
+                    without overrides) or the launcher exits with the engine's code (that first start)
+serving, draining   engine healthy; draining = desired.json ``drain: true`` (readiness false, engine kept);
+                    leader exits → stopping the rest, then the launcher exits with the leader's code
+                    (unplanned: ordinary Kubernetes restarts apply); desired command line differs → stopping
+stopping            SIGTERM to the engine's leader (then to what is left of its group once it exited), wait
+                    until *every* process of the group (and every descendant) is gone, SIGKILL to all at
+                    ``stop_timeout_seconds``; then start the desired command line
+candidate-failed    nothing runs; readiness false, liveness OK; the next desired.json generation starts again
+terminating         the kubelet's SIGTERM: the same stop, then exit with the engine's exit code
+==================  =========================================================================================
+
+Readiness (``/readyz``) is true only in serving, with a fresh ``/health`` 200 from this engine, no drain,
+and the running command line equal to the one desired.json asks for. Liveness (``/livez``) is true while
+the loop turns (also through a planned relaunch), and false only when it stalls for ``wedge_seconds`` or
+the engine's processes survive SIGKILL that long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import argv as argvs
+from . import probes, processes, protocol
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: Path
+    probe_host: str = "127.0.0.1"
+    """Where /livez, /readyz and /status listen. The kubelet probes the pod IP, so the manifests say
+    0.0.0.0; the launcher's own default keeps them on loopback."""
+    probe_port: int = 8081
+    health_url: str | None = None
+    """The engine's health endpoint; None: http://127.0.0.1:<--port, default 8000>/health of the running
+    command line (its --host when that is a specific address)."""
+    start_timeout_seconds: float = 1200.0
+    stop_timeout_seconds: float = 60.0
+    """SIGTERM → SIGKILL. Keep it above the engine's --shutdown-timeout and, with the preStop sleep, below
+    the pod's terminationGracePeriodSeconds."""
+    kill_timeout_seconds: float = 15.0
+    poll_seconds: float = 0.5
+    """How often desired.json is read, and the engine's /health while it starts."""
+    health_period_seconds: float = 2.0
+    """How often the engine's /health is read once it serves (vLLM logs every request it answers)."""
+    wedge_seconds: float = 30.0
+    status_every_seconds: float = 5.0
+
+
+def log(message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"vllm-tuner-launcher: {message}\n")
+        sys.stderr.flush()
+
+
+def derive_health_url(argv: Sequence[str]) -> str:
+    host = argvs.value_of(argv, "--host") or "127.0.0.1"
+    if host in ("0.0.0.0", "", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    port = argvs.value_of(argv, "--port") or "8000"
+    return f"http://{host}:{port}/health"
+
+
+def probe_health(url: str, *, timeout: float) -> tuple[bool, str]:
+    """One ``GET``: http.client directly (no proxy settings from the environment apply)."""
+    parts = urllib.parse.urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    try:
+        conn.request("GET", parts.path or "/")
+        response = conn.getresponse()
+        response.read(65536)
+        return response.status == 200, f"GET {parts.path} {response.status}"
+    except (OSError, http.client.HTTPException) as exc:
+        return False, f"GET {parts.path}: {type(exc).__name__}: {exc}"[:300]
+    finally:
+        conn.close()
+
+
+class HealthPoller:
+    """Polls the current engine's /health every ``period`` seconds in its own thread."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._lock = threading.Lock()
+        self._target: tuple[int, str] | None = None
+        self._last: tuple[int, bool, float, str] | None = None  # serial, ok, when (monotonic), detail
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="health", daemon=True)
+
+    def watch(self, serial: int, url: str | None, *, period: float | None = None) -> None:
+        if period is not None:
+            self.period = period
+        with self._lock:
+            self._target = (serial, url) if url else None
+            self._last = None
+        self._wake.set()
+
+    def last(self, serial: int) -> tuple[bool, float, str] | None:
+        with self._lock:
+            if self._last is None or self._last[0] != serial:
+                return None
+            return self._last[1], self._last[2], self._last[3]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                target = self._target
+            if target is not None:
+                ok, detail = probe_health(target[1], timeout=max(1.0, min(5.0, 4 * self.period)))
+                with self._lock:
+                    if self._target == target:
+                        self._last = (target[0], ok, time.monotonic(), detail)
+            self._wake.wait(self.period)
+            self._wake.clear()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+
+@dataclass
+class Engine:
+    serial: int
+    argv: list[str]
+    generation: int | None
+    overrides: list[tuple[str, argvs.Value]]
+    candidate: bool
+    pid: int
+    log: processes.LogTail
+    health_url: str
+    spawned_at: float  # monotonic
+    spawned_wall: float
+    healthy_at: float | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class Stop:
+    then: str  # "start" | "failed" | "exit"
+    reason: str
+    started: float
+    deadline: float
+    code: int | None = None  # for "exit": the code to exit with (None: the engine's)
+    killed: bool = False
+    stragglers_signalled: bool = False
+    kill_deadline: float = 0.0
+    survivors: tuple[int, ...] = ()
+
+
+class Launcher:
+    def __init__(self, settings: Settings, base_argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
+        if not base_argv:
+            raise ValueError("no engine command line after --")
+        self.settings = settings
+        self.base = list(base_argv)
+        self.base_sha256 = argvs.sha256(self.base)
+        self.env = dict(os.environ if env is None else env)
+        self.state_dir = Path(settings.state_dir)
+        self.desired_path = self.state_dir / protocol.DESIRED
+        self.status_path = self.state_dir / protocol.STATUS
+        self.health = HealthPoller(settings.poll_seconds)
+        self.state = "starting"
+        self.state_since = time.time()
+        self.started_at = time.time()
+        self.engine: Engine | None = None
+        self.stop: Stop | None = None
+        self.desired: protocol.Desired | None = None
+        self.desired_error: str | None = None
+        self.overrides_dropped: str | None = None
+        self.observed_generation: int | None = None
+        self.planned_restarts = 0
+        self.reaped_orphans = 0
+        self.last_exit: dict[str, Any] | None = None
+        self.candidate_failure: dict[str, Any] | None = None
+        self.last_relaunch: dict[str, Any] | None = None
+        self.exit_code: int | None = None
+        self.heartbeat = time.monotonic()
+        self.readiness: probes.Answer = (False, "starting")
+        self._relaunch: dict[str, Any] | None = None
+        self._serial = 0
+        self._started_once = False
+        self._fresh_request = False
+        self._term = False
+        self._desired_stat: tuple[int, int, int] | None = None
+        self._next_desired_poll = 0.0
+        self._status_doc: dict[str, Any] = {}
+        self._status_written: tuple[Any, ...] | None = None
+        self._status_written_at = 0.0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.server: probes.ProbeServer | None = None
+
+    # -- probes (called from the server's threads) ------------------------------------------------
+    def live(self) -> probes.Answer:
+        age = time.monotonic() - self.heartbeat
+        if age > self.settings.wedge_seconds:
+            return False, f"the launcher's loop has not turned for {age:.0f}s"
+        stop = self.stop
+        if stop is not None and stop.killed and stop.survivors and \
+                time.monotonic() > stop.kill_deadline + self.settings.wedge_seconds:
+            return False, f"engine processes survived SIGKILL: {list(stop.survivors)}"
+        return True, f"alive ({self.state})"
+
+    def ready(self) -> probes.Answer:
+        return self.readiness
+
+    def public_status(self) -> dict[str, Any]:
+        doc = dict(self._status_doc)
+        doc.pop("log_tail", None)
+        if isinstance(doc.get("candidate_failure"), dict):
+            doc["candidate_failure"] = {k: v for k, v in doc["candidate_failure"].items() if k != "log_tail"}
+        if isinstance(doc.get("last_exit"), dict):
+            doc["last_exit"] = {k: v for k, v in doc["last_exit"].items() if k != "log_tail"}
+        doc["live"] = self.live()[0]
+        return doc
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self._term = True
+
+    def install_signals(self) -> None:
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+
+    def listen(self) -> None:
+        """Bind the probe server (OSError when the address is taken)."""
+        self.server = probes.ProbeServer(self.settings.probe_host, self.settings.probe_port, live=self.live,
+                                         ready=self.ready, status=self.public_status)
+
+    def run(self) -> int:
+        """Until the engine is gone for good; returns the exit code."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.server is None:
+            self.listen()
+        assert self.server is not None
+        self.server.start()
+        if not processes.become_subreaper():
+            log("warning: not PID 1 and cannot become a child subreaper: orphans of the engine are not reaped here")
+        log(f"probes on http://{self.settings.probe_host}:{self.server.port} (/livez /readyz /status); "
+            f"state in {self.state_dir}; base sha256 {self.base_sha256[:12]}")
+        self.health.start()
+        try:
+            self._poll_desired(force=True)
+            if self._term:
+                self.exit_code = 0
+            else:
+                self._start()
+            while self.exit_code is None:
+                self._wait(0.2)
+                self.tick()
+            self._set_state("exited")
+            self._write_status(force=True)
+            return self.exit_code
+        finally:
+            self.health.stop()
+            if self.engine is not None:  # only after a crash of the loop itself: leave nothing behind
+                with contextlib.suppress(OSError):
+                    processes.signal_all(self.engine.pid, signal.SIGKILL)
+            if self.server is not None:
+                self.server.stop()
+
+    def _wait(self, seconds: float) -> None:
+        with contextlib.suppress(InterruptedError, OSError):
+            select.select([self._wake_r], [], [], seconds)
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 512):
+                pass
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.heartbeat = now
+        for pid, code in processes.reap():
+            if self.engine is not None and pid == self.engine.pid and self.engine.exit_code is None:
+                self.engine.exit_code = code
+                log(f"engine pid {pid} exited with code {code}")
+            else:
+                self.reaped_orphans += 1
+        if self._term and self.state != "terminating":
+            self._begin_terminate()
+        self._poll_desired()
+        if self.stop is not None:
+            self._drive_stop(now)
+        elif self.state == "starting":
+            self._drive_starting(now)
+        elif self.state in ("serving", "draining"):
+            self._drive_serving(now)
+        elif self.state == "candidate-failed" and self._fresh_request:
+            self._start()
+        self.readiness = self._readiness(now)
+        self._write_status()
+
+    # -- desired.json -------------------------------------------------------------------------------
+    def _poll_desired(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_desired_poll:
+            return
+        self._next_desired_poll = now + self.settings.poll_seconds
+        try:
+            st = os.stat(self.desired_path)
+            key: tuple[int, int, int] | None = (st.st_mtime_ns, st.st_ino, st.st_size)
+        except FileNotFoundError:
+            key = None
+        except OSError as exc:
+            self.desired_error = f"cannot stat {self.desired_path}: {exc.strerror}"
+            return
+        if key == self._desired_stat and not force:
+            return
+        self._desired_stat = key
+        try:
+            desired = protocol.read_desired(self.desired_path)
+        except protocol.ProtocolError as exc:
+            self.desired_error = str(exc)
+            log(f"ignoring desired.json: {exc}")
+            return
+        if desired is None:
+            return
+        if self.observed_generation is not None and desired.generation <= self.observed_generation:
+            self.desired_error = (f"desired.json generation {desired.generation} is not greater than "
+                                  f"{self.observed_generation}: ignored")
+            return
+        self.desired, self.observed_generation, self.desired_error = desired, desired.generation, None
+        self._fresh_request = True
+        log(f"desired generation {desired.generation}: {len(desired.overrides)} override(s), drain={desired.drain}")
+
+    def wanted(self) -> tuple[list[str], list[tuple[str, argvs.Value]]]:
+        """The command line desired.json asks for, and the overrides in it."""
+        d = self.desired
+        self.overrides_dropped = None
+        if d is None or not d.overrides:
+            return list(self.base), []
+        if d.base_sha256 != self.base_sha256:
+            self.overrides_dropped = (
+                f"desired.json generation {d.generation} was computed for base {str(d.base_sha256)[:12]}, "
+                f"this pod's base is {self.base_sha256[:12]} (the Deployment's command changed: the user wins)")
+            return list(self.base), []
+        return argvs.apply(self.base, d.overrides), list(d.overrides)
+
+    def drained(self) -> bool:
+        return bool(self.desired and self.desired.drain)
+
+    # -- transitions --------------------------------------------------------------------------------
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            log(f"state {self.state} → {state}")
+            self.state, self.state_since = state, time.time()
+
+    def _start(self) -> None:
+        self._fresh_request = False
+        argv, overrides = self.wanted()
+        candidate = self._started_once or bool(overrides)
+        self._started_once = True
+        self._serial += 1
+        url = self.settings.health_url or derive_health_url(argv)
+        try:
+            spawned = processes.spawn(argv, self.env)
+        except OSError as exc:
+            reason = f"cannot run {argv[0]!r}: {exc.strerror or exc}"
+            log(reason)
+            self.engine = None
+            if candidate:
+                self._candidate_failed(reason, code=127, tail=[])
+            else:
+                self.last_exit = {"code": 127, "at": time.time(), "planned": False, "reason": reason}
+                self.exit_code = 127
+            return
+        now = time.monotonic()
+        self.engine = Engine(self._serial, argv, self.observed_generation, overrides, candidate, spawned.pid,
+                             spawned.log, url, now, time.time())
+        self.health.watch(self._serial, url, period=self.settings.poll_seconds)
+        log(f"engine pid {spawned.pid} started{' (candidate)' if candidate else ''}: {argvs.redact(argv)}")
+        self._set_state("starting")
+
+    def _drive_starting(self, now: float) -> None:
+        e = self.engine
+        assert e is not None
+        if e.exit_code is not None:
+            reason = f"the engine exited with code {e.exit_code} before it was healthy"
+            self._begin_stop("failed" if e.candidate else "exit", reason, code=e.exit_code)
+            return
+        last = self.health.last(e.serial)
+        if last is not None and last[0]:
+            e.healthy_at = now
+            self.health.period = self.settings.health_period_seconds
+            log(f"engine pid {e.pid} healthy after {now - e.spawned_at:.1f}s")
+            if self._relaunch is not None:
+                self._relaunch.update(start_seconds=round(now - e.spawned_at, 3),
+                                      total_seconds=round(now - self._relaunch.pop("t0"), 3), result="healthy")
+                self.last_relaunch, self._relaunch = self._relaunch, None
+            self._set_state("draining" if self.drained() else "serving")
+            return
+        if now > e.spawned_at + self.settings.start_timeout_seconds:
+            reason = f"the engine was not healthy after {self.settings.start_timeout_seconds:g}s"
+            self._begin_stop("failed" if e.candidate else "exit", reason, code=1)
+            return
+        if self._fresh_request and self.wanted()[0] != e.argv:
+            self._fresh_request = False
+            self._begin_stop("start", f"desired generation {self.observed_generation} asks for another command line")
+
+    def _drive_serving(self, now: float) -> None:
+        e = self.engine
+        assert e is not None
+        if e.exit_code is not None:
+            self.last_exit = {"code": e.exit_code, "at": time.time(), "planned": False,
+                              "log_tail": self._scrub(e.log.lines())}
+            self._begin_stop("exit", f"the engine exited unplanned with code {e.exit_code}", code=e.exit_code)
+            return
+        self._fresh_request = False
+        if self.wanted()[0] != e.argv:
+            self.planned_restarts += 1
+            self._relaunch = {"generation": self.observed_generation, "requested_at": time.time(),
+                              "t0": now, "result": "stopping"}
+            self._begin_stop("start", f"relaunch for desired generation {self.observed_generation}")
+            return
+        self._set_state("draining" if self.drained() else "serving")
+
+    def _begin_stop(self, then: str, reason: str, *, code: int | None = None) -> None:
+        e = self.engine
+        now = time.monotonic()
+        self.stop = Stop(then, reason, now, now + self.settings.stop_timeout_seconds, code=code)
+        self._set_state("terminating" if self._term else "stopping")
+        log(f"stopping the engine: {reason}")
+        if e is not None:
+            self._terminate(e)
+        self.health.watch(0, None)
+
+    def _terminate(self, e: Engine) -> None:
+        """SIGTERM to the engine's leader only, as the kubelet sends it to a container's PID 1: vLLM's API
+        server then drains and stops its own engine core. A SIGTERM to the whole group reaches the engine
+        core directly as well, and vLLM then ends the requests in flight at once (measured here: a streamed
+        request cut after 1 of 1500 tokens with --shutdown-timeout 30; all 1500 with the leader alone).
+        What is left of the group once the leader is gone gets its SIGTERM then (``_drive_stop``)."""
+        if e.exit_code is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(e.pid, signal.SIGTERM)
+        else:
+            processes.signal_all(e.pid, signal.SIGTERM)
+            if self.stop is not None:
+                self.stop.stragglers_signalled = True
+
+    def _begin_terminate(self) -> None:
+        log("SIGTERM: stopping the engine, then exiting with its code")
+        if self.stop is not None:
+            self.stop.then, self.stop.code = "exit", None  # exit with what the engine exits with
+            self._set_state("terminating")
+        elif self.engine is not None and self.state in ("starting", "serving", "draining"):
+            self._begin_stop("exit", "the kubelet's SIGTERM")
+        else:
+            self._set_state("terminating")
+            self.exit_code = 0
+
+    def _drive_stop(self, now: float) -> None:
+        stop, e = self.stop, self.engine
+        assert stop is not None
+        left = processes.remaining(e.pid) if e is not None else []
+        if e is not None and (left or e.exit_code is None):
+            if left and e.exit_code is not None and not stop.stragglers_signalled:
+                log(f"the engine's leader exited; SIGTERM to what is left of its group: {left}")
+                processes.signal_all(e.pid, signal.SIGTERM)
+                stop.stragglers_signalled = True
+            if not stop.killed and now > stop.deadline:
+                log(f"SIGKILL after {self.settings.stop_timeout_seconds:g}s: {left}")
+                processes.signal_all(e.pid, signal.SIGKILL)
+                stop.killed, stop.kill_deadline = True, now + self.settings.kill_timeout_seconds
+            elif stop.killed and now > stop.kill_deadline:
+                stop.survivors = tuple(left)
+            return
+        self.stop = None
+        seconds = round(now - stop.started, 3)
+        tail = self._scrub(e.log.lines()) if e is not None else []
+        if e is not None:
+            log(f"engine stopped in {seconds:.1f}s{' (SIGKILL)' if stop.killed else ''}: no process of it is left")
+        if self._relaunch is not None and stop.then == "start":
+            self._relaunch.update(stop_seconds=seconds, killed=stop.killed, result="starting")
+        if stop.then == "start" and not self._term:
+            self._start()
+        elif stop.then == "failed" and not self._term:
+            self._candidate_failed(stop.reason, code=e.exit_code if e is not None else None, tail=tail)
+        else:
+            code = stop.code if stop.code is not None else (e.exit_code if e is not None else 0)
+            if self.last_exit is None or self.last_exit.get("code") != code:
+                self.last_exit = {"code": code, "at": time.time(), "planned": self._term, "reason": stop.reason,
+                                  "log_tail": tail}
+            self.engine = None
+            self.exit_code = code if code is not None else 0
+
+    def _candidate_failed(self, reason: str, *, code: int | None, tail: list[str]) -> None:
+        e = self.engine
+        self.candidate_failure = {"generation": e.generation if e else self.observed_generation,
+                                  "argv": argvs.redact(e.argv) if e else None, "reason": reason,
+                                  "exit_code": code, "at": time.time(), "log_tail": tail}
+        if self._relaunch is not None:
+            self._relaunch.update(result="failed", reason=reason)
+            self._relaunch.pop("t0", None)
+            self.last_relaunch, self._relaunch = self._relaunch, None
+        self.engine = None
+        log(f"candidate failed: {reason}; waiting for the next desired.json generation")
+        self._set_state("candidate-failed")
+
+    # -- readiness and status -----------------------------------------------------------------------
+    def _readiness(self, now: float) -> probes.Answer:
+        e = self.engine
+        if self.state not in ("serving", "draining") or e is None:
+            return False, f"not serving ({self.state})"
+        if self.drained():
+            return False, "drained (desired.json drain: true)"
+        if self.wanted()[0] != e.argv:
+            return False, "the running command line is not the desired one yet"
+        last = self.health.last(e.serial)
+        max_age = 4 * max(self.settings.poll_seconds, self.settings.health_period_seconds) + 5.0
+        if last is None:
+            return False, "no /health answer from the engine yet"
+        ok, at, detail = last
+        if not ok:
+            return False, f"engine {detail}"
+        if now - at > max_age:
+            return False, f"the engine's last /health answer is {now - at:.0f}s old"
+        return True, "ready"
+
+    def status(self) -> dict[str, Any]:
+        e = self.engine
+        wanted_argv, wanted_overrides = self.wanted()
+        return {
+            "v": protocol.VERSION,
+            "state": self.state,
+            "ready": self.readiness[0],
+            "ready_reason": self.readiness[1],
+            "launcher_pid": os.getpid(),
+            "pid": e.pid if e is not None else None,
+            "generation": self.observed_generation,
+            "running_generation": e.generation if e is not None else None,
+            "drain": self.drained(),
+            "argv": argvs.redact(e.argv) if e is not None else None,
+            "overrides": [[f, v] for f, v in (e.overrides if e is not None else [])],
+            "desired_argv": argvs.redact(wanted_argv),
+            "desired_overrides": [[f, v] for f, v in wanted_overrides],
+            "base_argv": argvs.redact(self.base),
+            "base_sha256": self.base_sha256,
+            "overrides_dropped": self.overrides_dropped,
+            "desired_error": self.desired_error,
+            "candidate": e.candidate if e is not None else None,
+            "planned_restarts": self.planned_restarts,
+            "last_relaunch": {k: v for k, v in self.last_relaunch.items() if k != "t0"} if self.last_relaunch else None,
+            "last_exit": self.last_exit,
+            "exit_code": self.exit_code,
+            "candidate_failure": self.candidate_failure,
+            "stopping": {"reason": self.stop.reason, "killed": self.stop.killed,
+                         "survivors": list(self.stop.survivors)} if self.stop is not None else None,
+            "reaped_orphans": self.reaped_orphans,
+            "engine_started_at": e.spawned_wall if e is not None else None,
+            "started_at": self.started_at,
+            "state_since": self.state_since,
+            "updated_at": time.time(),
+            "log_tail": self._scrub(e.log.lines()) if e is not None else [],
+        }
+
+    def _scrub(self, lines: list[str]) -> list[str]:
+        """Log lines without the values of secret flags (an --api-key the engine may print)."""
+        secrets = {v for argv in (self.base, self.engine.argv if self.engine else []) for v in argvs.secrets(argv)}
+        for secret in secrets:
+            lines = [line.replace(secret, argvs.REDACTED) for line in lines]
+        return lines
+
+    def _write_status(self, *, force: bool = False) -> None:
+        doc = self.status()
+        self._status_doc = doc
+        key = tuple(str(v) for k, v in doc.items() if k not in ("updated_at", "log_tail"))
+        now = time.monotonic()
+        if not force and key == self._status_written and now - self._status_written_at < self.settings.status_every_seconds:
+            return
+        try:
+            protocol.write_json(self.status_path, doc)
+        except OSError as exc:
+            log(f"cannot write {self.status_path}: {exc.strerror}")
+            return
+        self._status_written, self._status_written_at = key, now
