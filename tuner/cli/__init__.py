@@ -38,6 +38,12 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launcher_zipapp(args: argparse.Namespace) -> int:
+    from tuner.launcher.__main__ import main as launcher_main
+
+    return launcher_main(["--build-zipapp", args.out])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-tuner", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"vllm-tuner {__version__}")
@@ -53,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     deciding.register(sub)
     demo.register(sub)
 
+    sub.add_parser("launch", help="the in-pod engine launcher: launch [options] -- vllm serve ... "
+                                  "(docs/kubernetes.md; `launch --help` lists its options)")
+    p = sub.add_parser("launcher-zipapp", help="write the launcher as a zipapp (the agent copies it into the pod)")
+    p.add_argument("out", help="where to write launcher.pyz")
+    p.set_defaults(func=cmd_launcher_zipapp)
+
     p = sub.add_parser("check-config", help="validate a config file and print the effective config")
     p.add_argument("file")
     p.set_defaults(func=cmd_check_config)
@@ -63,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # its own parser: everything after `--` is the engine's command
+        from tuner.launcher.__main__ import main as launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
