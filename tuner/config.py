@@ -148,6 +148,25 @@ class GpuControlSettings(_Model):
     """NVML indices to act on. Empty: none, even when enabled."""
 
 
+class LiveSettings(_Model):
+    enabled: bool = False
+    """Change the admission cap (``--max-num-seqs`` semantics inside the startup envelope) and, where the
+    engine says it is safe, the step budget live — no drain, no restart, no warm-up — through the
+    engine-side plugin (``vllm-tuner-plugin``, plugin/README.md) or vLLM's own ``PATCH /v1/runtime_config``
+    where the engine has it (preferred). A change beyond the envelope still goes through a rolling restart.
+    Off by default."""
+    control_dir: str = "/var/lib/vllm-tuner/live/{name}"
+    """The directory the engine's plugin reads (its ``VLLM_TUNER_CONTROL_DIR``); ``{name}`` is the target's
+    name. The tuner creates it private (0700); the engine must run as the tuner's uid. The process
+    actuator passes it to each engine it starts; systemd units and pods must set it themselves."""
+    ack_timeout_seconds: float = Field(default=30.0, gt=0)
+    """How long a live change may take to be acknowledged by every engine core (an idle engine answers at
+    its next step: the tuner sends it one tiny request after a couple of seconds)."""
+
+    def dir_for(self, name: str) -> str:
+        return self.control_dir.replace("{name}", name)
+
+
 class TunerSettings(_Model):
     """The whole configuration file."""
 
@@ -171,6 +190,8 @@ class TunerSettings(_Model):
     rollout: actuator_settings.RolloutSettings = actuator_settings.RolloutSettings()
     gpu_control: GpuControlSettings = GpuControlSettings()
     """Privileged GPU actions (power limit under thermal throttling). Off by default."""
+    live: LiveSettings = LiveSettings()
+    """Live knobs (no restart) through the engine-side plugin or vLLM's runtime_config. Off by default."""
 
     @model_validator(mode="after")
     def _unique_names(self) -> TunerSettings:

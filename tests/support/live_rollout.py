@@ -101,6 +101,13 @@ QUEUE_RULE = {
     # state (docs/evidence.md), and queue time and running_max moved the wrong way too (docs/rules.md).
 }
 
+# The same, with the shipped rule's one measured step (op model: the concurrency model) instead of a
+# doubling — what the live-knob test moves the admission cap with.
+QUEUE_MODEL_RULE = {**QUEUE_RULE, "id": "e2e-queue-slot-bound-model",
+                    "description": "QUEUE_RULE with the shipped rule's concurrency model (one step)",
+                    "then": {"flag": "--max-num-seqs", "op": "model", "model": "concurrency", "max": 1024,
+                             "max_from": [{"signal": "kv_concurrency_observed"}]}}
+
 # A change the tuner's validator lets through but the engine refuses at start-up: the tiny model's
 # max_position_embeddings is 4096, and vLLM exits with "User-specified max_model_len (8192) is
 # greater than the derived max_model_len" (VLLM_ALLOW_LONG_MAX_MODEL_LEN is not set).
@@ -395,6 +402,17 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, *, poll: f
         time.sleep(poll)
 
 
+def metric(base_url: str, name: str) -> float | None:
+    """The sum of a metric's samples in an engine's /metrics (None if unreadable or absent)."""
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith((name + "{", name + " "))]
+    return sum(values) if values else None
+
+
 def healthy(base_url: str) -> bool:
     try:
         return httpx.get(base_url + "/health", timeout=3).status_code == 200
@@ -606,13 +624,17 @@ class ProcessPool:
 
     def __init__(self, work: Path, model: Path, names: Sequence[str], *, rules: Sequence[Mapping[str, Any]],
                  timing: Timing = Timing(), max_num_seqs: int = 4, start_timeout: float = 600,
-                 client_keepalive_seconds: int = 0, api_key: str | None = None) -> None:
+                 client_keepalive_seconds: int = 0, api_key: str | None = None,
+                 live_cap: int | None = None) -> None:
         from tests.support import nginx as nginx_support
 
         self.work, self.model, self.names, self.timing = work, model, tuple(names), timing
         # A token-protected pool: the engines run with --api-key (vLLM guards /v1/*), the tuner reads the
         # token from scrape.bearer_token_file, the load sends it.
         self.api_key = api_key
+        # Live knobs: the tuner starts the engines with VLLM_TUNER_CONTROL_DIR (vllm-tuner-plugin) and the
+        # admission cap starts at ``live_cap`` inside the --max-num-seqs envelope.
+        self.live_cap = live_cap
         self.max_num_seqs = max_num_seqs
         self.start_timeout = start_timeout
         self.ports = {n: nginx_support.free_port() for n in self.names}
@@ -696,6 +718,15 @@ class ProcessPool:
                    "servers": {n: f"127.0.0.1:{p}" for n, p in self.ports.items()}, "parameters": "max_fails=0",
                    "settle_seconds": 1},
         )
+        if self.live_cap is not None:
+            from tuner.sources import live_knobs
+
+            config["live"] = {"enabled": True, "control_dir": str(self.work / "live" / "{name}"),
+                              "ack_timeout_seconds": 60}
+            for n in self.names:
+                d = self.work / "live" / n
+                if not (d / "control.json").exists():
+                    live_knobs.write_request(live_knobs.prepare_control_dir(d), 1, max_num_active_seqs=self.live_cap)
         if self.api_key:
             token = self.work / "engine-token"
             token.write_text(self.api_key + "\n")

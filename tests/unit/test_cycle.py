@@ -21,6 +21,7 @@ from tuner.daemon.state import TunerState
 from tuner.model import snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.model.live import NONE, LiveState
 from tuner.planning import pooling
 from tuner.planning.guards import Action
 from tuner.rules import loading
@@ -63,6 +64,9 @@ class FakeCollector:
 
     def read_gpus(self) -> GpuInputs:
         return GpuInputs(unavailable="no GPU source configured for this target")
+
+    def read_live(self) -> LiveState:
+        return NONE
 
 
 # Two rules over the fake engine's gauges: more slots while requests wait, and a KV rule that never fires.

@@ -91,6 +91,12 @@ class ProcessActuator:
 
     # --- bookkeeping -------------------------------------------------------------------------------
 
+    def _env_for(self, name: str) -> dict[str, str] | None:
+        """The engine's environment; ``{name}`` in a value is the replica's name (a per-replica directory)."""
+        if self._env is None:
+            return None
+        return {k: v.replace("{name}", name) for k, v in self._env.items()}
+
     def _pidfile(self, name: str) -> Path:
         return self.state_dir / f"{name}.json"
 
@@ -189,7 +195,7 @@ class ProcessActuator:
                 popen = subprocess.Popen(
                     [*self.command, *argv],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, close_fds=True, env=self._env, cwd=self._cwd,
+                    start_new_session=True, close_fds=True, env=self._env_for(name), cwd=self._cwd,
                 )
             except OSError as exc:
                 raise PermanentActuatorError(

@@ -40,7 +40,8 @@ class ProcessActuatorSettings(_Model):
     log_dir: str | None = None
     """Each replica's stdout+stderr goes to <log_dir>/<name>.log. None: state_dir."""
     env: dict[str, str] = {}
-    """Extra environment variables for the engines (on top of the tuner's own)."""
+    """Extra environment variables for the engines (on top of the tuner's own); ``{name}`` in a value is
+    the replica's name. With live knobs on, the tuner adds ``VLLM_TUNER_CONTROL_DIR`` itself."""
     cwd: str | None = None
     """Working directory of the engines. None: the tuner's."""
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from tuner import config
 from tuner.errors import ConfigError
-from tuner.model import dcgm, dialects, snapshots
+from tuner.model import dcgm, dialects, live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
 from tuner.sources import engines, scraping
@@ -51,12 +51,19 @@ def base_url(target: config.Target) -> str:
 class Collector:
     """Reads every source of one target. Owns no state across cycles except the NVML handle."""
 
-    def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False) -> None:
+    def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False,
+                 live_dir: str | None = None) -> None:
         self.target = target
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
         self.base_url = base_url(target)
+        self.live_dir = live_dir  # live knobs on: the engine's control directory
         self._nvml: object | None = None
+
+    def read_live(self) -> live.LiveState:
+        if self.live_dir is None:
+            return live.NONE
+        return self.client.live_state(self.base_url, self.live_dir)
 
     def scrape_engine(self) -> snapshots.Snapshot:
         return self.client.scrape(self.target.metrics_url,
@@ -96,6 +103,7 @@ class Inputs:
     snapshot: snapshots.Snapshot
     info: EngineInfo
     gpus: GpuInputs
+    live: live.LiveState = live.NONE
 
 
 class Collecting(Protocol):
@@ -109,6 +117,8 @@ class Collecting(Protocol):
     def engine_info(self) -> EngineInfo: ...
 
     def read_gpus(self) -> GpuInputs: ...
+
+    def read_live(self) -> live.LiveState: ...
 
 
 def collect_one(c: Collecting, *, clock: Callable[[], float] = time.time) -> Inputs:
@@ -128,7 +138,11 @@ def collect_one(c: Collecting, *, clock: Callable[[], float] = time.time) -> Inp
         gpus = c.read_gpus()
     except Exception as exc:  # noqa: BLE001 - one target's failure is reported, not raised
         gpus = GpuInputs(unavailable=f"{type(exc).__name__}: {exc}")
-    return Inputs(snap, info, gpus)
+    try:
+        state = c.read_live() if snap.ok else live.LiveState(why_not="not read: the /metrics scrape failed")
+    except Exception as exc:  # noqa: BLE001 - one target's failure is reported, not raised
+        state = live.LiveState(why_not=f"{type(exc).__name__}: {exc}")
+    return Inputs(snap, info, gpus, state)
 
 
 class Gatherer:

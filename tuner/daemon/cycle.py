@@ -111,7 +111,7 @@ def run_cycle(
             decision = stepping.step(before, got.snapshot, info=got.info, gpus=got.gpus, now=now, target=name,
                                      kind=t_cfg.kind, args=state.args[name], settings=settings.decisions,
                                      window=window, rules=rules, decide=decide,
-                                     power_control=settings.gpu_control.enabled)
+                                     power_control=settings.gpu_control.enabled, live=got.live)
         except Exception as exc:  # a planner bug must not kill the daemon; say it every cycle
             log.exception("deciding for %s failed", name)
             planner_error = f"{type(exc).__name__}: {exc}"
@@ -129,7 +129,8 @@ def run_cycle(
                 metrics.count_scrape_error(target=name, source="gpu")
         targets[name] = TargetResult(name, decision.signals, got.info, got.gpus, len(decision.state.window),
                                      scrape_error=got.snapshot.error, plan=decision.plan,
-                                     planner_error=planner_error, current_args=state.current_args(name))
+                                     planner_error=planner_error, current_args=state.current_args(name),
+                                     live=got.live)
     for gone in set(state.targets) - set(targets):  # a target removed from the config
         del state.targets[gone]
         if metrics is not None:
@@ -143,12 +144,15 @@ def run_cycle(
     signals = {name: tr.signals for name, tr in targets.items()}
     kind = settings.targets[0].kind
     if mode == "apply" and rollout is not None and stopped is None:
-        pool = pooling.choose(plans, state.args, kind=kind, settings=settings.decisions, signals=signals, now=now)
+        lives = {name: tr.live for name, tr in targets.items()}
+        pool = pooling.choose(plans, state.args, kind=kind, settings=settings.decisions, signals=signals, now=now,
+                              lives=lives)
         window_open = maintenance.is_open(now) if maintenance is not None else None
         stopping = should_stop()
         admission = pooling.admit(pool, state.pending, window_open=window_open, stopping=stopping,
                                   closed_reason=views.deferral_reason(maintenance, now), now=now,
-                                  args=state.args, kind=kind, settings=settings.decisions, signals=signals)
+                                  args=state.args, kind=kind, settings=settings.decisions, signals=signals,
+                                  lives=lives)
         state.pending = admission.pending
         if stopping and (pool.change is not None or pool.actions):
             stopped = "stopping: the change is kept pending, not handed to the rollout"

@@ -9,6 +9,7 @@ from typing import Any
 
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.model.live import NONE, LiveState
 from tuner.planning import planner, pooling
 from tuner.signals import Signal
 
@@ -39,6 +40,7 @@ class TargetResult:
     plan: planner.Plan | None = None
     planner_error: str | None = None
     current_args: Mapping[str, str] = field(default_factory=dict)
+    live: LiveState = NONE
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,11 @@ class RolloutDriver:
         self._waits = _Waits(idle_since={}, unhealthy_polls={})
         self._last_hold_reason = ""
 
+    @property
+    def stop_event(self) -> threading.Event:
+        """Set once the tuner is stopping: waits on it return early."""
+        return self._stop
+
     # --- starting and recovering -------------------------------------------------------------------
 
     def begin(

@@ -23,14 +23,14 @@ from tuner.actuators import settings as actuator_settings
 from tuner.daemon import collecting, cycle, notify, results, rolling, scheduling, selfmetrics, verifying
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
-from tuner.model import knobs
+from tuner.model import knobs, live
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules import loading
 from tuner.signals import Signal
-from tuner.sources import engines
+from tuner.sources import engines, live_knobs
 
 log = logging.getLogger("tuner.run")
 
@@ -41,11 +41,13 @@ class Applying:
     def __init__(self, settings: config.TunerSettings, state: TunerState, driver: rolling.RolloutDriver,
                  client: engines.EngineClient, replicas: Mapping[str, base.Replica], journal: journaling.Journal,
                  *, verifier: verifying.SignalVerifier | None = None, power: Any = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, sleep: Callable[[float], Any] | None = None) -> None:
         self.settings, self.state, self.driver, self.client = settings, state, driver, client
         self.replicas, self.journal, self.verifier, self.power = replicas, journal, verifier, power
         self.kind = settings.targets[0].kind
         self.clock = clock or time.time
+        # waits return early when the tuner is stopping
+        self.sleep = sleep or (lambda seconds: self.driver.stop_event.wait(seconds))
 
     def recover(self) -> results.RolloutOutcome | None:
         """Finish (or roll back) the rollout a killed tuner left in the journal, judged by the checks and
@@ -73,6 +75,8 @@ class Applying:
         notes = [self._act(name, action, now=now) for name, action in actions if name in self.replicas]
         if change is None or should_stop():
             return results.RolloutOutcome(summary="; ".join(notes))
+        if change.live:
+            return self._live(change, now=now, signals=signals, should_stop=should_stop, notes=notes)
         checks = change.checks
         baselines = {name: verifying.values_of(signals.get(name, {})) for name in change.new_args}
         self.journal.append("decision", at=now, rollout=change.id, target=change.leader,
@@ -83,6 +87,12 @@ class Applying:
                                        for name, values in baselines.items()})
         if self.verifier is not None:
             self.verifier.expect(change.id, checks=checks, baselines=baselines)
+        if self.settings.live.enabled and any(c.knob == "max_num_seqs" for c in change.changes):
+            # a new envelope: the admission cap goes back to the startup value, or the restarted engine
+            # would apply the old cap inside its new, larger envelope
+            for name, replica in self.replicas.items():
+                self.client.set_live(replica.base_url, self._live_dir(name), seq=int(now * 1000) % (2 ** 31),
+                                     values={"max_num_seqs": None})
         rollout = self.driver.begin(change.id, {n: a.argv() for n, a in change.new_args.items()},
                                     limits=self.settings.rollout.limits())
         rollout = self.driver.run(rollout)
@@ -132,6 +142,142 @@ class Applying:
         self.state.book(histories, args)
         return results.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]),
                                     results={n: o.result for n, o in outcomes.items()}, state=rollout_state(rollout))
+
+
+    # --- live changes (no restart) -------------------------------------------------------------------
+
+    def _live_dir(self, name: str) -> str:
+        return self.settings.live.dir_for(name)
+
+    def _live(self, change: pooling.PoolChange, *, now: float, signals: Mapping[str, Mapping[str, Signal]],
+              should_stop: Callable[[], bool], notes: Sequence[str] = ()) -> results.RolloutOutcome:
+        """Apply a live change to every replica's running engine, verify each over the same window
+        machinery as a rollout, keep it or put the old values back — no drain, no restart, no warm-up."""
+        values = change.values
+        states = {name: self.client.live_state(r.base_url, self._live_dir(name)) for name, r in self.replicas.items()}
+        before = {name: {k: st.values.get(k) for k in values} for name, st in states.items()}
+        baselines = {name: verifying.values_of(signals.get(name, {})) for name in self.replicas}
+        self.journal.append("decision", at=now, rollout=change.id, target=change.leader, live=True,
+                            changes=[{**c.as_dict(), "knob": c.knob, "direction": c.direction}
+                                     for c in change.changes],
+                            summary=change.plan.summary(), values=values, before=before,
+                            checks=[c.as_dict() for c in change.checks],
+                            baselines={n: {k: v for k, v in b.items() if v is not None} for n, b in baselines.items()})
+        if self.verifier is not None:
+            self.verifier.expect(change.id, checks=change.checks, baselines=baselines)
+        why = self._set_live(values, states)
+        started = self.clock()
+        verdicts: dict[str, str] = {}
+        if why is None:
+            self.journal.append("live", at=started, id=change.id, phase="applied", values=values)
+            why = self._verify_live(change.id, started, verdicts, should_stop)
+        if why is None:
+            self.journal.append("live", at=self.clock(), id=change.id, phase="verified", verdicts=verdicts)
+            outcomes = {n: pooling.ReplicaOutcome("ok", self.state.args[n]) for n in self.replicas}
+        else:
+            undone = self._set_live({}, states, restore=before)
+            self.journal.append("live", at=self.clock(), id=change.id, phase="rolled_back", reason=why,
+                                restore_error=undone, verdicts=verdicts)
+            outcomes = {n: pooling.ReplicaOutcome("rolled_back", self._candidate(n, change), reason=why)
+                        for n in self.replicas}
+        histories, args = pooling.book(
+            self.state.histories(), self.state.args, changes=change.changes, outcomes=outcomes,
+            pool_new_args={n: self._candidate(n, change) for n in self.replicas}, rolled_back=why is not None,
+            now=self.clock(), reject_seconds=self.settings.decisions.safety.reject_seconds)
+        self.state.book(histories, args)
+        text = f"live {change.text()}: " + ("kept on " + ", ".join(self.replicas) if why is None else
+                                             f"put back ({why})")
+        return results.RolloutOutcome(summary="; ".join([*notes, text]),
+                                      results={n: o.result for n, o in outcomes.items()})
+
+    def _candidate(self, name: str, change: pooling.PoolChange) -> knobs.EngineArgs:
+        """The command line a live change stands for (crash and rejection memory key on it)."""
+        args = self.state.args[name]
+        for c in change.changes:
+            args = knobs.with_knob(args, c.knob, c.to_value, kind=self.kind)
+        return args
+
+    def _set_live(self, values: Mapping[str, int | None], states: Mapping[str, live.LiveState],
+                  *, restore: Mapping[str, Mapping[str, int | None]] | None = None) -> str | None:
+        """Ask every replica's engine for ``values`` (``restore``: each its own old values) and wait for
+        every engine core's acknowledgement; None once all applied, else why not."""
+        seq = int(self.clock() * 1000) % (2 ** 31)
+        wanted: dict[str, dict[str, int | None]] = {}
+        for name, replica in self.replicas.items():
+            ask = dict(restore[name]) if restore is not None else dict(values)
+            wanted[name] = ask
+            error = self.client.set_live(replica.base_url, self._live_dir(name), seq=seq, values=ask,
+                                         via=states[name].via)
+            if error is not None:
+                return f"{name}: {error}"
+        deadline = self.clock() + self.settings.live.ack_timeout_seconds
+        poked: set[str] = set()
+        pending = set(self.replicas)
+        asked_at = self.clock()
+        while pending:
+            for name in sorted(pending):
+                replica = self.replicas[name]
+                st = self.client.live_state(replica.base_url, self._live_dir(name))
+                if st.via == "runtime_config" or st.seq == seq:
+                    if st.refused:
+                        return f"{name} refused it: {st.refused}"
+                    want = {k: v if v is not None else st.envelope.get(k) for k, v in wanted[name].items()}
+                    if all(st.values.get(k) == v for k, v in want.items()):
+                        pending.discard(name)
+                        continue
+                if name not in poked and self.clock() - asked_at > 2.0:
+                    # an idle engine runs no step, and the plugin applies a request at the start of a step
+                    self.client.warm(replica.base_url, self.kind, requests=1, max_tokens=1)
+                    poked.add(name)
+            if not pending:
+                break
+            if self.clock() >= deadline:
+                return f"not acknowledged within {self.settings.live.ack_timeout_seconds:g}s by " + \
+                    ", ".join(sorted(pending))
+            self.sleep(0.2)
+        return None
+
+    def _verify_live(self, change_id: str, started: float, verdicts: dict[str, str],
+                     should_stop: Callable[[], bool]) -> str | None:
+        """Scrape every replica through the verification window, then judge each; None if all hold."""
+        if self.verifier is None:
+            return None
+        end = started + self.settings.rollout.verify_seconds
+        while self.clock() < end:
+            if should_stop():
+                return "the tuner was stopping before the verdict"
+            for replica in self.replicas.values():
+                try:
+                    self.verifier.observe_window(change_id, replica, since=started)
+                except Exception:  # a missed sample only thins the window
+                    log.exception("live change %s: observing %s failed", change_id, replica.name)
+            self.sleep(self.settings.rollout.poll_seconds)
+        failed = []
+        for name, replica in self.replicas.items():
+            verdict = self.verifier.judge_window(change_id, replica, since=started)
+            verdicts[name] = verdict.reason
+            if not verdict.ok:
+                failed.append(f"{name}: worse than before: {verdict.reason}")
+        return "; ".join(failed) or None
+
+    def recover_live(self) -> str | None:
+        """A live change a killed tuner left unjudged is put back (the planner decides again); what was done."""
+        records = list(self.journal.records)
+        decided = [r for r in records if r.get("kind") == "decision" and r.get("live")]
+        if not decided:
+            return None
+        last = decided[-1]
+        ended = any(r.get("kind") == "live" and r.get("id") == last["rollout"] and r.get("phase") in
+                    ("verified", "rolled_back") for r in records)
+        if ended:
+            return None
+        states = {name: self.client.live_state(r.base_url, self._live_dir(name)) for name, r in self.replicas.items()}
+        before = {n: dict(last.get("before", {}).get(n, {})) for n in self.replicas}
+        error = self._set_live({}, states, restore=before)
+        self.journal.append("live", at=self.clock(), id=last["rollout"], phase="rolled_back",
+                            reason="the tuner restarted before judging it", restore_error=error)
+        return f"live change {last['rollout']} put back: the tuner restarted before judging it" + \
+            (f" ({error})" if error else "")
 
 
 def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
@@ -185,7 +331,12 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     http = collecting.http_settings(settings.scrape, config_dir=config_dir)
     client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
     sleep_mode = settings.decisions.idle.sleep_after_seconds is not None
-    collectors = [collecting.Collector(t, client=client, server_load=sleep_mode) for t in settings.targets]
+    if settings.live.enabled:  # the engines' control directories, private to this uid
+        for t in settings.targets:
+            live_knobs.prepare_control_dir(settings.live.dir_for(t.name))
+    collectors = [collecting.Collector(t, client=client, server_load=sleep_mode,
+                                       live_dir=settings.live.dir_for(t.name) if settings.live.enabled else None)
+                  for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
     state = TunerState.load(state_path if state_path.is_absolute() else config_dir / state_path, settings.targets)
     metrics = selfmetrics.TunerMetrics()
@@ -247,7 +398,11 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
     assert settings.actuator is not None  # validated
     kind = settings.targets[0].kind
     replicas = {t.name: base.Replica(t.name, collecting.base_url(t)) for t in settings.targets}
-    actuator = actuator_settings.build_actuator(settings.actuator, list(replicas.values()))
+    actuator_config = settings.actuator
+    if settings.live.enabled and isinstance(actuator_config, actuator_settings.ProcessActuatorSettings):
+        env = {**actuator_config.env, live_knobs.ENV_CONTROL_DIR: settings.live.control_dir}
+        actuator_config = actuator_config.model_copy(update={"env": env})
+    actuator = actuator_settings.build_actuator(actuator_config, list(replicas.values()))
     drainer = actuator_settings.build_drainer(settings.drain, list(replicas.values()))
     journal_path = Path(settings.rollout.journal_file)
     journal = journaling.Journal(journal_path if journal_path.is_absolute() else config_dir / journal_path)
@@ -285,6 +440,10 @@ def _start_up(applying: Applying, state: TunerState) -> None:
     outcome = applying.recover()
     if outcome is not None:
         state.rollout_state = dict(outcome.state)
+    if applying.settings.live.enabled:
+        said = applying.recover_live()
+        if said:
+            log.warning("%s", said)
     actuator = applying.driver.actuator
     for name in applying.replicas:
         before = actuator.status(name)

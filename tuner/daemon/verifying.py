@@ -66,20 +66,27 @@ class SignalVerifier:
         """What the rollout ``rollout_id`` must show, and the signals before it."""
         self._expect[rollout_id] = _Expectation(tuple(checks), {k: dict(v) for k, v in baselines.items()})
 
-    def _window(self, replica: base.Replica, rollout: machine.Rollout) -> list[snapshots.Snapshot]:
-        """This replica's scrapes since it entered its (current) verification."""
-        key = (rollout.id, replica.name, rollout.of(replica.name).since)
+    def _window(self, key: tuple[str, str, float | None]) -> list[snapshots.Snapshot]:
+        """The scrapes of one replica's (current) verification window: (change id, replica, since)."""
         for stale in [k for k in self._windows if k[:2] == key[:2] and k != key]:
             del self._windows[stale]  # a re-entered verification starts a fresh window
         return self._windows.setdefault(key, [])
 
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
-        snap = self._client.metrics(replica.base_url, self._kind)
-        self._window(replica, rollout).append(snap)
+        self.observe_window(rollout.id, replica, since=rollout.of(replica.name).since)
 
     def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:
-        self.observe(replica, rollout, now)
-        good = [s for s in self._window(replica, rollout) if s.ok]
+        return self.judge_window(rollout.id, replica, since=rollout.of(replica.name).since)
+
+    def observe_window(self, change_id: str, replica: base.Replica, *, since: float | None) -> None:
+        """One scrape into the window of ``change_id`` on ``replica`` (a rollout's or a live change's)."""
+        self._window((change_id, replica.name, since)).append(self._client.metrics(replica.base_url, self._kind))
+
+    def judge_window(self, change_id: str, replica: base.Replica, *, since: float | None) -> verification.Verdict:
+        """The verdict on ``replica`` over its window, against the baseline expected for ``change_id``."""
+        self.observe_window(change_id, replica, since=since)
+        key = (change_id, replica.name, since)
+        good = [s for s in self._window(key) if s.ok]
         errors: float | None = None
         if len(good) >= 2:
             first, last = error_count(good[0], self._dialect), error_count(good[-1], self._dialect)
@@ -88,16 +95,16 @@ class SignalVerifier:
         elif good:
             errors = error_count(good[-1], self._dialect)  # one scrape: everything since start counts
         signals = engine_signals.compute(good, dialect=self._dialect, min_snapshots=2)
-        expectation = self._expect.get(rollout.id)
+        expectation = self._expect.get(change_id)
         if expectation is None:
             verdict = verification.judge((), {}, {}, errors=errors)
-            verdict = verification.Verdict(verdict.ok, verdict.reason + "; no baseline known for this rollout")
+            verdict = verification.Verdict(verdict.ok, verdict.reason + "; no baseline known for this change")
         else:
             before = expectation.baselines.get(replica.name, {})
             why = {name: s.reason for name, s in signals.items() if s.value is None and s.reason}
             verdict = verification.judge(expectation.checks, before, values_of(signals), errors=errors,
                                          why_missing=why)
-        log.info("rollout %s: %s verification over %d scrapes: %s", rollout.id, replica.name, len(good),
+        log.info("change %s: %s verification over %d scrapes: %s", change_id, replica.name, len(good),
                  verdict.reason)
-        self._windows.pop((rollout.id, replica.name, rollout.of(replica.name).since), None)
+        self._windows.pop(key, None)
         return verdict

@@ -12,6 +12,7 @@ from typing import Any
 from tuner.daemon import selfmetrics
 from tuner.daemon.results import CycleResult, RolloutOutcome
 from tuner.daemon.scheduling import MaintenanceWindows
+from tuner.model import live
 from tuner.planning import planner, pooling
 from tuner.signals import Signal, reports
 
@@ -160,12 +161,20 @@ def status(result: CycleResult) -> dict[str, Any]:
                 "current_args": dict(t.current_args),
                 "plan": t.plan.as_dict() if t.plan is not None else None,
                 "planner_error": t.planner_error,
+                "live": _live_json(t.live),
             }) for name, t in result.targets.items()
         },
         "pending": _pending_json(result.pending),
         "rollout": {"summary": result.rollout.summary, "results": dict(result.rollout.results),
                     **dict(result.rollout.state)} if result.rollout is not None else None,
     }
+
+
+def _live_json(state: live.LiveState) -> dict[str, Any]:
+    if not state.available:
+        return {"available": False, "why_not": state.why_not}
+    return {"available": True, "via": state.via, "values": dict(state.values), "envelope": dict(state.envelope),
+            "not_live": dict(state.not_live), "seq": state.seq, "refused": state.refused, "pids": list(state.pids)}
 
 
 def recommendations(result: CycleResult) -> dict[str, Any]:

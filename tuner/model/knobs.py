@@ -434,7 +434,7 @@ class Effective:
     """What the engine runs with for one knob, and where that came from."""
 
     value: Value | None
-    source: Literal["args", "default", "unknown"]
+    source: Literal["args", "default", "unknown", "live"]
     reason: str | None = None
 
     @property

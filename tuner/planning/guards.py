@@ -82,6 +82,11 @@ class IdleSettings(_Model):
 
 
 class SafetySettings(_Model):
+    live_cooldown_seconds: float = Field(default=120.0, ge=0)
+    """A flag changed live (no restart: the admission cap, the step budget) is not changed again within
+    this long — a verification window and a little more. A rule's own cooldown is for restarts."""
+    live_hysteresis_seconds: float = Field(default=600.0, ge=0)
+    """A flag changed live is not moved the opposite way within this long."""
     cooldown_seconds: float = Field(default=900.0, ge=0)
     """A flag is not changed again within this long after its last change (a rule's own cooldown
     may be longer; the longer wins). 15 min ≈ 10 restarts' worth of start-up on an H200 (73-84 s)."""
@@ -314,11 +319,11 @@ def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float |
 
 
 def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
-             settings: SafetySettings, now: float) -> Verdict:
+             settings: SafetySettings, now: float, live: bool = False) -> Verdict:
     last = history.changes.get(knob)
     if last is None:
         return allow("cooldown")
-    period = max(rule_cooldown_seconds, settings.cooldown_seconds)
+    period = settings.live_cooldown_seconds if live else max(rule_cooldown_seconds, settings.cooldown_seconds)
     left = last.at + period - now
     if left > 0:
         return deny("cooldown", f"cooldown {duration(left)} left ({flag} changed {duration(now - last.at)} ago "
@@ -327,11 +332,11 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
 
 
 def hysteresis(knob: str, flag: str, direction: int, history: History, *, settings: SafetySettings,
-               now: float) -> Verdict:
+               now: float, live: bool = False) -> Verdict:
     last = history.changes.get(knob)
     if last is None or last.direction == direction or direction == 0:
         return allow("hysteresis")
-    left = last.at + settings.hysteresis_seconds - now
+    left = last.at + (settings.live_hysteresis_seconds if live else settings.hysteresis_seconds) - now
     if left > 0:
         moved = "raised" if last.direction > 0 else "lowered"
         return deny("hysteresis", f"{flag} was {moved} {last.from_value}→{last.to_value} by {last.rule} "

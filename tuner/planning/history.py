@@ -37,12 +37,15 @@ class Change:
     adds_load: bool = False
     experimental: bool = False
     verify: tuple[Verify, ...] = ()
+    live: bool = False  # applied to the running engine (no restart): the admission cap, the step budget
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "flag": self.flag, "from": knobs.format_value(self.from_value),
             "to": knobs.format_value(self.to_value), "rule": self.rule, "reason": self.reason,
         }
+        if self.live:
+            out["live"] = True
         if self.experimental:
             out["experimental"] = True
         if self.verify:
@@ -109,7 +112,8 @@ class History:
 
 
 def applied(history: History, changes: Iterable[Change], *, now: float) -> History:
-    """The plan's changes went out (one restart). Streaks restart: older windows show the old engine."""
+    """The plan's changes went out (one restart, unless every one of them was live). Streaks restart:
+    older windows show the old engine."""
     changes = list(changes)
     if not changes:
         return history
@@ -117,8 +121,8 @@ def applied(history: History, changes: Iterable[Change], *, now: float) -> Histo
     for c in changes:
         last[c.knob] = FlagChange(now, c.direction, c.rule, knobs.format_value(c.from_value),
                                   knobs.format_value(c.to_value))
-    return replace(history, changes=_frozen(last), streaks=_frozen(),
-                   restarts=_recent((*history.restarts, now), now=now), idle_since=None)
+    restarts = history.restarts if all(c.live for c in changes) else _recent((*history.restarts, now), now=now)
+    return replace(history, changes=_frozen(last), streaks=_frozen(), restarts=restarts, idle_since=None)
 
 
 def restarted(history: History, *, now: float) -> History:

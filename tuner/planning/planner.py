@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tuner.model import knobs
+from tuner.model import live as live_mod
 from tuner.planning import guards
 from tuner.planning.history import Change, History
 from tuner.rules import evaluation, models
@@ -112,8 +113,9 @@ class Plan:
 
     @property
     def restart_needed(self) -> bool:
-        """Every knob is fixed at engine start (engine-contract.md §3), so any change means a restart."""
-        return bool(self.changes)
+        """A change needs a restart unless it is live (the admission cap or the step budget moved inside
+        the engine's startup envelope, ``model.live``)."""
+        return any(not c.live for c in self.changes)
 
     @property
     def is_noop(self) -> bool:
@@ -125,8 +127,8 @@ class Plan:
         parts: list[str] = []
         if self.changes:
             parts.append(", ".join(f"{c.flag} {knobs.format_value(c.from_value)}→"
-                                   f"{knobs.format_value(c.to_value)} ({c.rule})" for c in self.changes)
-                         + "; restart needed")
+                                   f"{knobs.format_value(c.to_value)} ({c.rule}{', live' if c.live else ''})"
+                                   for c in self.changes) + ("; restart needed" if self.restart_needed else ""))
         for a in self.actions:
             parts.append(f"{a.label()} ({a.reason})")
         if not parts:
@@ -207,6 +209,7 @@ def plan(
     now: float,
     restarted_at: float | None = None,
     power_control: bool = False,
+    live: live_mod.LiveState = live_mod.NONE,
 ) -> Plan:
     """Decide this cycle for one target.
 
@@ -221,7 +224,7 @@ def plan(
     defaults = known_defaults(signals, settings, kind)
     platform = settings.engine.platform
     ctx = evaluation.Context(signals=signals, args=args, kind=kind, defaults=defaults, platform=platform,
-                             slo=settings.slo, model=settings.model)
+                             slo=settings.slo, model=settings.model, live=live)
     held: list[Held] = []
     actions: list[guards.Action] = []
     outcomes: tuple[evaluation.Outcome, ...] = ()
@@ -249,7 +252,7 @@ def plan(
         accepted, args_after, more_held = _choose(proposals, ctx, signals, history, settings, now=now)
         held.extend(more_held)
 
-    if accepted:
+    if any(not c.live for c in accepted):
         budget = guards.restart_budget(history, settings.safety, now=now)
         if not budget.allowed:
             held.extend(Held(c.rule, budget.guard, budget.reason) for c in accepted)
@@ -270,8 +273,8 @@ def plan(
         if cap is not None:
             actions.append(cap)
             power_capped = cap.kind == "power-cap"
-    if accepted:
-        flags = ", ".join(c.flag for c in accepted)
+    if any(not c.live for c in accepted):
+        flags = ", ".join(c.flag for c in accepted if not c.live)
         warm = guards.warm_up(settings.idle, reason=f"the restart for {flags}")
         if warm is not None:
             actions.append(warm)
@@ -310,19 +313,22 @@ def _floored(p: evaluation.Proposal, floor: guards.Floor) -> evaluation.Proposal
 
 
 def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluation.Context, signals: SignalSet,
-              history: History, settings: DecisionSettings, *, now: float, floor: guards.Floor | None
-              ) -> Iterator[guards.Verdict]:
-    """The guards one proposal must pass, in order (lazily: the first "no" is the reason)."""
+              history: History, settings: DecisionSettings, *, now: float, floor: guards.Floor | None,
+              live: bool = False) -> Iterator[guards.Verdict]:
+    """The guards one proposal must pass, in order (lazily: the first "no" is the reason). A live change
+    has the live cooldown and hysteresis and needs no start-up validation (the command line stays)."""
     yield guards.thermal(signals, settings.thermal, adds_load=p.adds_load)
     if p.knob == "max_model_len" and p.direction < 0:
         assert floor is not None
         yield guards.floor_check(p.to_value, floor, from_value=p.from_value)
     yield guards.cooldown(p.knob, p.flag, history, rule_cooldown_seconds=p.cooldown_seconds,
-                          settings=settings.safety, now=now)
+                          settings=settings.safety, now=now, live=live)
     if p.rule != THERMAL_RULE:  # cooling down beats not flapping
-        yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now)
+        yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now,
+                                live=live)
     yield guards.crash_memory(candidate, history, now=now)
-    yield guards.engine_constraints(candidate, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
+    if not live:
+        yield guards.engine_constraints(candidate, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
 
 
 def _choose(
@@ -349,33 +355,45 @@ def _choose(
         if p.knob == "max_model_len" and p.direction < 0:
             floor = floor or guards.max_model_len_floor(signals, settings.safety)
             p = _floored(p, floor)
+        # the command line as it would be: what crash and rejection memory key on, for a live change too
         candidate = knobs.with_knob(args_after, p.knob, p.to_value, kind=ctx.kind)
-        verdicts = _verdicts(p, candidate, ctx, signals, history, settings, now=now, floor=floor)
+        live = ctx.live.can_move(p.knob, float(p.to_value)) is None
+        verdicts = _verdicts(p, candidate, ctx, signals, history, settings, now=now, floor=floor, live=live)
         denied = next((v for v in verdicts if not v.allowed), None)
         if denied is not None:
             held.append(Held(p.rule, denied.guard, denied.reason))
             continue
         change = Change(flag=p.flag, knob=p.knob, from_value=p.from_value, to_value=p.to_value, rule=p.rule,
                         reason=p.reason, direction=p.direction, adds_load=p.adds_load,
-                        experimental=p.experimental, verify=p.verify)
+                        experimental=p.experimental, verify=p.verify, live=live)
         accepted.append((p, change))
-        args_after = candidate
+        if not live:
+            args_after = candidate
 
-    experimental = [c for _, c in accepted if c.experimental]
-    if experimental and len(accepted) > 1:
-        regular = [c for _, c in accepted if not c.experimental]
+    chosen = [c for _, c in accepted]
+    experimental = [c for c in chosen if c.experimental]
+    if experimental and len(chosen) > 1:
+        regular = [c for c in chosen if not c.experimental]
         keep = regular or experimental[:1]
-        for c in (c for _, c in accepted if c not in keep):
+        for c in (c for c in chosen if c not in keep):
             other = ", ".join(k.rule for k in keep)
             held.append(Held(c.rule, "experimental", f"an experimental change goes out alone so its effect "
                              f"can be measured; waiting for {other}"))
-        args_after = ctx.args
-        for c in keep:
+        chosen = keep
+    if any(c.live for c in chosen) and any(not c.live for c in chosen):
+        for c in chosen:  # the restart re-sizes the engine anyway; the live change is decided on the new one
+            if c.live:
+                held.append(Held(c.rule, "conflict", f"{c.flag} would change live, but a restart goes out this "
+                                 "cycle; decided again on the restarted engine"))
+        chosen = [c for c in chosen if not c.live]
+    if len(chosen) == len(accepted):
+        return chosen, args_after, held
+    args_after = ctx.args
+    for c in chosen:
+        if not c.live:
             args_after = knobs.with_knob(args_after, c.knob, c.to_value, kind=ctx.kind)
-        verdict = guards.engine_constraints(args_after, ctx.kind, platform=ctx.platform,
-                                            defaults=dict(ctx.defaults))
-        if not verdict.allowed:  # the kept subset alone is invalid: change nothing this cycle
-            held.extend(Held(c.rule, verdict.guard, verdict.reason) for c in keep)
-            return [], ctx.args, held
-        return keep, args_after, held
-    return [c for _, c in accepted], args_after, held
+    verdict = guards.engine_constraints(args_after, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
+    if not verdict.allowed:  # the kept subset alone is invalid: change nothing this cycle
+        held.extend(Held(c.rule, verdict.guard, verdict.reason) for c in chosen)
+        return [], ctx.args, held
+    return chosen, args_after, held

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tuner.model import knobs
+from tuner.model import knobs, live
 from tuner.planning import guards, verification
 from tuner.planning import history as history_mod
 from tuner.planning.planner import DecisionSettings, Plan, known_defaults
@@ -53,6 +53,16 @@ class PoolChange:
     def changes(self) -> tuple[history_mod.Change, ...]:
         return self.plan.changes
 
+    @property
+    def live(self) -> bool:
+        """Every change moves live (no restart): ``values`` go to every replica's running engine."""
+        return all(c.live for c in self.changes)
+
+    @property
+    def values(self) -> dict[str, int]:
+        """A live change's values: tuner knob → value."""
+        return {c.knob: int(c.to_value) for c in self.changes}
+
     def text(self) -> str:
         """``--max-num-seqs 8→16``."""
         return ", ".join(f"{c.flag} {knobs.format_value(c.from_value)}→{knobs.format_value(c.to_value)}"
@@ -67,7 +77,8 @@ class PoolPlan:
 
 
 def choose(plans: Mapping[str, Plan], args: Mapping[str, knobs.EngineArgs], *, kind: knobs.EngineKind,
-           settings: DecisionSettings, signals: Mapping[str, SignalSet], now: float) -> PoolPlan:
+           settings: DecisionSettings, signals: Mapping[str, SignalSet], now: float,
+           lives: Mapping[str, live.LiveState] | None = None) -> PoolPlan:
     """The pool's plan for this cycle (``choose`` in the module docstring). ``args``: every replica's
     current arguments (the pool); ``signals``: each replica's, for the defaults its engine reports."""
     actions: list[tuple[str, guards.Action]] = []
@@ -86,15 +97,26 @@ def choose(plans: Mapping[str, Plan], args: Mapping[str, knobs.EngineArgs], *, k
     wanting = [name for name in sorted(plans) if plans[name].changes]
     if not wanting:
         return PoolPlan(actions=tuple(actions))
-    change, refused = change_for(plans[wanting[0]], args, kind=kind, settings=settings, signals=signals, now=now)
+    change, refused = change_for(plans[wanting[0]], args, kind=kind, settings=settings, signals=signals, now=now,
+                                 lives=lives)
     return PoolPlan(change=change, refused=refused, actions=tuple(actions))
 
 
 def change_for(plan: Plan, args: Mapping[str, knobs.EngineArgs], *, kind: knobs.EngineKind,
-               settings: DecisionSettings, signals: Mapping[str, SignalSet], now: float
-               ) -> tuple[PoolChange | None, str | None]:
-    """``plan``'s changes applied to every replica's arguments; or None and why not."""
+               settings: DecisionSettings, signals: Mapping[str, SignalSet], now: float,
+               lives: Mapping[str, live.LiveState] | None = None) -> tuple[PoolChange | None, str | None]:
+    """``plan``'s changes applied to every replica's arguments — or, for a live change, to every replica's
+    running engine, each of which must be able to take it live; or None and why not."""
     new_args: dict[str, knobs.EngineArgs] = {}
+    if plan.changes and all(c.live for c in plan.changes):
+        for name in args:
+            state = (lives or {}).get(name, live.NONE)
+            for c in plan.changes:
+                why = state.can_move(c.knob, float(c.to_value))
+                if why is not None:
+                    return None, f"not changed live: {name}: {c.flag} {knobs.format_value(c.to_value)}: {why}"
+        return PoolChange(id=f"l{int(now)}", plan=plan, new_args=dict(args),
+                          checks=verification.checks_of(plan.changes, slo=settings.slo)), None
     for name, current in args.items():
         after = current
         for c in plan.changes:
@@ -128,19 +150,21 @@ class Admission:
 
 def admit(pool: PoolPlan, pending: Pending | None, *, window_open: bool | None, stopping: bool,
           closed_reason: str, now: float, args: Mapping[str, knobs.EngineArgs], kind: knobs.EngineKind,
-          settings: DecisionSettings, signals: Mapping[str, SignalSet]) -> Admission:
+          settings: DecisionSettings, signals: Mapping[str, SignalSet],
+          lives: Mapping[str, live.LiveState] | None = None) -> Admission:
     """``admit`` of the module docstring. ``window_open``: None when no windows are configured. A
     pending change is chosen again against ``args`` (the arguments of now) when it is released."""
     fresh = pool.change
     if fresh is not None:
         if stopping:
             return Admission(None, Pending(fresh.plan, now, "the tuner was stopping"))
-        if window_open is False:
+        if window_open is False and not fresh.live:  # a live change restarts nothing: no window needed
             return Admission(None, Pending(fresh.plan, now, closed_reason), deferred_now=True)
         return Admission(fresh, None)  # a fresh change supersedes anything pending
     if pending is None or window_open is False or stopping:
         return Admission(None, pending)
-    change, refused = change_for(pending.plan, args, kind=kind, settings=settings, signals=signals, now=now)
+    change, refused = change_for(pending.plan, args, kind=kind, settings=settings, signals=signals, now=now,
+                                 lives=lives)
     if change is None:
         return Admission(None, None, dropped=refused)
     return Admission(change, None, released=True)
@@ -162,13 +186,15 @@ def book(histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.
          ) -> tuple[dict[str, history_mod.History], dict[str, knobs.EngineArgs]]:
     """``book`` of the module docstring: the histories and owned arguments after a finished rollout."""
     hist, owned = dict(histories), dict(args)
+    moved_live = bool(changes) and all(c.live for c in changes)  # nothing was restarted
     for name, out in outcomes.items():
-        h = history_mod.rolled_out(hist[name], now=now)
+        h = hist[name] if moved_live else history_mod.rolled_out(hist[name], now=now)
         if out.result == "ok":
             owned[name] = out.tried
             h = history_mod.applied(h, changes, now=now)
         else:
-            h = history_mod.restarted(h, now=now)
+            if not moved_live:
+                h = history_mod.restarted(h, now=now)
             why = out.reason or "rolled back"
             h = history_mod.failed_to_start(h, out.tried, reason=why) if out.bad_args else \
                 history_mod.rejected(h, out.tried, reason=why, now=now, for_seconds=reject_seconds)

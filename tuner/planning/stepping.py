@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from tuner.model import dialects, knobs, snapshots
+from tuner.model import live as live_mod
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
 from tuner.planning import planner, pooling
@@ -85,6 +86,7 @@ def step(
     rules: Iterable[Rule],
     decide: bool = True,
     power_control: bool = False,
+    live: live_mod.LiveState = live_mod.NONE,
 ) -> Decision:
     """The step of the module docstring; ``power_control``: plan GPU power caps (``gpu_control.enabled``)."""
     kept = tuple(s for s in (*state.window, snapshot) if s.scraped_at >= now - window.window_seconds)
@@ -106,7 +108,7 @@ def step(
     if not decide:
         return Decision(target, now, signals, None, after, skipped="observe mode: no plan")
     plan = planner.plan(target, signals, args, state.history, settings, rules=rules, kind=kind, now=now,
-                        restarted_at=restarted_at, power_control=power_control)
+                        restarted_at=restarted_at, power_control=power_control, live=live)
     return Decision(target, now, signals, plan, replace(after, history=plan.history))
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tuner.model import knobs
+from tuner.model import knobs, live
 from tuner.rules import models
 from tuner.rules.schema import AllOf, AnyOf, Comparison, Ref, Rule, Verify
 from tuner.signals import SignalSet
@@ -60,8 +60,13 @@ class Context:
     """The service level objectives conditions may compare with (``slo:``) and models aim at."""
     model: models.ModelSettings = field(default_factory=models.ModelSettings)
     """The engine models' parameters (``op: model``)."""
+    live: live.LiveState = live.NONE
+    """What the engine can change live and runs now: a live value wins over the command line's."""
 
     def flag_value(self, flag: str) -> knobs.Effective:
+        knob = knobs.knob_for(flag)
+        if knob is not None and self.live.available and knob.name in self.live.values:
+            return knobs.Effective(self.live.values[knob.name], "live")
         return knobs.effective(flag, self.args, kind=self.kind, defaults=self.defaults)
 
     def flag_name(self, flag: str) -> str:

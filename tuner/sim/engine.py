@@ -507,6 +507,7 @@ class SimEngine:
         self.steps = 0
         self.finished = 0
         self.sleep_level: int | None = None  # vLLM sleep mode: None awake; 0 paused; 1/2 also KV discarded
+        self.admission_cap: int | None = None  # the live cap (vllm-tuner-plugin's max_num_active_seqs)
         self._schedule_arrival()
 
     # -- sleep mode (vLLM's POST /sleep?mode=keep, /wake_up) -------------------------------------------
@@ -656,7 +657,8 @@ class SimEngine:
             scheduled.append((req, n))
             budget -= n
         if not preempted:  # vLLM admits nothing new in a step that had to preempt
-            while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            cap = self.admission_cap or cfg.max_num_seqs  # a lower live cap drains down, never preempts
+            while self.waiting and len(self.running) < cap and budget > 0:
                 req = self.waiting[0]
                 n = req.prefill_target - req.computed
                 if not cfg.enable_chunked_prefill and n > budget:
@@ -781,6 +783,60 @@ class SimEngine:
 # --- the HTTP server --------------------------------------------------------------------------------------
 
 
+class LiveControl:
+    """vllm-tuner-plugin's file protocol (plugin/README.md, protocol 1), as the simulator speaks it: with
+    $VLLM_TUNER_CONTROL_DIR set it reads ``control.json`` and answers in ``ack-0.json``. Only the admission
+    cap (``max_num_active_seqs``) moves live here; simplified: it answers between ticks, idle or not."""
+
+    def __init__(self, engine: SimEngine, directory: str) -> None:
+        self.engine, self.dir = engine, directory
+        self._seen: tuple[float, int] | None = None
+        self._ack({"seq": None, "applied": None, "refused": None})
+
+    def poll(self) -> None:
+        path = os.path.join(self.dir, "control.json")
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        if self._seen == (st.st_mtime, st.st_size):
+            return
+        self._seen = (st.st_mtime, st.st_size)
+        try:
+            with open(path, encoding="utf-8") as f:
+                request = json.load(f)
+            seq = int(request["seq"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        envelope = self.engine.cfg.max_num_seqs
+        cap = request.get("max_num_active_seqs")
+        budget = request.get("max_num_batched_tokens")
+        refused = None
+        if cap is not None and not (isinstance(cap, int) and 1 <= cap <= envelope):
+            refused = f"max_num_active_seqs {cap} is outside the startup envelope 1..{envelope}"
+        elif budget is not None and budget != self.engine.cfg.max_num_batched_tokens:
+            refused = "max_num_batched_tokens is not live in the simulator"
+        if refused is None:
+            with self.engine.lock:
+                self.engine.admission_cap = cap
+        self._ack({"seq": seq, "applied": None if refused else {"max_num_active_seqs": cap}, "refused": refused})
+
+    def _ack(self, fields: dict[str, Any]) -> None:
+        cfg = self.engine.cfg
+        doc = {"protocol": 1, "live": True, **fields,
+               "effective": {"seq": fields["seq"], "max_num_active_seqs": self.engine.admission_cap or cfg.max_num_seqs,
+                             "max_num_batched_tokens": cfg.max_num_batched_tokens},
+               "envelope": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                            "max_num_active_seqs": cfg.max_num_seqs},
+               "not_live": {"max_num_batched_tokens": "not live in the simulator"}, "at": time.time(),
+               "pid": os.getpid(), "dp_rank": 0, "engine_version": VLLM_VERSION, "engine_known": True,
+               "mode": "simulated", "plugin_version": "sim"}
+        tmp = os.path.join(self.dir, f".ack-0.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, os.path.join(self.dir, "ack-0.json"))
+
+
 class _Driver(threading.Thread):
     """Moves the simulated clock with the wall clock (× time_scale), in small ticks."""
 
@@ -792,6 +848,8 @@ class _Driver(threading.Thread):
         self.engine = engine
         self.monotonic = monotonic
         self.halt = threading.Event()
+        control = os.environ.get("VLLM_TUNER_CONTROL_DIR")
+        self.live = LiveControl(engine, control) if control and os.path.isdir(control) else None
 
     def run(self) -> None:
         scale = self.engine.cfg.time_scale
@@ -803,6 +861,8 @@ class _Driver(threading.Thread):
                 self.engine.advance(min(target, self.engine.now + 0.05), max_steps=200)
             if self.engine.now < target:  # could not keep up: let simulated time lag, do not pile up debt
                 wall0, sim0 = self.monotonic(), self.engine.now
+            if self.live is not None:
+                self.live.poll()
             self.halt.wait(self.TICK_SECONDS)
 
 

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
 
 from tuner.errors import SourceError
-from tuner.model import dialects, snapshots
+from tuner.model import dialects, live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.signals import engine as engine_signals
-from tuner.sources import scraping
+from tuner.sources import live_knobs, scraping
 from tuner.sources.transport import DeadlineTransport, deadline
 
 _JSON_LIMIT = 1024 * 1024
@@ -230,6 +230,59 @@ class EngineClient:
             return f"POST {path} answered 200 but /is_sleeping cannot be read"
         if state is not want:
             return f"POST {path} answered 200 but the engine is {'sleeping' if state else 'awake'}"
+        return None
+
+    # --- live knobs ----------------------------------------------------------------------------------
+
+    def runtime_config(self, base_url: str) -> dict[str, Any] | None:
+        """vLLM's ``GET /v1/runtime_config`` (pull request 54816: a live scheduler cap behind dev mode), when
+        the engine has it and it carries the cap (``max_num_running_seqs``); None otherwise."""
+        with deadline(self.deadline_seconds):
+            try:
+                data = self._get_json(base_url + "/v1/runtime_config")
+            except SourceError:
+                return None
+        return data if isinstance(data, dict) and isinstance(data.get("max_num_running_seqs"), int) else None
+
+    def live_state(self, base_url: str, control_dir: str | None) -> live.LiveState:
+        """What the engine can change live and runs now: vLLM's own endpoint where it exists (preferred),
+        else the engine-side plugin's acknowledgements in ``control_dir`` (``sources.live_knobs``)."""
+        upstream = self.runtime_config(base_url)
+        if upstream is not None:
+            envelope = {"max_num_seqs": int(upstream.get("max_num_seqs") or upstream["max_num_running_seqs"])}
+            return live.LiveState(available=True, envelope=envelope,
+                                  values={"max_num_seqs": int(upstream["max_num_running_seqs"])},
+                                  not_live={"max_num_batched_tokens": "not in vLLM's runtime_config"},
+                                  via="runtime_config")
+        if control_dir is None:
+            return live.NONE
+        try:
+            return live_knobs.state(live_knobs.read_acks(control_dir))
+        except SourceError as exc:
+            return live.LiveState(why_not=str(exc))
+
+    def set_live(self, base_url: str, control_dir: str | None, *, seq: int, values: Mapping[str, int | None],
+                 via: str = "plugin") -> str | None:
+        """Ask for these live values (tuner knob → value, None: the startup value). None when the request
+        was handed over (the acknowledgement tells whether it took effect), else why not."""
+        if via == "runtime_config":
+            cap = values.get("max_num_seqs")
+            if cap is None:
+                upstream = self.runtime_config(base_url)
+                cap = int(upstream["max_num_seqs"]) if upstream and upstream.get("max_num_seqs") else None
+            body = {"max_num_running_seqs": cap}
+            with deadline(self.deadline_seconds):
+                try:
+                    response = self._client.patch(base_url + "/v1/runtime_config", json=body)
+                except httpx.HTTPError as exc:
+                    return f"PATCH /v1/runtime_config failed: {type(exc).__name__}"
+            return None if response.status_code == 200 else f"PATCH /v1/runtime_config answered HTTP {response.status_code}"
+        if control_dir is None:
+            return "no control directory for this engine (live.control_dir)"
+        try:
+            live_knobs.write_request(control_dir, seq, **{live.LIVE_NAMES[k]: v for k, v in values.items()})
+        except (SourceError, ValueError) as exc:
+            return str(exc)
         return None
 
     # --- helpers -------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import SourceError
+from tuner.model import live
 
 PROTOCOL = 1
 CONTROL_FILE = "control.json"
@@ -185,3 +186,34 @@ def read_acks(control_dir: str | os.PathLike[str]) -> list[Ack]:
             continue
         acks.append(parse_ack(path, raw))
     return sorted(acks, key=lambda a: (a.dp_rank is None, a.dp_rank or 0, a.path.name))
+
+
+def state(acks: list[Ack]) -> live.LiveState:
+    """What the engine's acknowledgements say it can change live and runs now (``model.live``)."""
+    if not acks:
+        return live.LiveState(why_not="no acknowledgement from the engine yet (the plugin writes one at its "
+                                      "first step: is vllm-tuner-plugin installed and VLLM_TUNER_CONTROL_DIR set?)")
+    broken = next((a for a in acks if a.problem is not None), None)
+    if broken is not None:
+        return live.LiveState(why_not=f"{broken.path.name}: {broken.problem}")
+    off = next((a for a in acks if not a.live), None)
+    if off is not None:
+        return live.LiveState(why_not=f"the plugin is off in this engine: {off.refused or 'no reason given'}")
+    first = acks[0]
+    by_name = {name: knob for knob, name in live.LIVE_NAMES.items()}
+    envelope = {k: int(v) for k, v in (("max_num_seqs", first.envelope.get("max_num_seqs")),
+                                      ("max_num_batched_tokens", first.envelope.get("max_num_batched_tokens")))
+                if isinstance(v, int) and not isinstance(v, bool)}
+    values = {}
+    for name, knob in by_name.items():
+        value = first.effective.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            values[knob] = value
+        elif knob in envelope:
+            values[knob] = envelope[knob]
+    not_live = {by_name.get(name, name): why for name, why in first.not_live.items()}
+    seqs = {a.seq for a in acks}
+    refused = next((a.refused for a in acks if a.refused), None)
+    return live.LiveState(available=True, envelope=envelope, values=values, not_live=not_live,
+                          seq=seqs.pop() if len(seqs) == 1 else None, refused=refused,
+                          pids=tuple(a.pid for a in acks if a.pid is not None))

