@@ -45,9 +45,12 @@ def running_max(pool: live.ProcessPool, name: str, samples: int = 6) -> float:
 def test_the_tuner_raises_the_admission_cap_live_with_no_restart_and_no_failed_request(
         pool: live.ProcessPool) -> None:
     pids = {n: pool.pidfile(n)["pid"] for n in NAMES}
-    acks = {n: live_knobs.read_acks(pool.work / "live" / n) for n in NAMES}
-    for n in NAMES:
-        assert acks[n] and acks[n][0].live and acks[n][0].effective["max_num_active_seqs"] == 4, acks[n]
+
+    def capped_at_4() -> bool:
+        """The plugin applies the bad start's control.json at the engine's first step (an idle engine runs none)."""
+        acks = {n: live_knobs.read_acks(pool.work / "live" / n) for n in NAMES}
+        return all(a and a[0].live and a[0].seq == 1 and a[0].effective["max_num_active_seqs"] == 4
+                   for a in acks.values())
 
     def live_verdict() -> dict | None:
         ends = [r for r in pool.records() if r["kind"] == "live" and r.get("phase") in ("verified", "rolled_back")]
@@ -57,6 +60,8 @@ def test_the_tuner_raises_the_admission_cap_live_with_no_restart_and_no_failed_r
     load.start()
     try:
         load.wait_sending()
+        live.wait_for(capped_at_4, 120, "both engines to apply the bad start's cap of 4", poll=1,
+                      detail=pool.diagnostics)
         assert max(running_max(pool, n) for n in NAMES) <= 4  # the bad start holds
         verdict = live.wait_for(live_verdict, 900, "the tuner to change the cap live and judge it", poll=2,
                                 detail=pool.diagnostics)
