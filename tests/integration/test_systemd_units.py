@@ -33,7 +33,9 @@ from tuner.actuators import settings
 
 UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 TUNER, ENGINE = UNITS / "vllm-tuner.service", UNITS / "vllm@.service"
-THRESHOLDS = {TUNER: 2.0, ENGINE: 3.5}
+NVML_DROPIN = UNITS / "vllm-tuner.service.d" / "nvml.conf"
+NVML_NODES = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "h200-device-nodes.json"
+THRESHOLDS = {TUNER: 2.0, ENGINE: 3.5, NVML_DROPIN: 2.0}
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 
 
@@ -59,6 +61,8 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     required.need(systemd_support.skip_reason(), "a private mount namespace")
     for unit in (TUNER, ENGINE):
         shutil.copy(unit, tmp_path / unit.name)
+    (tmp_path / NVML_DROPIN.parent.name).mkdir()
+    shutil.copy(NVML_DROPIN, tmp_path / NVML_DROPIN.parent.name / NVML_DROPIN.name)
     script = (
         "mount -t tmpfs tmpfs /usr/local/bin && for b in vllm vllm-tuner; do "
         "printf '#!/bin/sh\\n' > /usr/local/bin/$b && chmod +x /usr/local/bin/$b; done && "
@@ -71,9 +75,13 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 @needs_analyze
-@pytest.mark.parametrize("unit", [TUNER, ENGINE], ids=lambda p: p.name)
-def test_exposure_score_stays_under_its_threshold(unit: Path) -> None:
+@pytest.mark.parametrize("unit", [TUNER, ENGINE, NVML_DROPIN], ids=lambda p: p.name)
+def test_exposure_score_stays_under_its_threshold(unit: Path, tmp_path: Path) -> None:
     threshold = THRESHOLDS[unit]
+    if unit == NVML_DROPIN:  # the tuner's unit with its NVML drop-in, merged the way systemd reads them
+        merged = tmp_path / TUNER.name
+        merged.write_text(TUNER.read_text() + "\n" + NVML_DROPIN.read_text())
+        unit = merged
     done = subprocess.run(
         ["systemd-analyze", "security", "--offline=true", f"--threshold={int(threshold * 10)}", str(unit)],
         capture_output=True, text=True, timeout=60, check=False,
@@ -82,6 +90,22 @@ def test_exposure_score_stays_under_its_threshold(unit: Path) -> None:
     assert m, done.stdout + done.stderr
     assert float(m.group(1)) <= threshold, done.stdout
     assert done.returncode == 0, done.stdout
+
+
+def test_the_nvml_dropin_grants_exactly_the_nodes_nvml_opened_on_the_h200() -> None:
+    """bench/nvml_devices.py on the H200: the device nodes open after NvmlSource read the GPU."""
+    measured = {n["path"] for n in json.loads(NVML_NODES.read_text())["after_reading"]["open"]} - {"/dev/null"}
+    assert "/dev/nvidiactl" in measured and "/dev/nvidia0" in measured
+    d = directives(NVML_DROPIN)
+    bound = {w.lstrip("-") for v in d["BindPaths"] + d["BindReadOnlyPaths"] for w in v.split()}
+    allowed = dict(v.split() for v in d["DeviceAllow"])
+    per_gpu = re.compile(r"/dev/nvidia[0-9]+")
+    assert set(allowed) == bound
+    assert {p for p in bound if not per_gpu.fullmatch(p)} == {p for p in measured if not per_gpu.fullmatch(p)}
+    assert {f"/dev/nvidia{i}" for i in range(8)} <= bound  # one per GPU, eight listed
+    # Read-only where NVML only reads (the capability nodes are mode 0400/0444 on the host).
+    assert {p for p, mode in allowed.items() if mode == "r"} == {p for p in bound if "nvidia-caps" in p}
+    assert "PrivateDevices" not in d  # the private /dev stays; the nodes are bound into it
 
 
 def test_tuner_unit_settings() -> None:
@@ -124,6 +148,7 @@ def attempt(key, fn):
         result[key] = f"{type(exc).__name__}: {exc}"
 attempt("write_rw_path", lambda: open(os.path.join(os.path.dirname(out), "env-probe"), "w").close())
 attempt("write_usr", lambda: open("/usr/vllm-tuner-probe", "w").close())
+result["dev"] = sorted(os.listdir("/dev"))
 show = subprocess.run(["systemctl", "show", "-p", "LoadState", "basic.target"], capture_output=True, text=True)
 result["systemctl"] = show.stdout.strip() or show.stderr.strip()
 attempt("nginx_test", lambda: subprocess.run([*nginx, "-t", "-q"], check=True, capture_output=True))
@@ -172,6 +197,8 @@ def _run_probe(sd: systemd_support.PrivateSystemd, rw: Path) -> None:
             Restart=no
             """)
         sd.install_unit("vllm-tuner.service", TUNER.read_text())
+        # With the NVML drop-in: nodes this machine lacks are skipped, nodes it has appear in the private /dev.
+        sd.install_unit("vllm-tuner.service.d/nvml.conf", NVML_DROPIN.read_text())
         sd.install_unit("vllm-tuner.service.d/test.conf", dropin)
         sd.systemctl("daemon-reload")
         started = sd.systemctl("start", "vllm-tuner.service", check=False, timeout=60)
@@ -182,3 +209,7 @@ def _run_probe(sd: systemd_support.PrivateSystemd, rw: Path) -> None:
     assert result["systemctl"] == "LoadState=loaded"
     assert result["nginx_test"] == "ok", result
     assert result["nginx_reload"] == "ok", result
+    host_gpu_nodes = {p.name for p in Path("/dev").glob("nvidia*") if p.is_char_device()}
+    assert host_gpu_nodes & {"nvidiactl", "nvidia0", "nvidia-uvm"} <= set(result["dev"]), result["dev"]
+    assert not {n for n in result["dev"] if n.startswith("nvidia")} - host_gpu_nodes
+    assert "sda" not in result["dev"] and "vda" not in result["dev"]  # still a private /dev
