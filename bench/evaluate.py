@@ -3,11 +3,12 @@
 One seeded trace (steady, a step up, a burst, long prompts), played open-loop through real nginx in
 front of real vLLM replicas, against:
 
-- ``bad``: the bad start held static;
+- ``bad``: the bad start held static (``bad-restart`` when held by its own engine start);
 - ``tuner``: ``vllm-tuner run`` (apply mode, process actuator, nginx drain) from the bad start;
 - ``tuner-live``: the same from engines started with a wide envelope and the live-knob plugin, the cap
   at the bad start (needs ``tuner.live_config`` in the profile);
-- ``sweep``: static configurations (``sweep-<value>``); the best goodput among them is the oracle;
+- ``sweep``: static configurations (``sweep-<value>``, or ``sweep-<value>-restart``); the best goodput among
+  them is the oracle;
 - ``default``: the engine's defaults (no ``--max-num-seqs``).
 
 Usage (docs/evaluation.md has the whole story)::
@@ -29,12 +30,16 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.evaluation import profiles, reporting
+
+if TYPE_CHECKING:
+    from bench.evaluation import arms as arms_mod
 
 ARMS = ("bad", "sweep", "default", "tuner", "tuner-live")
 
@@ -65,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", type=_arms, help=f"which arms, in this order (default: bad,sweep,default,tuner; "
                                                f"tuner-live too when the profile has tuner.live_config); known: {', '.join(ARMS)}")
     p.add_argument("--sweep-values", type=_values, help="only these values of the profile's sweep")
+    p.add_argument("--static-mode", choices=("plugin", "restart"),
+                   help="how the bad start and the sweep are held, instead of the profile's static_mode and "
+                        "sweep.mode: plugin (the cap on one wide-envelope start; arms bad, sweep-N) or restart (an "
+                        "engine start per value; arms bad-restart, sweep-N-restart)")
     p.add_argument("--tuner-config", type=Path, help="the tuner arm's settings instead of the profile's")
     p.add_argument("--tuner-arm", default=None, help="name of the tuner arm (default: tuner / tuner-live); "
                                                       "e.g. tuner-defaults for a variant")
@@ -107,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = arms_mod.prepare(profile, base, a.out)
         arms_mod.write_run(ctx, command=command)
-        run_arms(ctx, chosen, values=values, tuner_config=a.tuner_config, tuner_arm=a.tuner_arm)
+        run_arms(ctx, chosen, values=values, tuner_config=a.tuner_config, tuner_arm=a.tuner_arm,
+                 static_mode=a.static_mode)
     except (arms_mod.HarnessError, profiles.ProfileError, TimeoutError) as exc:
         print(f"evaluate: {exc}", file=sys.stderr)
         return 1
@@ -120,8 +130,8 @@ def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
-def run_arms(ctx, chosen: list[str], *, values: list[int], tuner_config: Path | None,
-             tuner_arm: str | None) -> None:
+def run_arms(ctx: arms_mod.Context, chosen: list[str], *, values: list[int], tuner_config: Path | None,
+             tuner_arm: str | None, static_mode: str | None = None) -> None:
     from bench.evaluation import arms as arms_mod
 
     p = ctx.profile
@@ -129,11 +139,16 @@ def run_arms(ctx, chosen: list[str], *, values: list[int], tuner_config: Path | 
     plugin_arms: list[tuple[str, int | None, str]] = []
     restart_arms: list[tuple[str, int | None, str]] = []
     if "bad" in chosen:
-        (plugin_arms if p.static_mode == "plugin" else restart_arms).append(("bad", p.bad_start, bad_label))
+        if (static_mode or p.static_mode) == "plugin":
+            plugin_arms.append(("bad", p.bad_start, bad_label))
+        else:
+            restart_arms.append(("bad-restart", p.bad_start, bad_label))
     if "sweep" in chosen:
         for v in values:
-            (plugin_arms if p.sweep.mode == "plugin" else restart_arms).append(
-                (f"sweep-{v}", v, f"--max-num-seqs {v}"))
+            if (static_mode or p.sweep.mode) == "plugin":
+                plugin_arms.append((f"sweep-{v}", v, f"--max-num-seqs {v}"))
+            else:
+                restart_arms.append((f"sweep-{v}-restart", v, f"--max-num-seqs {v}"))
     if "default" in chosen:
         (plugin_arms if plugin_arms else restart_arms).append(("default", None, "engine defaults"))
 

@@ -255,7 +255,7 @@ class Goal:
 def goals(summaries: Mapping[str, ArmSummary], *, tuner_arm: str, replicas: int,
           converge_limit_s: float = 600.0) -> list[Goal]:
     t = summaries.get(tuner_arm)
-    bad = summaries.get("bad")
+    bad = summaries.get("bad") or summaries.get("bad-restart")
     sweep = [s for s in summaries.values() if s.arm.startswith("sweep-")]
     oracle = max(sweep, key=lambda s: s.goodput, default=None)
     out: list[Goal] = []

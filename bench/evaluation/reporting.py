@@ -8,6 +8,7 @@ extra has it; the GPU machine does not need it: render there without plots, or c
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,14 +16,17 @@ from typing import Any
 
 from bench.evaluation import analysis
 
-ARM_ORDER = ("bad", "default", "tuner", "tuner-live")
-
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+    """A JSON-lines file, or its gzip'd copy ``<path>.gz`` (committed fixtures are compressed)."""
+    if path.exists():
+        text = path.read_text()
+    elif path.with_name(path.name + ".gz").exists():
+        text = gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
+    else:
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         if line.strip():
             try:
                 out.append(json.loads(line))
@@ -79,7 +83,7 @@ def load_arms(results: Path, *, slo: Mapping[str, float], quiet_s: float) -> tup
     def order(a: Arm) -> tuple[int, float, str]:
         if a.name.startswith("sweep-"):
             return (1, float(a.meta.get("flags", {}).get("max_num_seqs") or 0), a.name)
-        return (0 if a.name == "bad" else 2 if a.name == "default" else 3, 0.0, a.name)
+        return (0 if a.name.startswith("bad") else 2 if a.name == "default" else 3, 0.0, a.name)
 
     return trace, sorted(arms, key=order)
 
