@@ -241,6 +241,16 @@ def bins(requests: Sequence[Mapping[str, Any]], *, start_at: float, duration: fl
     return out
 
 
+def by_phase(requests: Sequence[Mapping[str, Any]], *, slo: Mapping[str, float]) -> dict[str, tuple[int, int]]:
+    """Per phase of the trace: (requests meeting the SLO, requests)."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in requests:
+        row = out[r["phase"]]
+        row[0] += meets_slo(r, ttft_s=slo["ttft_seconds"], itl_mean_s=slo["itl_mean_seconds"])
+        row[1] += 1
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 # --- goals ----------------------------------------------------------------------------------------
 
 

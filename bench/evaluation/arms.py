@@ -42,6 +42,8 @@ from tuner.sources import live_knobs
 PLAYER = Path(__file__).resolve().parent / "player.py"
 LAUNCH = Path(__file__).resolve().parent / "launch.py"
 NAMES = "abcdefghijklmnop"
+# An open-loop trace against a bad start keeps thousands of requests open (two connections each in nginx).
+NGINX_CONNECTIONS = 8192
 
 
 class HarnessError(RuntimeError):
@@ -134,8 +136,7 @@ def write_run(ctx: Context, *, command: str) -> None:
                 "slo": p.slo.model_dump(), "timings": p.timings.model_dump(),
                 "engine_args": ctx.engine_flags(None), "commands": commands,
                 "trace_digest": ctx.trace["digest"]})
-    version = run.get("engine_version")
-    run["engine_version"] = version
+    run.setdefault("engine_version", None)  # filled in by the first pool that answers GET /version
     path.write_text(json.dumps(run, indent=1))
 
 
@@ -324,7 +325,8 @@ class StaticPool:
         self.ports = {n: nginx_support.free_port() for n in ctx.names}
         nginx = ctx.profile.path(ctx.profile.nginx, ctx.base) if ctx.profile.nginx else None
         self.lb = nginx_support.NginxBalancer({n: f"127.0.0.1:{p}" for n, p in self.ports.items()},
-                                              binary=str(nginx) if nginx else None)
+                                              binary=str(nginx) if nginx else None,
+                                              worker_connections=NGINX_CONNECTIONS)
         self.control: dict[str, Path | None] = {
             n: (live_knobs.prepare_control_dir(self.dir / f"control-{n}") if plugin else None) for n in ctx.names}
         self.servers: dict[str, vllm.VllmServer] = {}
@@ -471,7 +473,7 @@ class TunerPool(live_rollout.ProcessPool):
         nginx = ctx.profile.path(ctx.profile.nginx, ctx.base) if ctx.profile.nginx else None
         super().__init__(work, ctx.model, ctx.names, rules=[], max_num_seqs=ctx.profile.bad_start,
                          start_timeout=ctx.profile.engine.start_timeout_seconds,
-                         nginx_binary=str(nginx) if nginx else None)
+                         nginx_binary=str(nginx) if nginx else None, nginx_worker_connections=NGINX_CONNECTIONS)
         self.control_root = work / "control"
         self.control: dict[str, Path | None] = {
             n: (self.control_root / str(self.ports[n]) if live else None) for n in self.names}

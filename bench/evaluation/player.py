@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -180,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"player: --shard must be k/n with 0 <= k < n, got {a.shard!r}", file=sys.stderr)
         return 2
+    # Open loop: a slow engine can have thousands of requests open at once, one socket each.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     trace = json.loads(a.trace.read_text())
     done, failed = asyncio.run(play(trace, url=a.url, model=a.model, vocab_size=a.vocab_size, salt=a.salt,
                                     start_at=a.start_at, shard=(k, n), out=a.out, timeout_s=a.timeout))

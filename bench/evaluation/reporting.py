@@ -163,6 +163,13 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
             f"| {s.arm} | {a.meta.get('how', s.mode)} | {s.flags} | {s.goodput:.2f} | {s.throughput:.2f} | "
             f"{_fmt(s.ttft_p50)} | {_fmt(s.ttft_p99)} | {_fmt(s.itl_p50)} | {_fmt(s.itl_p99)} | "
             f"{s.met_slo}/{s.requests} | {s.failed} | {restarts} | {conv} |")
+    phases = [p["name"] for p in trace["phases"]]
+    lines += ["", "Share of each phase's requests meeting the SLO:", "",
+              "| arm | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for a in arms:
+        per = analysis.by_phase(a.requests, slo=slo)
+        cells = [f"{100 * per[p][0] / per[p][1]:.0f} %" if per.get(p, (0, 0))[1] else "–" for p in phases]
+        lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
     oracle = max((a.summary for a in arms if a.name.startswith("sweep-")), key=lambda s: s.goodput, default=None)
     if oracle is not None:
         lines += ["", f"Oracle (best static of the sweep): **{oracle.arm}**, {oracle.goodput:.2f} req/s."]

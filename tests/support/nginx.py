@@ -52,9 +52,10 @@ def free_port() -> int:
 
 CONFIG = """\
 worker_processes 1;
+worker_rlimit_nofile {nofile};
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
-events {{ worker_connections 1024; }}
+events {{ worker_connections {connections}; }}
 http {{
     access_log {dir}/access.log;
     client_body_temp_path {dir}/tmp/body;
@@ -88,12 +89,15 @@ http {{
 class NginxBalancer:
     def __init__(self, servers: Mapping[str, str], *, read_timeout_seconds: float = 120,
                  parameters: str = "max_fails=0", client_keepalive_seconds: int = 0,
-                 launcher: Sequence[str] = (), base_dir: str | None = None, binary: str | None = None) -> None:
+                 launcher: Sequence[str] = (), base_dir: str | None = None, binary: str | None = None,
+                 worker_connections: int = 1024) -> None:
         """``launcher``: an argv prefix to run nginx under (e.g. ``nsenter -t PID -m -p`` to run it
         inside a private systemd's namespaces); ``base_dir``: where its directory goes (default: the
         temp dir; choose one that the launcher's side sees too); ``binary``: another nginx than the
         system's (e.g. one unpacked from Debian's package with ``dpkg -x``; it is then also told its
-        error log with ``-e``, since the compiled-in /var/log/nginx may not exist)."""
+        error log with ``-e``, since the compiled-in /var/log/nginx may not exist); ``worker_connections``:
+        nginx's limit of open connections (each proxied request holds two: an open-loop load against a slow
+        engine can hold thousands)."""
         self.binary = binary
         self.servers = dict(servers)
         self.launcher = list(launcher)
@@ -105,7 +109,8 @@ class NginxBalancer:
         self.upstream_file = self.dir / "upstreams.conf"
         (self.dir / "tmp").mkdir()
         self.conf.write_text(CONFIG.format(dir=self.dir, port=self.port, read_timeout=int(read_timeout_seconds),
-                                          client_keepalive=int(client_keepalive_seconds)))
+                                          client_keepalive=int(client_keepalive_seconds),
+                                          connections=int(worker_connections), nofile=2 * int(worker_connections) + 64))
         self.upstream_file.write_text(draining.render_upstreams(self.servers, parameters=parameters))
 
     @property
