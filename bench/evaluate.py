@@ -17,6 +17,7 @@ Usage (docs/evaluation.md has the whole story)::
     python bench/evaluate.py --profile PROFILE --out DIR --arms tuner --tuner-config FILE --tuner-arm tuner-x
     python bench/evaluate.py --profile PROFILE --out DIR --arms sweep --sweep-values 32,64
     python bench/evaluate.py --report-only DIR
+    python bench/evaluate.py --pack DIR tests/fixtures/evaluation/NAME
 
 Each invocation appends its arms to ``DIR`` (an arm run again replaces its own data); the trace in
 ``DIR`` must be the profile's. The report (``DIR/report.md``, ``DIR/plots/*.png``, ``DIR/summary.json``)
@@ -78,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tuner-arm", default=None, help="name of the tuner arm (default: tuner / tuner-live); "
                                                       "e.g. tuner-defaults for a variant")
     p.add_argument("--report-only", type=Path, metavar="DIR", help="only re-render DIR's report from its raw data")
+    p.add_argument("--pack", nargs=2, type=Path, metavar=("DIR", "DEST"),
+                   help="copy DIR's raw data, report and plots to DEST compactly (gzip'd records, no engine logs), "
+                        "e.g. to commit under tests/fixtures/evaluation/")
     p.add_argument("--no-report", action="store_true", help="run the arms, do not render the report")
     p.add_argument("--no-plots", action="store_true", help="render the report without the PNG plots")
     return p
@@ -91,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"evaluate: {a.report_only} is not a results directory (no run.json)", file=sys.stderr)
             return 2
         print(reporting.render(a.report_only, plots=not a.no_plots))
+        return 0
+    if a.pack is not None:
+        from bench.evaluation import packing
+
+        src, dest = a.pack
+        if not (src / "run.json").exists():
+            print(f"evaluate: {src} is not a results directory (no run.json)", file=sys.stderr)
+            return 2
+        written = packing.pack(src, dest)
+        print(f"{dest}: {len(written)} files, {sum(p.stat().st_size for p in written) / 1e6:.1f} MB")
         return 0
     if a.profile is None or a.out is None:
         print("evaluate: --profile and --out are needed (or --report-only DIR)", file=sys.stderr)

@@ -136,6 +136,9 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, req: dict[s
     if gaps:
         record["itl_p99"] = _percentile(gaps, 0.99)  # between chunks, as vLLM's benchmark client's ITL
         record["itl_max"] = max(gaps)
+    for key in ("arrival", "start", "ttft", "e2e", "itl_mean", "itl_p99", "itl_max"):
+        if record[key] is not None:
+            record[key] = round(record[key], 6)  # microseconds: more would be noise, and bytes
     return record
 
 

@@ -75,8 +75,15 @@ class Arm:
         return [r for r in self.journal if r.get("kind") == "decision"]
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file, or its gzip'd copy ``<path>.gz``."""
+    if not path.exists() and path.with_name(path.name + ".gz").exists():
+        return json.loads(gzip.decompress(path.with_name(path.name + ".gz").read_bytes()))
+    return json.loads(path.read_text())
+
+
 def load_arms(results: Path, *, slo: Mapping[str, float], quiet_s: float) -> tuple[dict[str, Any], list[Arm]]:
-    trace = json.loads((results / "trace.json").read_text())
+    trace = read_json(results / "trace.json")
     arms = [Arm(d, trace=trace, slo=slo, quiet_s=quiet_s) for d in sorted((results / "arms").iterdir())
             if (d / "meta.json").exists()]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.evaluation import analysis, profiles, reporting, traces
+from bench.evaluation import analysis, packing, profiles, reporting, traces
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "bench" / "evaluation" / "profiles"
@@ -205,6 +205,16 @@ def test_the_report_renders_from_raw_data_and_report_only_rerenders_it(tmp_path:
                         capture_output=True, text=True, timeout=120, check=False)
     assert rc.returncode == 0, rc.stderr
     assert (out / "report.md").read_text().split("## Plots")[0] == text.split("## Plots")[0]
+    # The committed form: gzip'd records, the same report from them.
+    packed = tmp_path / "packed"
+    written = packing.pack(out, packed)
+    assert (packed / "trace.json.gz") in written and (packed / "arms" / "bad" / "requests.jsonl.gz") in written
+    assert not (packed / "arms" / "bad" / "requests.jsonl").exists()
+    assert packing.pack(out, tmp_path / "again") and all(
+        (tmp_path / "again" / p.relative_to(packed)).read_bytes() == p.read_bytes() for p in written)  # no churn
+    (packed / "report.md").unlink()
+    reporting.render(packed, plots=False)
+    assert (packed / "report.md").read_text().split("## Plots")[0] == text.split("## Plots")[0]
 
 
 def test_the_command_line_says_what_is_wrong_in_one_line(tmp_path: Path) -> None:
