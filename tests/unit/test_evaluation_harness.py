@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bench.evaluation import analysis, packing, profiles, reporting, traces
 
@@ -228,3 +229,39 @@ def test_the_command_line_says_what_is_wrong_in_one_line(tmp_path: Path) -> None
     assert r.returncode == 2 and "not all in the profile's sweep" in r.stderr
     r = run("--profile", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "cannot read the profile" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("settings", ["cpu.yaml", "defaults.yaml", "live-example.yaml"])
+def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: str, tmp_path: Path) -> None:
+    """The harness writes targets, actuator, drain, daemon endpoint, state and journal around the arm's
+    settings; the result is what `vllm-tuner run` accepts (`tuner.config.load`, apply mode)."""
+    from bench.evaluation import arms
+    from tuner import config
+
+    profile, base = profiles.load(PROFILES / "cpu-ci.yaml")
+    ctx = arms.Context(profile=profile, base=base, out=tmp_path, trace={}, trace_path=tmp_path / "trace.json",
+                       model=tmp_path / "model", vocab_size=1024, engine_python=Path(sys.executable),
+                       player_python=Path(sys.executable))
+    live = settings.startswith("live")
+    pool = arms.TunerPool(ctx, tmp_path / "work", template=ROOT / "bench" / "evaluation" / "tuner" / settings, live=live)
+    try:
+        composed = arms.compose(pool.template, pool=pool)
+    finally:
+        pool.lb.stop()
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(composed))
+    settings_obj = config.load(path)
+    assert settings_obj.mode == "apply" and [t.name for t in settings_obj.targets] == ["a", "b"]
+    args = settings_obj.targets[0].args or []
+    assert ("--max-num-seqs" in args) is not live
+    if not live:
+        assert args[args.index("--max-num-seqs") + 1] == str(profile.bad_start)
+    else:  # the launcher gives each replica its own control directory
+        assert settings_obj.actuator is not None and str(arms.LAUNCH) in settings_obj.actuator.command
+    assert settings_obj.daemon.listen_host == "127.0.0.1" and settings_obj.daemon.json_logs
+    assert settings_obj.rollout.journal_file == str(tmp_path / "work" / "journal.jsonl")
+    assert settings_obj.drain.kind == "nginx"
+    if settings == "defaults.yaml":  # nothing but the wiring: the shipped defaults
+        assert settings_obj.scrape.interval_seconds == 30 and settings_obj.rule_files is None
+    else:
+        assert all(Path(f).is_absolute() and Path(f).exists() for f in settings_obj.rule_files or [])
