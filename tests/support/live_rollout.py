@@ -625,7 +625,8 @@ class ProcessPool:
     def __init__(self, work: Path, model: Path, names: Sequence[str], *, rules: Sequence[Mapping[str, Any]],
                  timing: Timing = Timing(), max_num_seqs: int = 4, start_timeout: float = 600,
                  client_keepalive_seconds: int = 0, api_key: str | None = None,
-                 live_cap: int | None = None) -> None:
+                 live_cap: int | None = None, nginx_binary: str | None = None,
+                 nginx_worker_connections: int = 1024) -> None:
         from tests.support import nginx as nginx_support
 
         self.work, self.model, self.names, self.timing = work, model, tuple(names), timing
@@ -643,7 +644,8 @@ class ProcessPool:
         # a reload closes idle keep-alive connections under a client about to reuse them.
         self.client_keepalive_seconds = client_keepalive_seconds
         self.lb = nginx_support.NginxBalancer({n: f"127.0.0.1:{p}" for n, p in self.ports.items()},
-                                              client_keepalive_seconds=client_keepalive_seconds)
+                                              client_keepalive_seconds=client_keepalive_seconds,
+                                              binary=nginx_binary, worker_connections=nginx_worker_connections)
         self.tuner: TunerProcess | None = None
         self._rules = list(rules)
         self._tag = 0

@@ -16,6 +16,8 @@ nginx, and a reload makes the old workers close their idle client keep-alive con
 that sends its next request on one at that instant gets "Server disconnected without sending a
 response" (measured here: about 1 request in 400 over a 2-replica rollout with 4 keep-alive clients).
 With keep-alive off, the same rollouts dropped none. Upstream keep-alive (nginx → engines) stays on.
+
+Every response carries ``X-Upstream-Addr`` (nginx's ``$upstream_addr``): which engine served it.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ def free_port() -> int:
 
 CONFIG = """\
 worker_processes 1;
+worker_rlimit_nofile {nofile};
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
-events {{ worker_connections 1024; }}
+events {{ worker_connections {connections}; }}
 http {{
     access_log {dir}/access.log;
     client_body_temp_path {dir}/tmp/body;
@@ -76,6 +79,7 @@ http {{
             proxy_connect_timeout 2s;
             proxy_next_upstream error timeout non_idempotent;
             proxy_next_upstream_tries 3;
+            add_header X-Upstream-Addr $upstream_addr always;
         }}
     }}
 }}
@@ -85,10 +89,16 @@ http {{
 class NginxBalancer:
     def __init__(self, servers: Mapping[str, str], *, read_timeout_seconds: float = 120,
                  parameters: str = "max_fails=0", client_keepalive_seconds: int = 0,
-                 launcher: Sequence[str] = (), base_dir: str | None = None) -> None:
+                 launcher: Sequence[str] = (), base_dir: str | None = None, binary: str | None = None,
+                 worker_connections: int = 1024) -> None:
         """``launcher``: an argv prefix to run nginx under (e.g. ``nsenter -t PID -m -p`` to run it
         inside a private systemd's namespaces); ``base_dir``: where its directory goes (default: the
-        temp dir; choose one that the launcher's side sees too)."""
+        temp dir; choose one that the launcher's side sees too); ``binary``: another nginx than the
+        system's (e.g. one unpacked from Debian's package with ``dpkg -x``; it is then also told its
+        error log with ``-e``, since the compiled-in /var/log/nginx may not exist); ``worker_connections``:
+        nginx's limit of open connections (each proxied request holds two: an open-loop load against a slow
+        engine can hold thousands)."""
+        self.binary = binary
         self.servers = dict(servers)
         self.launcher = list(launcher)
         self.parameters = parameters
@@ -99,12 +109,15 @@ class NginxBalancer:
         self.upstream_file = self.dir / "upstreams.conf"
         (self.dir / "tmp").mkdir()
         self.conf.write_text(CONFIG.format(dir=self.dir, port=self.port, read_timeout=int(read_timeout_seconds),
-                                          client_keepalive=int(client_keepalive_seconds)))
+                                          client_keepalive=int(client_keepalive_seconds),
+                                          connections=int(worker_connections), nofile=2 * int(worker_connections) + 64))
         self.upstream_file.write_text(draining.render_upstreams(self.servers, parameters=parameters))
 
     @property
     def command(self) -> list[str]:
         """The nginx argv prefix for this instance (what NginxDrainer's `nginx` setting takes)."""
+        if self.binary is not None:
+            return [self.binary, "-e", str(self.dir / "error.log"), "-p", str(self.dir), "-c", str(self.conf)]
         return [NGINX, "-p", str(self.dir), "-c", str(self.conf)]
 
     def drainer(self, **kwargs: object) -> draining.NginxDrainer:
