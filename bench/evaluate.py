@@ -5,8 +5,8 @@ front of real vLLM replicas, against:
 
 - ``bad``: the bad start held static (``bad-restart`` when held by its own engine start);
 - ``tuner``: ``vllm-tuner run`` (apply mode, process actuator, nginx drain) from the bad start;
-- ``tuner-live``: the same from engines started with a wide envelope and the live-knob plugin, the cap
-  at the bad start (needs ``tuner.live_config`` in the profile);
+- ``tuner-live``: the same tuner with its live knobs on (``live.enabled``), from engines started with a
+  wide envelope and the live-knob plugin, the cap at the bad start;
 - ``sweep``: static configurations (``sweep-<value>``, or ``sweep-<value>-restart``); the best goodput among
   them is the oracle;
 - ``default``: the engine's defaults (no ``--max-num-seqs``).
@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=Path, help="the profile (bench/evaluation/profiles/*.yaml)")
     p.add_argument("--out", type=Path, help="the results directory (created; arms are appended)")
     p.add_argument("--arms", type=_arms, help=f"which arms, in this order (default: bad,sweep,default,tuner; "
-                                               f"tuner-live too when the profile has tuner.live_config); known: {', '.join(ARMS)}")
+                                               f"tuner-live); known: {', '.join(ARMS)}")
     p.add_argument("--sweep-values", type=_values, help="only these values of the profile's sweep")
     p.add_argument("--static-mode", choices=("plugin", "restart"),
                    help="how the bad start and the sweep are held, instead of the profile's static_mode and "
@@ -116,14 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     except profiles.ProfileError as exc:
         print(f"evaluate: {exc}", file=sys.stderr)
         return 2
-    chosen = a.arms or ["bad", "sweep", "default", "tuner", *(["tuner-live"] if profile.tuner.live_config else [])]
+    chosen = a.arms or ["bad", "sweep", "default", "tuner", "tuner-live"]
     values = a.sweep_values or profile.sweep.values
     if a.sweep_values and not set(a.sweep_values) <= set(profile.sweep.values):
         print(f"evaluate: --sweep-values {a.sweep_values} are not all in the profile's sweep {profile.sweep.values}",
-              file=sys.stderr)
-        return 2
-    if "tuner-live" in chosen and not (a.tuner_config or profile.tuner.live_config):
-        print("evaluate: the tuner-live arm needs tuner.live_config in the profile (or --tuner-config)",
               file=sys.stderr)
         return 2
     command = "python bench/evaluate.py " + shlex.join(argv)
@@ -189,7 +185,7 @@ def run_arms(ctx: arms_mod.Context, chosen: list[str], *, values: list[int], tun
         if kind not in chosen:
             continue
         live = kind == "tuner-live"
-        setting = tuner_config or (p.tuner.live_config if live else p.tuner.config)
+        setting = tuner_config or ((p.tuner.live_config or p.tuner.config) if live else p.tuner.config)
         assert setting is not None
         template = setting if isinstance(setting, Path) else p.path(setting, ctx.base)
         name = tuner_arm or kind

