@@ -155,7 +155,7 @@ def test_mutated_real_bodies(text, keep):
     parse(text, keep)
 
 
-@fuzz(1)
+@fuzz(0.4)  # a permuted body leaves the fast path: ~40 ms a parse
 @given(st.integers(0, len(VLLM_BODIES) - 1), st.integers(0, 2**32), st.sampled_from(PREFIXES))
 def test_permuted_sample_lines_parse_or_are_refused(i, seed, keep):
     tried("permuted lines")
