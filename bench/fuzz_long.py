@@ -1,8 +1,8 @@
 """The fuzz suite (tests/fuzz) with its long profile: 25× the CI cases. Prints how many cases each
 group tried, how many tests failed (Hypothesis stops a test at its first failure and shrinks it), and
-the time taken. Exits 1 if any test failed.
+the time taken. Exits 1 if any test failed. ``--profile ci`` counts what `make test` runs.
 
-    python bench/fuzz_long.py [-k SUBSTRING]
+    python bench/fuzz_long.py [--profile long|ci] [-k SUBSTRING]
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ["VLLM_TUNER_FUZZ"] = "long"
-
-from tests.fuzz import support, test_fuzz_config, test_fuzz_exposition, test_fuzz_signals
-
-MODULES = (test_fuzz_exposition, test_fuzz_signals, test_fuzz_config)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", choices=["long", "ci"], default="long")
     ap.add_argument("-k", default="", help="run only tests whose name contains this")
     args = ap.parse_args()
+    os.environ["VLLM_TUNER_FUZZ"] = args.profile  # read when tests.fuzz.support is imported
+    from tests.fuzz import support, test_fuzz_config, test_fuzz_exposition, test_fuzz_signals
+
+    modules = (test_fuzz_exposition, test_fuzz_signals, test_fuzz_config)
     failures: list[tuple[str, str]] = []
     t0 = time.monotonic()
-    for module in MODULES:
+    for module in modules:
         for name in sorted(n for n in dir(module) if n.startswith("test_") and args.k in n):
             started = time.monotonic()
             try:

@@ -5,6 +5,7 @@ finite samples and no duplicate series, or invalid with a one-line reason."""
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping
 from functools import cache
 
@@ -154,12 +155,12 @@ def test_mutated_real_bodies(text, keep):
     parse(text, keep)
 
 
-@fuzz(1)
-@given(st.integers(0, len(VLLM_BODIES) - 1), st.randoms(use_true_random=False), st.sampled_from(PREFIXES))
-def test_permuted_sample_lines_parse_or_are_refused(i, rnd, keep):
+@fuzz(0.4)  # a permuted body leaves the fast path: ~40 ms a parse
+@given(st.integers(0, len(VLLM_BODIES) - 1), st.integers(0, 2**32), st.sampled_from(PREFIXES))
+def test_permuted_sample_lines_parse_or_are_refused(i, seed, keep):
     tried("permuted lines")
     lines = VLLM_BODIES[i].read_text().split("\n")[:-1]
-    rnd.shuffle(lines)
+    random.Random(seed).shuffle(lines)  # a seed, not st.randoms(): one draw instead of one per line
     parse("\n".join(lines) + "\n", keep)
 
 

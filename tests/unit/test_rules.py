@@ -521,8 +521,8 @@ then: {flag: --max-num-seqs, op: scale, factor: 2, max_from: [{signal: kv_cache_
     assert o.status == "blocked" and "finite" in o.reason
 
 
-@pytest.mark.parametrize("given", [86_400_000_000_000.0, "99999999999d", -5, float("nan"), "11000d"])
+@pytest.mark.parametrize("given", [86_400_000_000_000.0, "99999999999d", -5, float("nan"), "11000d", 10**400])
 def test_absurd_cooldowns_are_refused_not_an_overflow(given):
-    # found by tests/fuzz: timedelta(seconds=8.64e13) raised OverflowError out of the loader
+    # found by tests/fuzz: timedelta(seconds=8.64e13), and float(10**400), raised OverflowError out of the loader
     found = problems({"rules": [with_(cooldown=given)]})
     assert any(w == "rules[0] (id: ok).cooldown" and "duration" in what for w, what in found), found

@@ -66,7 +66,7 @@ def _duration(value: Any) -> Any:
     if isinstance(value, bool):  # YAML's yes/no/on/off
         raise ValueError("expected a duration such as 90s, 15m, 2h or 1d")
     if isinstance(value, int | float):
-        return _seconds(float(value))
+        return _seconds(value if isinstance(value, float) or abs(value) < 2**63 else math.inf)
     if isinstance(value, str) and not value.startswith("P"):  # "P..." is ISO 8601: pydantic parses it
         m = _DURATION.match(value)
         if m is None:
