@@ -260,10 +260,19 @@ class TunerSettings(_Model):
         return problems
 
 
-def _where(loc: tuple[Any, ...]) -> str:
+def _where(loc: tuple[Any, ...], data: Any = None) -> str:
+    """``('actuator', 'process', 'command', 0)`` → ``actuator.command[0]``: a discriminated union's tag
+    (the ``kind:`` the data names, not a field) is left out."""
     out = ""
+    node = data
     for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part not in node and node.get("kind") == part:
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        try:
+            node = node[part] if node is not None else None
+        except (KeyError, IndexError, TypeError):
+            node = None
     return out
 
 
@@ -291,7 +300,7 @@ def parse(data: Any, *, file: str = "<config>") -> TunerSettings:
     try:
         return TunerSettings.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(file, [(_where(e["loc"]), _what(e)) for e in exc.errors()]) from exc
+        raise ConfigError(file, [(_where(e["loc"], data), _what(e)) for e in exc.errors()]) from exc
 
 
 def load(path: str | Path, *, runnable: bool = True) -> TunerSettings:

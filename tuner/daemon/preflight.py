@@ -70,10 +70,15 @@ def resolve(path: str, config_dir: Path) -> Path:
 
 
 def _from(error: ConfigError, where: str) -> list[Problem]:
-    return [(f"{where} ({error.file}{': ' + w if w else ''})", what) for w, what in error.problems]
+    """Problems of another file (a rule file) as problems of the configuration field that names it."""
+    return [(where, f"{error.file}{': ' + w if w else ''}: {what}") for w, what in error.problems]
 
 
 def _rules(settings: config.TunerSettings, config_dir: Path) -> list[Problem]:
+    missing = [p for p in loading.rule_paths(settings.rule_files, base_dir=config_dir) if not p.is_file()]
+    if missing:
+        return [("rule_files", f"{p} is not a file; expected a rule file, relative to the configuration's directory "
+                 "or absolute, e.g. \"rules/site.yaml\" (rules/default.yaml shows the format)") for p in missing]
     try:
         loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir))
     except ConfigError as exc:
@@ -261,7 +266,8 @@ def _writable(where: str, directory: Path) -> list[Problem]:
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".vllm-tuner-probe-")
     except OSError as exc:
-        return [(where, _cannot_write(existing, exc))]
+        return [(where, _cannot_write(existing, exc) if existing == directory else
+                 f"cannot create {directory}: {_cannot_write(existing, exc)}")]
     try:
         try:
             view = memoryview(bytes(PROBE_BYTES))
