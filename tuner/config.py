@@ -181,7 +181,7 @@ class TunerSettings(_Model):
     """The engine replicas this tuner watches."""
     scrape: ScrapeSettings = ScrapeSettings()
     rule_files: list[str] | None = None
-    """Rule files, relative to this config file's directory unless absolute. None: the default rule set
+    """Rule files, relative to this config file's directory (and inside it) unless absolute. None: the default rule set
     shipped with vllm-tuner (rules/default.yaml)."""
     decisions: DecisionSettings = DecisionSettings()
     """Guards and planner settings: thermal, idle, safety (cooldowns, hysteresis, restart budget), engine

@@ -23,7 +23,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tuner.daemon import logs, preflight, running
 
     settings = config.load(args.config)
-    preflight.check(settings, args.config)  # what check-config checks, before anything is touched
+    preflight.check(settings, args.config, serving=not args.once)  # check-config's checks, before anything is touched
     logs.configure(json_logs=settings.daemon.json_logs or args.json_logs)
     try:
         return running.build_and_run(args.config, once=args.once)

@@ -36,14 +36,15 @@ Problem = tuple[str, str]
 PROBE_BYTES = 64 * 1024  # a disk that cannot take this cannot take the state file and the journal either
 
 
-def preflight(settings: config.TunerSettings, config_dir: Path) -> list[Problem]:
+def preflight(settings: config.TunerSettings, config_dir: Path, *, serving: bool = True) -> list[Problem]:
     """Everything that would stop ``run`` at start-up, or within its first cycle, for this configuration
-    on this host; [] if nothing would."""
+    on this host; [] if nothing would. ``serving``: the status endpoint will listen (not ``run --once``)."""
     problems = list(settings.apply_problems())
     problems += _rules(settings, config_dir)
     problems += _maintenance(settings)
     problems += _scrape_files(settings, config_dir)
-    problems += _listen(settings)
+    if serving:
+        problems += _listen(settings)
     problems += _state(settings, config_dir)
     if settings.mode == "apply":
         problems += _journal(settings, config_dir)
@@ -52,9 +53,9 @@ def preflight(settings: config.TunerSettings, config_dir: Path) -> list[Problem]
     return problems
 
 
-def check(settings: config.TunerSettings, config_path: str | os.PathLike[str]) -> None:
+def check(settings: config.TunerSettings, config_path: str | os.PathLike[str], *, serving: bool = True) -> None:
     """``preflight``, raising a ``ConfigError`` that names the configuration file."""
-    problems = preflight(settings, Path(config_path).resolve().parent)
+    problems = preflight(settings, Path(config_path).resolve().parent, serving=serving)
     if problems:
         raise ConfigError(str(config_path), problems)
 
