@@ -185,3 +185,14 @@ def test_check_config_and_run_never_print_a_secret(tmp_path: Path, echoing: int)
     assert "effective configuration" in out
     assert_no_secret(out, "the tuner's log")
     assert_no_secret((tmp_path / "state.json").read_text(), "state.json")
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_the_one_shot_commands_print_command_lines_masked(fmt: str) -> None:
+    scenario = ROOT / "tuner" / "data" / "scenarios" / "queue-bound"
+    for argv in (["replay", str(scenario)], ["recommend", *[a for p in sorted(scenario.glob("*.prom"))[:6]
+                                                          for a in ("--engine-metrics", str(p))]]):
+        done = tuner(*argv, "--args", f"--model m --api-key {KEY} --max-num-seqs 4", "--format", fmt)
+        assert done.returncode == 0, done.stderr
+        assert_no_secret(done.stdout + done.stderr, " ".join(argv[:1]))
+        assert "--api-key" in done.stdout and "***" in done.stdout

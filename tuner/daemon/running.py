@@ -23,6 +23,7 @@ from tuner.actuators import settings as actuator_settings
 from tuner.daemon import collecting, cycle, logs, notify, results, rolling, scheduling, selfmetrics, verifying
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
+from tuner.errors import PermanentActuatorError
 from tuner.model import knobs
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
@@ -261,7 +262,13 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
 
     def restore(rollout: machine.Rollout) -> machine.Rollout:
         """A journaled rollout's masked secrets, back from targets[].args (the tuner never changes one)."""
-        return journaling.restored(rollout, lambda name, argv: redactor.restore(argv, configured.get(name, [])))
+        try:
+            return journaling.restored(rollout, lambda name, argv: redactor.restore(argv, configured.get(name, [])))
+        except ValueError as exc:
+            raise PermanentActuatorError(
+                f"rollout {rollout.id} cannot be resumed: {exc} (a secret flag removed from targets[].args?); put "
+                f"it back to resume the rollout, or move {journal.path} aside once every engine runs what it "
+                "should") from exc
 
     verifier = verifying.SignalVerifier(client, kind=kind)
     # The idle check before a stop also counts what vLLM's HTTP server still holds (GET /load), where the
