@@ -141,6 +141,7 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
                  for p in ("/metrics", "/status", "/recommendations")}
         shown |= {str(f): f.read_text(errors="replace") for f in (log, jpath, tmp_path / "state.json",
                                                                   *(tmp_path / "engines").glob("*.json"))}
+        shown["sd_notify STATUS="] = "\n".join(heard)
         for where, text in shown.items():
             assert KEY not in text, where
     finally:

@@ -24,7 +24,7 @@ from tuner.daemon import collecting, cycle, logs, notify, results, rolling, sche
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
 from tuner.errors import PermanentActuatorError
-from tuner.model import knobs
+from tuner.model import knobs, secrets
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
@@ -198,7 +198,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                                                  timezone=settings.daemon.maintenance_timezone)
                    if settings.daemon.maintenance_windows else None)
     stop_event = threading.Event()
-    notifier = notify.Notifier()
+    notifier = _MaskedNotifier(redactor)
     gatherer = collecting.Gatherer()
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle
@@ -244,6 +244,17 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             return loop.run()
     return 0
+
+
+class _MaskedNotifier(notify.Notifier):
+    """systemd's STATUS= is shown to every user (``systemctl status``): masked like a log line."""
+
+    def __init__(self, redactor: secrets.Redactor) -> None:
+        super().__init__()
+        self._redactor = redactor
+
+    def send(self, **fields: str | int) -> bool:
+        return super().send(**{k: self._redactor.text(v) if isinstance(v, str) else v for k, v in fields.items()})
 
 
 def _build_applying(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient,
