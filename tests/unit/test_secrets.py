@@ -114,3 +114,19 @@ def test_the_flags_vllm_itself_redacts_are_secret_flags_here() -> None:
     options = json.loads(out.stdout.strip().splitlines()[-1])
     assert options, out.stderr[-2000:]
     assert set(options) <= set(secrets.FLAGS), options
+
+
+@pytest.mark.parametrize("mode", ["recommend", "apply"])
+def test_the_daemons_documents_without_secrets_pass_through_unchanged(mode: str) -> None:
+    """No false positives where it matters: masking /status, /recommendations and a cycle's log record
+    of a configuration without secrets changes nothing (signal names with 'tokens', reasons, plans)."""
+    from tests.unit.test_cycle import Harness
+    from tuner.daemon import views
+
+    h = Harness(mode)
+    h.run()
+    result = h.run()
+    for doc in (views.status(result), views.recommendations(result), views.record(result)):
+        plain = json.loads(json.dumps(doc, default=str))
+        assert R.data(plain) == plain
+    assert R.text(result.summary) == result.summary

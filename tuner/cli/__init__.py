@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     deciding.register(sub)
     demo.register(sub)
 
-    p = sub.add_parser("check-config", help="validate a config file and print the effective config")
+    p = sub.add_parser("check-config", help="validate a config file, run every start-up check `run` makes (touching "
+                       "nothing) and print the effective config, secrets masked")
     p.add_argument("file")
     p.set_defaults(func=cmd_check_config)
 

@@ -89,7 +89,7 @@ def digest(argv: Sequence[str]) -> str:
 @dataclass(frozen=True)
 class Redactor:
     """What counts as secret, and the masking itself. ``DEFAULT`` knows the flags and names but no
-    values; ``from_sources`` / ``extended`` add what a configuration holds."""
+    values; ``learn`` and ``extended`` add what a configuration holds."""
 
     flags: Mapping[str, str] = field(default_factory=lambda: dict(FLAGS))
     env_names: frozenset[str] = ENV_NAMES
