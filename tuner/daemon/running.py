@@ -239,7 +239,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         is_alive=loop.is_alive, is_busy=loop.is_busy,
         host=settings.daemon.listen_host, port=settings.daemon.listen_port,
     )
-    with server.start():
+    with server:  # starts it (once) and closes it
         log.info("status endpoint on %s", server.url)
         with contextlib.suppress(KeyboardInterrupt):
             return loop.run()
