@@ -321,11 +321,9 @@ def test_a_tuner_killed_mid_rollout_restarts_engines_with_their_real_secret(tmp_
                 final = d2.run(d2.recover() or pytest.fail("nothing to recover"))
             live = {name: s.live_argv(name) for name in ports}
         finally:
-            for name in ports:
-                s.actuators[-1].stop(name, timeout_seconds=5)
-            for act in s.actuators:
+            for act in reversed(s.actuators):  # whichever instance started an engine stops it
                 for name in ports:
-                    act.status(name)
+                    act.stop(name, timeout_seconds=5)
             client.close()
     assert machine.outcome(final) is Outcome.DONE, machine.describe(final)
     assert tuple(new[a]) == final.new_argv[a]  # the replayed rollout carries the real key again
