@@ -8,13 +8,15 @@ the field path and what was expected.
 from __future__ import annotations
 
 import math
+import posixpath
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tuner.actuators import settings as actuator_settings
 from tuner.errors import ConfigError
+from tuner.model import secrets
 from tuner.planning import stepping
 from tuner.planning.planner import DecisionSettings
 from tuner.rules import loading
@@ -113,7 +115,20 @@ class Target(_Model):
     args: list[str] | None = None
     """The engine's arguments as it runs now (argv after the executable, e.g. ["--model", "m",
     "--max-num-seqs", "256"]). The tuner owns this command line in apply mode; in recommend mode it is
-    what the rules reason about. None: unknown (rules needing a flag's value are held, with the reason)."""
+    what the rules reason about. None: unknown (rules needing a flag's value are held, with the reason).
+    Secret values (``--api-key KEY``) are passed to the engine and masked wherever the tuner shows or
+    stores arguments (docs/reliability.md, "Secrets")."""
+
+    @field_validator("args")
+    @classmethod
+    def _one_line_each(cls, args: list[str] | None) -> list[str] | None:
+        # An EnvironmentFile (systemd) cannot carry a newline, and no engine flag needs one; the value is
+        # not quoted back (it may be a secret).
+        for i, arg in enumerate(args or ()):
+            if any(c in arg for c in "\n\r\0"):
+                raise ValueError(f"argument {i} contains a newline or NUL byte; each argument is one line, "
+                                 "e.g. [\"--max-num-seqs\", \"256\"]")
+        return args
 
 
 class DaemonSettings(_Model):
@@ -134,6 +149,14 @@ class DaemonSettings(_Model):
     state_file: str = "/var/lib/vllm-tuner/state.json"
     """Where the engine arguments the tuner owns and each target's decision history (cooldowns,
     hysteresis, restart budget, crash memory) are persisted across restarts of the tuner."""
+    secret_flags: list[Annotated[str, Field(pattern=r"^--[A-Za-z0-9][A-Za-z0-9_.-]*$")]] = []
+    """Engine flags whose values are credentials, on top of the known ones (--api-key, --hf-token,
+    --watermark-config, --admin-api-key): their values reach the engine and are masked (***) everywhere
+    the tuner shows or stores arguments. E.g. ["--kv-transfer-config"]."""
+    secret_env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = []
+    """Environment variables (actuator.env) whose values are credentials, on top of the known ones
+    (HF_TOKEN, VLLM_API_KEY, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY, … and any name with a word such as
+    TOKEN, SECRET, PASSWORD or KEY). E.g. ["MY_REGISTRY_PULL"]."""
 
 
 class GpuControlSettings(_Model):
@@ -177,7 +200,7 @@ class TunerSettings(_Model):
     """The engine replicas this tuner watches."""
     scrape: ScrapeSettings = ScrapeSettings()
     rule_files: list[str] | None = None
-    """Rule files, relative to this config file's directory unless absolute. None: the default rule set
+    """Rule files, relative to this config file's directory (and inside it) unless absolute. None: the default rule set
     shipped with vllm-tuner (rules/default.yaml)."""
     decisions: DecisionSettings = DecisionSettings()
     """Guards and planner settings: thermal, idle, safety (cooldowns, hysteresis, restart budget), engine
@@ -197,6 +220,38 @@ class TunerSettings(_Model):
     def _unique_names(self) -> TunerSettings:
         unique([t.name for t in self.targets], what="target names")
         return self
+
+    @field_validator("rule_files")
+    @classmethod
+    def _inside_the_config_directory(cls, files: list[str] | None) -> list[str] | None:
+        # A relative path is read from the configuration's directory and must stay in it: a `..` that
+        # climbs out is refused (a file elsewhere is named by its absolute path, deliberately).
+        for i, f in enumerate(files or ()):
+            if not f.strip():
+                raise ValueError(f"rule_files[{i}] is empty; expected a rule file, e.g. \"rules/site.yaml\"")
+            if not posixpath.isabs(f) and posixpath.normpath(f).split("/")[0] == "..":
+                raise ValueError(f"rule_files[{i}] {f!r} climbs out of the configuration's directory; a relative "
+                                 "path stays inside it (e.g. \"rules/site.yaml\"), a file elsewhere is named by its "
+                                 "absolute path (e.g. \"/etc/vllm-tuner/rules.yaml\")")
+        return files
+
+    def redactor(self, *, token: str | None = None) -> secrets.Redactor:
+        """What counts as secret for this configuration: the known flags and names, ``daemon.secret_flags``
+        and ``secret_env``, and every secret value it holds (targets' flags, actuator.env, passwords and
+        tokens in URLs, the bearer token read from scrape.bearer_token_file)."""
+        base = secrets.DEFAULT.extended(flags=self.daemon.secret_flags, env=self.daemon.secret_env)
+        urls = [u for t in self.targets for u in (t.metrics_url, t.base_url) if u]
+        urls += [t.gpu.url for t in self.targets if isinstance(t.gpu, DcgmSource)]
+        if isinstance(self.drain, actuator_settings.HttpDrainSettings):
+            urls += [self.drain.drain_url, self.drain.undrain_url]
+        env = self.actuator.env if isinstance(self.actuator, actuator_settings.ProcessActuatorSettings) else {}
+        return base.learn(argvs=[t.args for t in self.targets if t.args], env=env, urls=urls,
+                          values=[token] if token else [])
+
+    def redacted_dump(self, redactor: secrets.Redactor | None = None) -> dict[str, Any]:
+        """The effective configuration as JSON data, every secret masked (``check-config``, the log)."""
+        data: dict[str, Any] = (redactor or self.redactor()).data(self.model_dump(mode="json"))
+        return data
 
     def apply_problems(self) -> list[tuple[str, str]]:
         """What apply mode still needs (checked by `run` and `check-config`, not by the schema, so a
@@ -226,10 +281,19 @@ class TunerSettings(_Model):
         return problems
 
 
-def _where(loc: tuple[Any, ...]) -> str:
+def _where(loc: tuple[Any, ...], data: Any = None) -> str:
+    """``('actuator', 'process', 'command', 0)`` → ``actuator.command[0]``: a discriminated union's tag
+    (the ``kind:`` the data names, not a field) is left out."""
     out = ""
+    node = data
     for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part not in node and node.get("kind") == part:
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        try:
+            node = node[part] if node is not None else None
+        except (KeyError, IndexError, TypeError):
+            node = None
     return out
 
 
@@ -239,8 +303,12 @@ def _what(err: Any) -> str:
         return "unknown field (not part of the schema; see `vllm-tuner config-schema`)"
     if err["type"] == "missing":
         return "required field is missing"
+    if err["type"] == "value_error":  # our own validators: the message says what and quotes an example
+        return msg.removeprefix("Value error, ")
     if "input" in err and err["type"] not in ("model_type",):
-        given = repr(err["input"])
+        if {"args", "env", "bearer_token_file"} & {str(p) for p in err["loc"]}:
+            return msg  # the value given may be a secret: the field path says where
+        given = repr(secrets.DEFAULT.data(err["input"]))
         return f"{msg}; got {given[:80]}"
     return msg
 
@@ -253,7 +321,7 @@ def parse(data: Any, *, file: str = "<config>") -> TunerSettings:
     try:
         return TunerSettings.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(file, [(_where(e["loc"]), _what(e)) for e in exc.errors()]) from exc
+        raise ConfigError(file, [(_where(e["loc"], data), _what(e)) for e in exc.errors()]) from exc
 
 
 def load(path: str | Path, *, runnable: bool = True) -> TunerSettings:

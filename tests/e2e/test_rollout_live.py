@@ -15,6 +15,9 @@ rollout must carry the token (``scrape.bearer_token_file``), as the load does:
    holds the decision and every transition of both replicas, nothing lost across the kill; never two
    replicas out of service at once (journal timestamps). (One rollout proves both the raise and the
    recovery: a clean rollout runs in tests/e2e/test_systemd_live.py and bench/rollout_bench.py.)
+   The key never shows: not on /metrics, /status or /recommendations, not in the tuner's log, the
+   journal, state.json or the pid files — while the engines, relaunched by a tuner that was SIGKILLed,
+   run with it (their /proc cmdline) and answer requests that carry it, and only those.
 2. The tuner is restarted (SIGTERM; it re-adopts the running engines) with a rule that sets
    ``--max-model-len 8192`` — above the tiny model's 4096 positions, so vLLM refuses to start while
    the tuner's validator lets it through. The first replica is rolled back automatically, the other
@@ -33,10 +36,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.support import live_rollout as live
 from tests.support import vllm
+from tuner.model import secrets
 from tuner.rollout import journal as journaling
 
 NAMES = ("a", "b")
@@ -76,6 +81,28 @@ def assert_one_at_a_time(records: list[dict[str, Any]], rid: str) -> None:
 def assert_no_failures(result: dict[str, Any], load: live.LiveLoad, pool: live.ProcessPool) -> None:
     assert result["failed"] == 0, (vllm.summarize_benchmark(result), load.log_tail(60), pool.diagnostics())
     assert result["completed"] >= 50, vllm.summarize_benchmark(result)
+
+
+def masked(argv: list[str]) -> list[str]:
+    return secrets.DEFAULT.argv(argv)
+
+
+def assert_the_key_reaches_the_engines_and_nothing_else(pool: live.ProcessPool) -> None:
+    """Cheap: reads what is already there, starts nothing."""
+    assert pool.tuner is not None
+    shown = {p: httpx.get(pool.tuner.url + p, timeout=10).text for p in ("/metrics", "/status", "/recommendations")}
+    files = [pool.work / "tuner.log", pool.journal_path, pool.work / "state.json",
+             *sorted(pool.state_dir.glob("*.json"))]
+    shown |= {str(f): f.read_text(errors="replace") for f in files}
+    leaked = [where for where, text in shown.items() if API_KEY in text]
+    assert not leaked, f"the engines' --api-key shows in {leaked}"
+    assert '"--api-key"' in shown[str(pool.journal_path)] and "***" in shown[str(pool.journal_path)]  # masked
+    for n in NAMES:
+        live_argv = pool.live_argv(n)  # the engine's own command line: the real key
+        assert live_argv[live_argv.index("--api-key") + 1] == API_KEY
+        with_key = httpx.get(pool.url(n) + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        without = httpx.get(pool.url(n) + "/v1/models", timeout=10)
+        assert (with_key.status_code, without.status_code) == (200, 401), (with_key.text, without.text)
 
 
 def under_load(pool: live.ProcessPool, load: live.LiveLoad, during: Callable[[], str]) -> tuple[str, dict[str, Any]]:
@@ -141,10 +168,11 @@ def test_the_tuner_raises_max_num_seqs_one_replica_at_a_time_and_survives_a_sigk
     # argv (/proc), the actuator's pid files, the tuner's state and /status agree.
     for n in NAMES:
         assert pool.live_argv(n) == pool.args(n, 8)
-        assert pool.pidfile(n)["argv"] == pool.args(n, 8)
-        assert pool.state_args(n) == pool.args(n, 8)
+        assert pool.pidfile(n)["argv"] == masked(pool.args(n, 8))  # the key masked (secrets.digest holds the rest)
+        assert pool.state_args(n) == masked(pool.args(n, 8))
         assert live.healthy(pool.url(n))
     assert pool.wait_status_args("--max-num-seqs", "8")["mode"] == "apply"
+    assert_the_key_reaches_the_engines_and_nothing_else(pool)
 
     timing = live.timeline(records, rid)
     assert timing.outcome == "done"
@@ -214,8 +242,9 @@ def test_a_flag_set_the_engine_refuses_is_rolled_back_while_the_other_replica_se
     assert {n: pool.live_argv(n) for n in NAMES} == before
     assert pool.pidfile("b")["pid"] == pid_b
     for n in NAMES:
-        assert pool.state_args(n) == before[n]
+        assert pool.state_args(n) == masked(before[n])
         assert live.healthy(pool.url(n))
+    assert_the_key_reaches_the_engines_and_nothing_else(pool)
     print(f"\nrollout {rid}: refused start detected {detected:.0f}s and rolled back {rolled_back - launched:.0f}s "
           f"after the launch (the old flags' restart {back_healthy - back_started:.0f}s, slowest measured start "
           f"{restart:.0f}s); load: {result['completed']} completed, {result['failed']} failed")

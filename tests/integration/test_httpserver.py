@@ -117,3 +117,32 @@ def test_unknown_paths_are_404_with_a_list(http: httpx.Client, setup: Setup) -> 
     assert r.status_code == 404
     assert "/recommendations" in json.loads(r.text)["endpoints"]
     assert http.head(f"{server.url}/healthz").status_code == 200
+
+
+def test_no_endpoint_shows_a_secret_of_the_engines_arguments(http: httpx.Client) -> None:
+    """``--api-key`` in targets[].args: /metrics (tuner_engine_arg_info), /status (current and plan args) and
+    /recommendations show it masked, never its value — with the state as the daemon builds it and as
+    anything else builds it (the known secret flags are masked without being told the value)."""
+    from tuner import config
+    from tuner.daemon.state import TunerState
+
+    key = "sk-http-4c1d9e2b"
+    for build in ("daemon", "plain"):
+        h = Harness("recommend")
+        h.settings = config.parse({**h.settings.model_dump(mode="json"), "targets": [
+            {"name": "engine-0", "metrics_url": "http://127.0.0.1:1/engine-0/metrics",
+             "args": ["--max-num-seqs", "8", "--api-key", key]}]})
+        h.state = (TunerState.fresh(h.settings.targets, redactor=h.settings.redactor()) if build == "daemon"
+                   else TunerState.fresh(h.settings.targets))
+        with httpserver.TunerHttpServer(metrics=h.metrics, state=h.state, max_age_seconds=90, port=0) as server:
+            h.run()
+            h.run()
+            bodies = {p: http.get(f"{server.url}{p}").text for p in ("/metrics", "/status", "/recommendations")}
+        status = json.loads(bodies["/status"])
+        assert status["targets"]["engine-0"]["plan"]["recommendations"][0]["to"] == "16"  # a plan was made
+        for path, body in bodies.items():
+            assert key not in body, (build, path)
+        assert status["targets"]["engine-0"]["current_args"]["--api-key"] == "***"
+        plan_args = status["targets"]["engine-0"]["plan"]["args"]
+        assert plan_args[plan_args.index("--api-key") + 1] == "***"
+        assert 'flag="--api-key",kind="current",target="engine-0",value="***"' in bodies["/metrics"]

@@ -83,8 +83,8 @@ class Crash(BaseException):
 
 
 class CrashingJournal(journal.Journal):
-    def __init__(self, path: Path, when: Callable[[journal.Record], bool]) -> None:
-        super().__init__(path)
+    def __init__(self, path: Path, when: Callable[[journal.Record], bool], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
         self._when = when
 
     def append(self, kind: str, *, at: float, **fields: Any) -> journal.Record:
@@ -265,6 +265,72 @@ def test_a_tuner_killed_mid_rollout_resumes_from_the_journal_to_a_consistent_sta
     assert expected in events(records)
     assert journal.unfinished(records) is None
     assert stack.lb.drainer().drained == set()
+
+
+@pytest.mark.filterwarnings("ignore:subprocess .* is still running:ResourceWarning")
+@pytest.mark.parametrize("crash_at", ["starting", "waiting_healthy"])
+def test_a_tuner_killed_mid_rollout_restarts_engines_with_their_real_secret(tmp_path: Path, crash_at: str) -> None:
+    """Token-protected engines (``--api-key``: the stub, like vLLM, answers /v1/* only with it). The journal
+    and the pid files hold the key masked; the tuner is killed mid-rollout; the next one replays the
+    journal, puts the key back from the configuration (``restore``) and re-adopts the running engine from
+    /proc — so every engine it starts, or rolls back to, gets the real key (a masked one would never turn
+    healthy: the probe sends the real token)."""
+    from tuner.model import secrets
+    from tuner.sources.scraping import HttpSettings
+
+    key = "sk-rolling-6d0e4b2a"
+    n = next(_run)
+    ports = {f"a{n}": nginx_support.free_port(), f"b{n}": nginx_support.free_port()}
+    a = next(iter(ports))
+    with nginx_support.NginxBalancer({name: f"127.0.0.1:{p}" for name, p in ports.items()}) as lb:
+        s = Stack(tmp_path, ports, lb)
+        configured = {name: [*s.argv(name, 8), "--api-key", key] for name in ports}
+        redactor = secrets.DEFAULT.learn(argvs=configured.values())
+        client = EngineClient(HttpSettings(bearer_token=key))
+
+        def actuator() -> process.ProcessActuator:
+            act = process.ProcessActuator(s.replicas, command=[sys.executable, str(STUB)],
+                                          state_dir=tmp_path / "state", redactor=redactor)
+            s.actuators.append(act)
+            return act
+
+        def driver(j: journal.Journal) -> rolling.RolloutDriver:
+            return rolling.RolloutDriver(
+                actuator=actuator(), drainer=lb.drainer(settle_seconds=0.3),
+                prober=rolling.EngineProber(client, kind="vllm"), journal=j, poll_seconds=0.2,
+                idle_settle_seconds=0.5, hold_timeout_seconds=60,
+                restore=lambda r: journal.restored(r, lambda name, argv: redactor.restore(argv, configured[name])))
+
+        try:
+            first = actuator()
+            for name in ports:
+                first.start(name, configured[name])
+            deadline = time.monotonic() + 20
+            while not all(client.is_healthy(r.base_url, "vllm") for r in s.replicas):
+                assert time.monotonic() < deadline, "the stub engines did not serve with the key"
+                time.sleep(0.1)
+            new = {name: [*s.argv(name, 32), "--api-key", key] for name in ports}
+            path = tmp_path / "journal.jsonl"
+            with CrashingJournal(path, lambda r: r.get("replica") == a and r.get("to") == crash_at,
+                                 redactor=redactor) as j:
+                d = driver(j)
+                with pytest.raises(Crash):
+                    d.run(d.begin("r-secret", new, limits=LIMITS))
+            with journal.Journal(path, redactor=redactor) as j2:
+                d2 = driver(j2)
+                final = d2.run(d2.recover() or pytest.fail("nothing to recover"))
+            live = {name: s.live_argv(name) for name in ports}
+        finally:
+            for act in reversed(s.actuators):  # whichever instance started an engine stops it
+                for name in ports:
+                    act.stop(name, timeout_seconds=5)
+            client.close()
+    assert machine.outcome(final) is Outcome.DONE, machine.describe(final)
+    assert tuple(new[a]) == final.new_argv[a]  # the replayed rollout carries the real key again
+    assert live == {name: tuple(argv) for name, argv in new.items()}  # the new flags, with the real key
+    for stored in [path, *(tmp_path / "state").glob("*.json")]:
+        assert key not in stored.read_text(), stored
+    assert "--api-key" in path.read_text()  # masked, not dropped
 
 
 # --- the same driver over the in-memory fakes: the branches real engines rarely take ---------------

@@ -6,6 +6,10 @@ NOTIFY_SOCKET datagram socket) and watchdog pings while it runs, /healthz answer
 the resumed rollout's progress; the resumed replica is judged against the baseline journaled with the
 decision, and the rollout ends with both replicas on the new arguments. The e2e tier does the same on
 real vLLM (tests/e2e/test_rollout_live.py).
+
+The engines carry a secret (``--api-key``, and the token file the tuner scrapes with): every engine the
+resumed tuner starts gets it — from the configuration, since the journal, state.json and the pid files
+hold it masked — and none of the tuner's outputs shows it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from tuner.cli import demo as cli_demo
 from tuner.rollout import journal
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-recovery-3e9b51c7"
 
 
 def start_tuner(cfg: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -58,6 +63,10 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
     cfg = yaml.safe_load(cfg_path.read_text())
     port = free_port()
     cfg["daemon"]["listen_port"] = port
+    for target in cfg["targets"]:
+        target["args"] += ["--api-key", KEY]
+    (tmp_path / "token").write_text(KEY + "\n")
+    cfg["scrape"]["bearer_token_file"] = str(tmp_path / "token")
     cfg_path.write_text(json.dumps(cfg))
     jpath = Path(cfg["rollout"]["journal_file"])
     log = tmp_path / "tuner.log"
@@ -124,6 +133,18 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
         for name in ("sim-a", "sim-b"):
             args = state["targets"][name]["args"]
             assert args[args.index("--max-num-seqs") + 1] == "80"
+            assert args[args.index("--api-key") + 1] == "***"
+            # the engine the resumed tuner runs got the real key (its own command line)
+            pid = json.loads((tmp_path / "engines" / f"{name}.json").read_text())["pid"]
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert cmdline[cmdline.index(b"--api-key") + 1] == KEY.encode() and b"80" in cmdline
+        shown = {p: httpx.get(f"http://127.0.0.1:{port}{p}", timeout=5).text
+                 for p in ("/metrics", "/status", "/recommendations")}
+        shown |= {str(f): f.read_text(errors="replace") for f in (log, jpath, tmp_path / "state.json",
+                                                                  *(tmp_path / "engines").glob("*.json"))}
+        shown["sd_notify STATUS="] = "\n".join(heard)
+        for where, text in shown.items():
+            assert KEY not in text, where
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:

@@ -49,6 +49,11 @@ def server():
     _Handler.routes = {
         "/good": _response(200, GOOD.encode()),
         "/500": _response(500, b"Internal Server Error"),
+        "/500-echo": _response(500, b'{"detail": "bad request from Authorization: Bearer sk-echoed-31337"}',
+                               content_type="application/json"),
+        "/401-echo": _response(401, b"no key sk-echoed-31337", content_type="text/plain"),
+        "/echo/get_model_info": _response(200, b"oops sk-echoed-31337", content_type="text/plain"),
+        "/echo/get_server_info": _response(503, b"down sk-echoed-31337", content_type="text/plain"),
         "/html": _response(200, b"<!DOCTYPE html><html><body>login</body></html>", content_type="text/html"),
         "/html-as-text": _response(200, b"<html><body>proxy error</body></html>\n"),
         "/truncated": _response(200, GOOD.encode()[:30], length=len(GOOD)),
@@ -154,3 +159,24 @@ def test_bearer_token_is_sent():
 def test_base_url():
     assert scraping.base_url("http://h:8000/metrics") == "http://h:8000"
     assert scraping.base_url("https://h/vllm/metrics/") == "https://h/vllm"
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("/500-echo", "HTTP 500 (application/json, 68 bytes)"),
+    ("/401-echo", "HTTP 401 (text/plain, 22 bytes)"),
+])
+def test_an_error_response_body_is_never_copied_into_the_reason(server, client, path, expected):
+    """An engine's (or a proxy's) error page can echo a request, a header, a token: the reason says what
+    the response was, not what it said."""
+    snap = _scrape(client, server + path)
+    assert snap.error == expected
+    assert "sk-echoed" not in snap.error and "Bearer" not in snap.error
+
+
+def test_a_body_that_is_not_json_is_not_copied_into_the_engine_info_error(server):
+    from tuner.sources.engines import EngineClient
+
+    with EngineClient() as engine:
+        info = engine.info(server + "/echo", "sglang")
+    assert info.error is not None and "not JSON" in info.error and "HTTP 503" in info.error
+    assert "sk-echoed" not in info.error and "oops" not in info.error

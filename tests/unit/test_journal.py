@@ -326,3 +326,24 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
         holder.stdout.close()
     with locks.acquire(path) as lock:
         assert lock.path == path and path.read_text().strip() == str(os.getpid())
+
+
+def test_a_journal_with_a_redactor_holds_no_secret_and_a_replayed_rollout_gets_it_back(tmp_path: Path) -> None:
+    from tuner.model import secrets
+
+    key = "sk-journal-5e7d21"
+    old, new = ("--api-key", key, "--max-num-seqs", "8"), ("--api-key", key, "--max-num-seqs", "32")
+    redactor = secrets.DEFAULT.learn(argvs=[old])
+    path = tmp_path / "journal.jsonl"
+    with journal.Journal(path, redactor=redactor) as j:
+        r = machine.new("r1", replicas=["a"], changes={"a": (old, new)}, limits=machine.Limits(), now=0.0)
+        j.append("rollout", at=0.0, **journal.rollout_fields(r))
+        r = step(j, r, "a", E.GO, 1.0)
+        step(j, r, "a", E.DRAINED, 2.0, reason=f"the process runs {' '.join(new)}")
+        assert key not in json.dumps(list(j.records))  # what it holds in memory is what the file holds
+    assert key not in path.read_text()
+    replayed = journal.unfinished(journal.read_records(path))
+    assert replayed is not None and replayed.new_argv["a"] == ("--api-key", "***", "--max-num-seqs", "32")
+    back = journal.restored(replayed, lambda name, argv: redactor.restore(argv, list(old)))
+    assert (back.old_argv["a"], back.new_argv["a"]) == (old, new)
+    assert back.of("a").state is replayed.of("a").state

@@ -6,6 +6,12 @@ process group, with stdout and stderr appended to ``<log_dir>/<name>.log``. A pi
 that outlived it, so a tuner killed mid-rollout still knows what each replica runs; the start time
 guards against a recycled pid.
 
+Secrets: the pid file and the log's header line hold the argv with every secret masked
+(``model.secrets``: ``--api-key ***``) and the sha256 of the real one. A re-adopted engine's real
+arguments are read back from ``/proc/<pid>/cmdline`` and accepted only if they hash to the recorded
+value; otherwise they are unknown (``argv`` None: rollouts of that replica are refused, the detail
+says why) — never guessed.
+
 Stopping follows systemd's ``KillMode=mixed``: SIGTERM to the leader alone (vLLM's API server then
 shuts its engine-core children down itself, draining for ``--shutdown-timeout``), SIGKILL to the whole
 group after the deadline — with clients still connected vLLM never exits on its own — and to any
@@ -24,18 +30,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+from tuner.model import secrets
 
 
 @dataclass
 class _Proc:
     pid: int
     starttime: int | None  # /proc/<pid>/stat field 22, in clock ticks since boot
-    argv: tuple[str, ...]
+    argv: tuple[str, ...] | None  # None: a re-adopted engine whose real arguments could not be read back
     popen: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier tuner
     stopping: bool = False
+    unknown: str = ""  # why argv is None
 
 
 def _starttime(pid: int) -> int | None:
@@ -47,6 +56,33 @@ def _starttime(pid: int) -> int | None:
     if fields[0] == "Z":  # a zombie has exited; only its parent's wait is missing
         return None
     return int(fields[19])
+
+
+def _cmdline(pid: int) -> tuple[str, ...] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return tuple(a.decode("utf-8", "surrogateescape") for a in raw.split(b"\0")[:-1])
+
+
+def read_pidfile(path: Path) -> dict[str, Any] | None:
+    """A pid file's record (pid, starttime, argv, …); None if there is none. An unreadable one is a
+    ``PermanentActuatorError``: the engine it describes may still run."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+        int(data["pid"])
+        if not isinstance(data["argv"], list) or not all(isinstance(a, str) for a in data["argv"]):
+            raise TypeError("argv is not a list of strings")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PermanentActuatorError(
+            f"process actuator: unreadable pid file {path} ({exc}); remove it once no engine it names is running"
+        ) from exc
+    return data
 
 
 def _describe_exit(returncode: int) -> str:
@@ -70,6 +106,7 @@ class ProcessActuator:
         cwd: str | None = None,
         poll_seconds: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        redactor: secrets.Redactor = secrets.DEFAULT,
     ) -> None:
         if not command:
             raise PermanentActuatorError("process actuator: `command` is empty; e.g. [\"vllm\", \"serve\"]")
@@ -83,6 +120,7 @@ class ProcessActuator:
         self._cwd = cwd
         self._poll = poll_seconds
         self._clock = clock
+        self._redactor = redactor
         self._procs: dict[str, _Proc | None] = {}
         self._last: dict[str, base.ReplicaStatus] = {}  # how each replica's last process ended
         self._locks = {r.name: threading.RLock() for r in self._replicas}
@@ -104,17 +142,38 @@ class ProcessActuator:
         return self.log_dir / f"{name}.log"
 
     def _adopt(self, name: str) -> _Proc | None:
-        try:
-            data = json.loads(self._pidfile(name).read_text())
-            proc = _Proc(int(data["pid"]), data.get("starttime"), tuple(data["argv"]))
-        except FileNotFoundError:
+        data = read_pidfile(self._pidfile(name))
+        if data is None:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise PermanentActuatorError(
-                f"process actuator: unreadable pid file {self._pidfile(name)} ({exc}); remove it once no "
-                f"engine for {name!r} is running"
-            ) from exc
-        return proc
+        pid, starttime = int(str(data["pid"])), data.get("starttime")
+        recorded = tuple(str(a) for a in data["argv"])
+        digest = data.get("argv_sha256")
+        if digest is None:  # written before argv were stored masked: the real ones, in clear
+            proc = _Proc(pid, starttime, recorded)
+            if _starttime(pid) == starttime and self._redactor.argv(recorded) != list(recorded):
+                self._write_pidfile(name, proc)  # no longer in clear
+            return proc
+        live: tuple[str, ...] | None = None
+        for attempt in range(3):  # a process caught mid-exec or mid-exit shows no command line for a moment
+            if _starttime(pid) != starttime:
+                return _Proc(pid, starttime, recorded)  # gone: status() reports how it ended
+            live = _cmdline(pid)
+            real = live[len(live) - len(recorded):] if live and len(live) >= len(recorded) else None
+            if real is not None and secrets.digest(real) == digest:
+                return _Proc(pid, starttime, real)
+            if attempt < 2:
+                time.sleep(0.05)
+        why = "is unreadable" if not live else "does not match the one its pid file recorded (sha256)"
+        return _Proc(pid, starttime, None, unknown=(
+            f"pid {pid}'s command line (/proc/{pid}/cmdline) {why}: its arguments are unknown and rollouts of "
+            f"{name} are refused; restart it (or stop it and remove {self._pidfile(name)}) to let the tuner own it"))
+
+    def _write_pidfile(self, name: str, proc: _Proc) -> None:
+        """pid, start time, the argv masked and the real one's sha256 (``model.secrets``)."""
+        argv = proc.argv or ()
+        record = {"pid": proc.pid, "starttime": proc.starttime, "argv": self._redactor.argv(argv),
+                  "argv_sha256": secrets.digest(argv), "command": self._redactor.argv(self.command)}
+        files.write_atomically(self._pidfile(name), json.dumps(record).encode(), mode=0o600)
 
     def _check(self, name: str) -> None:
         if name not in self._locks:
@@ -148,7 +207,7 @@ class ProcessActuator:
                 lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
         except OSError:
             return ""
-        return lines[-1].strip()[:300] if lines else ""
+        return self._redactor.text(lines[-1].strip())[:300] if lines else ""
 
     # --- the contract ------------------------------------------------------------------------------
 
@@ -163,7 +222,7 @@ class ProcessActuator:
                 return self._last.get(name) or base.ReplicaStatus(name, base.State.STOPPED)
             ended = self._exit_of(proc)
             if ended is None:
-                return base.ReplicaStatus(name, base.State.RUNNING, proc.pid, proc.argv)
+                return base.ReplicaStatus(name, base.State.RUNNING, proc.pid, proc.argv, proc.unknown)
             line = self._last_log_line(name)
             detail = f"{ended}; last log line: {line}" if line else ended
             state = base.State.STOPPED if ended == "exited with status 0" else base.State.FAILED
@@ -190,7 +249,8 @@ class ProcessActuator:
                 return
             log = self.log_path(name).open("ab")
             try:
-                log.write(f"=== vllm-tuner: starting {name}: {json.dumps([*self.command, *argv])}\n".encode())
+                shown = self._redactor.argv([*self.command, *argv])
+                log.write(f"=== vllm-tuner: starting {name}: {json.dumps(shown)}\n".encode())
                 log.flush()
                 popen = subprocess.Popen(
                     [*self.command, *argv],
@@ -205,8 +265,7 @@ class ProcessActuator:
                 log.close()
             proc = _Proc(popen.pid, _starttime(popen.pid), argv, popen)
             self._procs[name] = proc
-            record = {"pid": proc.pid, "starttime": proc.starttime, "argv": list(argv), "command": list(self.command)}
-            files.write_atomically(self._pidfile(name), json.dumps(record).encode(), mode=0o600)
+            self._write_pidfile(name, proc)
 
     def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> base.ReplicaStatus:
         self._check(name)

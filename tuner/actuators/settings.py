@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tuner.actuators import base, draining, process, systemd
+from tuner.model import secrets
 from tuner.rollout import machine
 
 
@@ -41,9 +42,19 @@ class ProcessActuatorSettings(_Model):
     """Each replica's stdout+stderr goes to <log_dir>/<name>.log. None: state_dir."""
     env: dict[str, str] = {}
     """Extra environment variables for the engines (on top of the tuner's own); ``{name}`` in a value is
-    the replica's name. With live knobs on, the tuner adds ``VLLM_TUNER_CONTROL_DIR`` itself."""
+    the replica's name. With live knobs on, the tuner adds ``VLLM_TUNER_CONTROL_DIR`` itself. Secret ones
+    (HF_TOKEN, VLLM_API_KEY, … daemon.secret_env) reach the engine and are masked wherever the tuner shows them."""
     cwd: str | None = None
     """Working directory of the engines. None: the tuner's."""
+
+    @field_validator("command")
+    @classmethod
+    def _words(cls, command: list[str]) -> list[str]:
+        for i, word in enumerate(command):
+            if not word.strip() or any(c in word for c in "\n\r\0"):
+                raise ValueError(f"command[{i}] is {'empty' if not word.strip() else 'not one line'}; expected an "
+                                 "argv list whose first word is the program, e.g. [\"/opt/vllm/bin/vllm\", \"serve\"]")
+        return command
 
 
 class SystemdActuatorSettings(_Model):
@@ -180,17 +191,19 @@ class RolloutSettings(_Model):
 
 
 def build_actuator(
-    settings: ProcessActuatorSettings | SystemdActuatorSettings, replicas: Sequence[base.Replica]
+    settings: ProcessActuatorSettings | SystemdActuatorSettings, replicas: Sequence[base.Replica], *,
+    redactor: secrets.Redactor = secrets.DEFAULT,
 ) -> base.Actuator:
+    """``redactor``: what the actuator masks where it stores or shows arguments (pid files, details)."""
     if isinstance(settings, ProcessActuatorSettings):
         return process.ProcessActuator(
             replicas, command=settings.command, state_dir=settings.state_dir, log_dir=settings.log_dir,
-            env=settings.env or None, cwd=settings.cwd,
+            env=settings.env or None, cwd=settings.cwd, redactor=redactor,
         )
     return systemd.SystemdActuator(
         replicas, unit=settings.unit, env_dir=settings.env_dir, variable=settings.variable,
         systemctl=settings.systemctl, command_timeout_seconds=settings.command_timeout_seconds,
-        proc_root=settings.proc_root,
+        proc_root=settings.proc_root, redactor=redactor,
     )
 
 

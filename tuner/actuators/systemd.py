@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+from tuner.model import secrets
 
 _SHOW = ("LoadState", "ActiveState", "SubState", "Result", "MainPID", "ExecMainStatus", "ExecMainCode")
 _ARGV_MARK = "# argv: "
@@ -39,11 +40,11 @@ _ARGV_MARK = "# argv: "
 
 def quote_environment(variable: str, argv: Sequence[str]) -> str:
     """``VARIABLE="…"``: a line of an EnvironmentFile whose value systemd splits back into ``argv``."""
-    for arg in argv:
-        if any(c in arg for c in "\n\r\0"):
+    for i, arg in enumerate(argv):
+        if any(c in arg for c in "\n\r\0"):  # the value is not quoted back: it may be a secret
             raise PermanentActuatorError(
-                f"systemd actuator: argument {arg!r} contains a newline or NUL byte, which an "
-                "EnvironmentFile cannot carry"
+                f"systemd actuator: argument {i} contains a newline or NUL byte, which an EnvironmentFile "
+                "cannot carry"
             )
     words = " ".join('"' + a.replace("\\", "\\\\").replace('"', '\\"') + '"' for a in argv)
     value = "".join("\\" + c if c in '"\\`$' else c for c in words)
@@ -71,8 +72,10 @@ class SystemdActuator:
         proc_root: str | os.PathLike[str] = "/proc",
         poll_seconds: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        redactor: secrets.Redactor = secrets.DEFAULT,
     ) -> None:
         self._replicas = tuple(replicas)
+        self._redactor = redactor
         self._unit = unit
         self.env_dir = Path(env_dir)
         self._variable = variable
@@ -191,11 +194,12 @@ class SystemdActuator:
                 files.write_atomically(self.env_path(name), environment_file(self._variable, argv).encode("utf-8"),
                                        mode=0o640)
                 return self.status(name)
-            shown = " ".join(live) if live is not None else f"unreadable ({self._proc_root}/{current.pid}/cmdline)"
+            shown = (" ".join(self._redactor.argv(live)) if live is not None
+                     else f"unreadable ({self._proc_root}/{current.pid}/cmdline)")
             return base.ReplicaStatus(name, current.state, current.pid, None, (
                 f"{unit} runs arguments vllm-tuner did not write ({self.env_path(name)} has no "
                 f"'{_ARGV_MARK.strip()}' line) and its command line [{shown}] does not end with the configured "
-                f"arguments [{' '.join(argv)}]: rollouts of {name} are refused. Make targets[].args say what "
+                f"arguments [{' '.join(self._redactor.argv(argv))}]: rollouts of {name} are refused. Make targets[].args say what "
                 f"runs, or stop the unit and remove the file so that the tuner starts it"))
 
     def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> base.ReplicaStatus:

@@ -1,6 +1,7 @@
 """Command line: ``vllm-tuner inspect | recommend | replay | run | check-config | config-schema | demo``.
 
-Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage.
+Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, or a start-up that cannot proceed
+(one ``error:`` line per problem on stderr, never a traceback).
 """
 
 from __future__ import annotations
@@ -15,22 +16,35 @@ import yaml
 
 from tuner import __version__, config
 from tuner.cli import deciding, demo, inspecting
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, TunerError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tuner.daemon import logs, running
+    from tuner.daemon import logs, preflight, running
 
     settings = config.load(args.config)
+    preflight.check(settings, args.config, serving=not args.once)  # check-config's checks, before anything is touched
     logs.configure(json_logs=settings.daemon.json_logs or args.json_logs)
-    return running.build_and_run(args.config, once=args.once)
+    try:
+        return running.build_and_run(args.config, once=args.once)
+    except OSError as exc:  # at start-up: a port or a file taken between the checks and now
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise StartError(f"{args.config}: cannot start: {exc.strerror or exc}{where}") from exc
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from tuner.daemon import preflight
+
     settings = config.load(args.file)
-    print(f"# {args.file}: valid. Effective configuration (defaults filled in):")
-    print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    preflight.check(settings, args.file)
+    print(f"# {args.file}: valid, and every check `run` makes at start-up passes here. Effective configuration "
+          "(defaults filled in, secrets masked):")
+    print(yaml.safe_dump(settings.redacted_dump(), sort_keys=False), end="")
     return 0
+
+
+class StartError(TunerError):
+    """``run`` could not start for a reason outside the configuration's text (exit code 2)."""
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
@@ -65,13 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="where to write launcher.pyz")
     p.set_defaults(func=cmd_launcher_zipapp)
 
-    p = sub.add_parser("check-config", help="validate a config file and print the effective config")
+    p = sub.add_parser("check-config", help="validate a config file, run every start-up check `run` makes (touching "
+                       "nothing) and print the effective config, secrets masked")
     p.add_argument("file")
     p.set_defaults(func=cmd_check_config)
 
     p = sub.add_parser("config-schema", help="print the config file's JSON schema")
     p.set_defaults(func=cmd_config_schema)
     return parser
+
+
+def error_lines(exc: TunerError) -> list[str]:
+    """One line per problem: ``error: FILE: WHERE: WHAT`` (a configuration error), else ``error: WHAT``."""
+    if isinstance(exc, ConfigError):
+        return [f"error: {exc.file}: {where + ': ' if where else ''}{' '.join(what.split())}"
+                for where, what in exc.problems] or [f"error: {exc.file}: invalid"]
+    return [f"error: {' '.join(str(exc).split())}"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except TunerError as exc:  # every expected failure: one line per problem, no traceback
+        for line in error_lines(exc):
+            print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 from tuner import config
 from tuner.cli import inputs
-from tuner.model import dialects, knobs, snapshots
+from tuner.model import dialects, knobs, secrets, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.planning import planner, stepping
 from tuner.rules import loading
@@ -109,6 +110,7 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
 
     settings = config.load(ns.config, runnable=False)
     config_dir = Path(ns.config).resolve().parent
+    redactor = settings.redactor()
     rules = tuple(inputs.rules(ns.rules) if ns.rules else
                   loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir)))
     decisions = inputs.decision_settings(ns) if ns.decisions else settings.decisions
@@ -135,13 +137,24 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
                                            gpus=c.read_gpus()))
             last = decisions_seen[-1]
             results[t.name] = recommendation_json(last)
-            lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; args: {args}")
+            lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; "
+                         f"args: {_shown(args, redactor)}")
             lines += _decision_text(last)
     if ns.format == "json":
-        print(json.dumps(results[next(iter(results))] if len(results) == 1 else {"targets": results}, indent=2))
+        print(json.dumps(redactor.data(results[next(iter(results))] if len(results) == 1 else {"targets": results}),
+                         indent=2))
     else:
-        print("\n".join(lines))
+        print(redactor.text("\n".join(lines)))
     return 0
+
+
+def _shown(args: knobs.EngineArgs, redactor: secrets.Redactor = secrets.DEFAULT) -> str:
+    """A command line as printed: secret values masked (``--api-key ***``)."""
+    def word(a: str) -> str:
+        head = a.removesuffix(secrets.MASK)
+        return a if a.endswith(secrets.MASK) and shlex.quote(head or "x") == (head or "x") else shlex.quote(a)
+
+    return " ".join(word(a) for a in redactor.argv(args.argv()))
 
 
 def cmd_recommend(ns: argparse.Namespace) -> int:
@@ -157,15 +170,16 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
     decisions = recorded_timeline(ns, snaps, args=args, apply=False)
     last = decisions[-1]
     if ns.format == "json":
-        print(json.dumps(recommendation_json(last), indent=2))
+        print(json.dumps(secrets.DEFAULT.data(recommendation_json(last)), indent=2))
         return 0
     span = snaps[-1].scraped_at - snaps[0].scraped_at
-    print(f"recommend ({ns.kind}): {len(snaps)} snapshots over {span:.0f}s, {len(decisions)} steps; args: {args}")
+    print(f"recommend ({ns.kind}): {len(snaps)} snapshots over {span:.0f}s, {len(decisions)} steps; "
+          f"args: {_shown(args)}")
     print("\n".join(_decision_text(last)))
     if last.plan is not None:
         print(f"  restart needed: {'yes' if last.plan.restart_needed else 'no'}")
         if last.plan.changes:
-            print(f"  args after: {last.plan.args_after}")
+            print(f"  args after: {_shown(last.plan.args_after)}")
     return 0
 
 
@@ -178,10 +192,10 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if ns.format == "json":
         out = [dict(d.plan.as_dict(), window_snapshots=len(d.state.window)) if d.plan is not None else
                {"at": d.at, "skipped": d.skipped, "window_snapshots": len(d.state.window)} for d in decisions]
-        print(json.dumps({"dir": str(directory), "args": args.argv(), "cycles": out}, indent=2))
+        print(json.dumps(secrets.DEFAULT.data({"dir": str(directory), "args": args.argv(), "cycles": out}), indent=2))
         return 0
     t0 = snaps[0].scraped_at if snaps else 0.0
-    print(f"replay {directory} ({ns.kind}): {len(snaps)} snapshots, args: {args}")
+    print(f"replay {directory} ({ns.kind}): {len(snaps)} snapshots, args: {_shown(args)}")
     final = args
     for d in decisions:
         if d.plan is None:
@@ -196,7 +210,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
                 print(f"         {ch.flag}: {ch.reason}")
         if d.plan.changes:
             final = d.plan.args_after
-    print(f"final args: {final}")
+    print(f"final args: {_shown(final)}")
     return 0
 
 

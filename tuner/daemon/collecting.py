@@ -28,10 +28,12 @@ def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = No
         try:
             token = path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(str(path), [("scrape.bearer_token_file", f"cannot read the token: "
-                                                                      f"{getattr(exc, 'strerror', None) or exc}")]) from exc
+            raise ConfigError(str(path), [("scrape.bearer_token_file", (
+                f"cannot read the token: {getattr(exc, 'strerror', None) or exc}; expected a readable file holding "
+                "the engines' token (vLLM --api-key), e.g. /etc/vllm-tuner/engine-token"))]) from exc
         if not token:
-            raise ConfigError(str(path), [("scrape.bearer_token_file", "the token file is empty")])
+            raise ConfigError(str(path), [("scrape.bearer_token_file", "the token file is empty; expected the engines' "
+                                                                      "token (vLLM --api-key) on one line")])
     verify: bool | str = scrape.tls.ca_file or scrape.tls.verify
     return scraping.HttpSettings(
         connect_timeout_seconds=scrape.connect_timeout_seconds,

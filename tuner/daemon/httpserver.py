@@ -9,7 +9,8 @@
 =====================  =========================================================================
 
 Read-only: nothing here changes the tuner or an engine, so there is no authentication; keep it on
-loopback (or behind something that authenticates) — ``/status`` shows engine arguments.
+loopback (or behind something that authenticates) — ``/status`` shows engine arguments. Never their
+secrets: every document goes out through the ``redactor`` (``model.secrets``: ``--api-key ***``).
 Handlers only read ``state.last``, an immutable ``CycleResult`` that the loop swaps in atomically.
 """
 
@@ -26,6 +27,7 @@ from typing import Any, Self
 
 from tuner.daemon import selfmetrics, views
 from tuner.daemon.state import TunerState
+from tuner.model import secrets
 
 log = logging.getLogger("tuner.http")
 
@@ -47,8 +49,10 @@ class TunerHttpServer:
         host: str = DEFAULT_HOST,
         port: int = DEFAULT_PORT,
         clock: Callable[[], float] = time.time,
+        redactor: secrets.Redactor | None = None,
     ) -> None:
         self.metrics = metrics
+        self.redactor = redactor if redactor is not None else state.redactor
         self.state = state
         self.max_age_seconds = max_age_seconds
         self.is_alive = is_alive  # the loop runs and its current cycle (if any) is not stuck
@@ -140,7 +144,8 @@ def _handler_class(owner: TunerHttpServer) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?", 1)[0].rstrip("/") or "/"
             try:
                 if path == "/metrics":
-                    self._send(HTTPStatus.OK, owner.metrics.render(), selfmetrics.CONTENT_TYPE)
+                    text = owner.redactor.text(owner.metrics.render().decode("utf-8"))
+                    self._send(HTTPStatus.OK, text.encode("utf-8"), selfmetrics.CONTENT_TYPE)
                 elif path == "/healthz":
                     ok, body = owner.health()
                     self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, body)
@@ -159,7 +164,8 @@ def _handler_class(owner: TunerHttpServer) -> type[BaseHTTPRequestHandler]:
             self.do_GET()
 
         def _json(self, status: HTTPStatus, body: Any) -> None:
-            data = json.dumps(body, default=str, indent=1).encode("utf-8") + b"\n"
+            body = owner.redactor.data(json.loads(json.dumps(body, default=str)))
+            data = json.dumps(body, indent=1).encode("utf-8") + b"\n"
             self._send(status, data, "application/json")
 
         def _send(self, status: HTTPStatus, data: bytes, content_type: str) -> None:

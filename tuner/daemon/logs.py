@@ -1,4 +1,6 @@
-"""Logging: text lines by default, one JSON object per line with ``daemon.json_logs``."""
+"""Logging: text lines by default, one JSON object per line with ``daemon.json_logs``. Every line goes
+out through the configuration's ``redactor`` (``redact``): a secret it holds never reaches the log,
+whatever module wrote the message (an engine's log line, an error's text, an argv)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import json
 import logging
 import os
 from typing import Any
+
+from tuner.model import secrets
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -27,10 +31,31 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+class RedactingFormatter(logging.Formatter):
+    """Another formatter's line with every secret masked (tracebacks and JSON records included)."""
+
+    def __init__(self, inner: logging.Formatter, redactor: secrets.Redactor) -> None:
+        super().__init__()
+        self.inner, self.redactor = inner, redactor
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.redactor.text(self.inner.format(record))
+
+
+def redact(redactor: secrets.Redactor) -> None:
+    """Mask what ``redactor`` knows in every line of the root logger's handlers (call after ``configure``)."""
+    for handler in logging.getLogger().handlers:
+        inner = handler.formatter or logging.Formatter()
+        if isinstance(inner, RedactingFormatter):
+            inner = inner.inner
+        handler.setFormatter(RedactingFormatter(inner, redactor))
+
+
 def configure(*, json_logs: bool, level: str = "INFO") -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonLogFormatter() if json_logs else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(RedactingFormatter(JsonLogFormatter() if json_logs else
+                                            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"),
+                                            secrets.DEFAULT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("VLLM_TUNER_LOG_LEVEL", level))

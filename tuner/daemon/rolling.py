@@ -108,6 +108,7 @@ class RolloutDriver:
         clock: Callable[[], float] = time.time,
         max_temporary_failures: int = 3,
         drains: bool = True,
+        restore: Callable[[machine.Rollout], machine.Rollout] | None = None,
     ) -> None:
         self.actuator, self.drainer, self.prober, self.journal = actuator, drainer, prober, journal
         self._replicas = {r.name: r for r in actuator.replicas()}
@@ -123,6 +124,9 @@ class RolloutDriver:
         self._clock = clock
         self._max_temporary = max_temporary_failures
         self._drains = drains  # False: nothing takes the replica out of the load balancer
+        # A rollout replayed from the journal carries masked secrets (``--api-key ***``): this puts the real
+        # values back (from the configuration) before any engine is started with them.
+        self._restore = restore
         self._waits = _Waits(idle_since={}, unhealthy_polls={})
         self._last_hold_reason = ""
 
@@ -174,6 +178,8 @@ class RolloutDriver:
         rollout = journaling.unfinished(self.journal.records)
         if rollout is None:
             return None
+        if self._restore is not None:
+            rollout = self._restore(rollout)
         for name in rollout.in_flight:
             status = self._status(name)
             if status is not None and status.state is not base.State.RUNNING:

@@ -20,10 +20,11 @@ from typing import Any
 from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
-from tuner.daemon import collecting, cycle, notify, results, rolling, scheduling, selfmetrics, verifying
+from tuner.daemon import collecting, cycle, logs, notify, results, rolling, scheduling, selfmetrics, verifying
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
-from tuner.model import knobs, live
+from tuner.errors import PermanentActuatorError
+from tuner.model import knobs, live, secrets
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
@@ -326,9 +327,12 @@ def rollout_state(rollout: machine.Rollout) -> dict[str, Any]:
 def build_and_run(config_path: str, *, once: bool = False) -> int:
     settings = config.load(config_path)
     config_dir = Path(config_path).resolve().parent
-    rules = loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir))
-    log.info("effective configuration: %s", json.dumps(settings.model_dump(mode="json")))
     http = collecting.http_settings(settings.scrape, config_dir=config_dir)
+    # Every secret the configuration holds is masked in whatever the tuner shows or stores from here on.
+    redactor = settings.redactor(token=http.bearer_token)
+    logs.redact(redactor)
+    rules = loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir))
+    log.info("effective configuration: %s", json.dumps(settings.redacted_dump(redactor)))
     client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
     sleep_mode = settings.decisions.idle.sleep_after_seconds is not None
     if settings.live.enabled:  # the engines' control directories, private to this uid
@@ -338,13 +342,14 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                                        live_dir=settings.live.dir_for(t.name) if settings.live.enabled else None)
                   for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
-    state = TunerState.load(state_path if state_path.is_absolute() else config_dir / state_path, settings.targets)
+    state = TunerState.load(state_path if state_path.is_absolute() else config_dir / state_path, settings.targets,
+                            redactor=redactor)
     metrics = selfmetrics.TunerMetrics()
     maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                  timezone=settings.daemon.maintenance_timezone)
                    if settings.daemon.maintenance_windows else None)
     stop_event = threading.Event()
-    notifier = notify.Notifier()
+    notifier = _MaskedNotifier(redactor)
     gatherer = collecting.Gatherer()
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle
@@ -385,11 +390,22 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         is_alive=loop.is_alive, is_busy=loop.is_busy,
         host=settings.daemon.listen_host, port=settings.daemon.listen_port,
     )
-    with server.start():
+    with server:  # starts it (once) and closes it
         log.info("status endpoint on %s", server.url)
         with contextlib.suppress(KeyboardInterrupt):
             return loop.run()
     return 0
+
+
+class _MaskedNotifier(notify.Notifier):
+    """systemd's STATUS= is shown to every user (``systemctl status``): masked like a log line."""
+
+    def __init__(self, redactor: secrets.Redactor) -> None:
+        super().__init__()
+        self._redactor = redactor
+
+    def send(self, **fields: str | int) -> bool:
+        return super().send(**{k: self._redactor.text(v) if isinstance(v, str) else v for k, v in fields.items()})
 
 
 def _build_applying(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient,
@@ -397,15 +413,29 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
                     on_transition: Callable[[machine.Rollout], None]) -> Applying:
     assert settings.actuator is not None  # validated
     kind = settings.targets[0].kind
+    redactor = state.redactor
     replicas = {t.name: base.Replica(t.name, collecting.base_url(t)) for t in settings.targets}
     actuator_config = settings.actuator
     if settings.live.enabled and isinstance(actuator_config, actuator_settings.ProcessActuatorSettings):
         env = {**actuator_config.env, live_knobs.ENV_CONTROL_DIR: settings.live.control_dir}
         actuator_config = actuator_config.model_copy(update={"env": env})
-    actuator = actuator_settings.build_actuator(actuator_config, list(replicas.values()))
+    actuator = actuator_settings.build_actuator(actuator_config, list(replicas.values()), redactor=redactor)
     drainer = actuator_settings.build_drainer(settings.drain, list(replicas.values()))
     journal_path = Path(settings.rollout.journal_file)
-    journal = journaling.Journal(journal_path if journal_path.is_absolute() else config_dir / journal_path)
+    journal = journaling.Journal(journal_path if journal_path.is_absolute() else config_dir / journal_path,
+                                 redactor=redactor)
+    configured = {t.name: list(t.args or ()) for t in settings.targets}
+
+    def restore(rollout: machine.Rollout) -> machine.Rollout:
+        """A journaled rollout's masked secrets, back from targets[].args (the tuner never changes one)."""
+        try:
+            return journaling.restored(rollout, lambda name, argv: redactor.restore(argv, configured.get(name, [])))
+        except ValueError as exc:
+            raise PermanentActuatorError(
+                f"rollout {rollout.id} cannot be resumed: {exc} (a secret flag removed from targets[].args?); put "
+                f"it back to resume the rollout, or move {journal.path} aside once every engine runs what it "
+                "should") from exc
+
     verifier = verifying.SignalVerifier(client, kind=kind)
     # The idle check before a stop also counts what vLLM's HTTP server still holds (GET /load), where the
     # engines track it: the engine core's own gauges miss a response still being streamed.
@@ -420,8 +450,9 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
         poll_seconds=settings.rollout.poll_seconds, idle_settle_seconds=settings.rollout.idle_settle_seconds,
         hold_timeout_seconds=settings.rollout.hold_timeout_seconds,
         verifier=verifier, confirm=confirm_for(client, actuator, kind=kind),
-        on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name, " ".join(argv), why),
-        on_transition=on_transition, stop_event=stop_event, drains=settings.drain.kind != "none",
+        on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name,
+                                                        " ".join(redactor.argv(argv)), why),
+        on_transition=on_transition, stop_event=stop_event, drains=settings.drain.kind != "none", restore=restore,
     )
     power = None
     if settings.gpu_control.enabled:  # privileged, off by default
@@ -449,15 +480,16 @@ def _start_up(applying: Applying, state: TunerState) -> None:
     for i, name in enumerate(names):
         before = actuator.status(name)
         after = actuator.adopt(name, state.args[name].argv())
+        shown = " ".join(state.redactor.argv(state.args[name].argv()))
         if before.state is not base.State.RUNNING and after.state is base.State.RUNNING:
-            log.info("started %s: %s", name, state.args[name])
+            log.info("started %s: %s", name, shown)
             if applying.settings.rollout.start_one_at_a_time and i + 1 < len(names):
                 _wait_started(applying, name)
         if after.state is base.State.RUNNING and after.argv is None:
             log.warning("%s: %s", name, after.detail)
         elif after.argv is not None and tuple(after.argv) != tuple(state.args[name].argv()):
             log.warning("%s runs %s, not the arguments the tuner owns (%s); a rollout rolls back to what runs",
-                        name, " ".join(after.argv), state.args[name])
+                        name, " ".join(state.redactor.argv(after.argv)), shown)
     state.save()
 
 

@@ -7,11 +7,17 @@ each target's ``History`` (cooldowns, hysteresis, restart budget, crash memory) 
 a restarted tuner rebuilds its windows in ``window_seconds`` and re-plans what still holds then.
 
 Owned arguments: ``targets[].args`` at first, then what the last finished rollout left. An edited
-configuration wins over the tuner's own changes (the saved ``config_args`` no longer match).
+configuration wins over the tuner's own changes (the saved ``config_sha256`` no longer matches).
+
+Secrets: the file holds every command line masked (``--api-key ***``, ``model.secrets``), the
+configuration's arguments only as a hash of their masked form, and crash memory's fingerprints masked
+too; loading puts the real values back from ``targets[].args`` (the tuner never changes a secret flag).
+``current_args`` — what ``/status`` and ``tuner_engine_arg_info`` show — is masked as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -23,7 +29,7 @@ from tuner import config
 from tuner.actuators.files import write_atomically
 from tuner.daemon.results import CycleResult
 from tuner.errors import ConfigError
-from tuner.model import knobs
+from tuner.model import knobs, secrets
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
 
@@ -39,32 +45,47 @@ class TunerState:
     number: int = 0  # cycles run
     last: CycleResult | None = None  # the last cycle's result (what /status and /healthz read)
     rollout_state: Mapping[str, Any] = field(default_factory=dict)  # the rollout as it stands (/status)
+    redactor: secrets.Redactor = secrets.DEFAULT  # what is masked in the file and in current_args
 
     @classmethod
-    def fresh(cls, targets: Sequence[config.Target], *, path: Path | None = None) -> TunerState:
+    def fresh(cls, targets: Sequence[config.Target], *, path: Path | None = None,
+              redactor: secrets.Redactor = secrets.DEFAULT) -> TunerState:
         return cls(targets={t.name: stepping.TargetState() for t in targets},
                    args={t.name: knobs.EngineArgs.parse(t.args or []) for t in targets},
-                   config_args={t.name: list(t.args or []) for t in targets}, path=path)
+                   config_args={t.name: list(t.args or []) for t in targets}, path=path, redactor=redactor)
 
     @classmethod
-    def load(cls, path: Path, targets: Sequence[config.Target]) -> TunerState:
+    def load(cls, path: Path, targets: Sequence[config.Target], *,
+             redactor: secrets.Redactor = secrets.DEFAULT) -> TunerState:
         """The saved state for these targets (a fresh one where nothing was saved). A file that cannot
         be read is a ``ConfigError`` naming it: the tuner does not start on state it cannot trust."""
-        state = cls.fresh(targets, path=path)
+        state = cls.fresh(targets, path=path, redactor=redactor)
         if not path.exists():
             return state
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             saved_targets = data["targets"]
             if not isinstance(saved_targets, dict):
                 raise TypeError("targets is not a mapping")
             for name, saved in saved_targets.items():
                 if name not in state.args:
                     continue  # a target removed from the config
-                if saved.get("config_args") == state.config_args[name] and saved.get("args") is not None:
-                    state.args[name] = knobs.EngineArgs.parse([str(a) for a in saved["args"]])
+                configured = state.config_args[name]
+                same = (saved["config_sha256"] == state.config_digest(name) if "config_sha256" in saved
+                        else saved.get("config_args") == configured)  # a file written before secrets were masked
+                if same and saved.get("args") is not None:
+                    with contextlib.suppress(ValueError):  # a secret that cannot be put back: the config's args
+                        state.args[name] = knobs.EngineArgs.parse(
+                            redactor.restore([str(a) for a in saved["args"]], configured))
                 if saved.get("history"):
-                    state.set_history(name, history_mod.from_dict(saved["history"]))
+                    history = dict(saved["history"])
+                    reference = knobs.EngineArgs.parse(configured).fingerprint()
+                    for key in ("bad_args", "rejected_args"):
+                        history[key] = [{**entry, "args": redactor.restore_pairs(entry["args"], reference)}
+                                        for entry in history.get(key, [])]
+                    state.set_history(name, history_mod.from_dict(history))
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(str(path), [("", f"the tuner's state file cannot be read ({type(exc).__name__}: "
                                                f"{exc}); move it aside to start from an empty history")]) from exc
@@ -80,9 +101,15 @@ class TunerState:
         return {name: t.history for name, t in self.targets.items()}
 
     def current_args(self, name: str) -> dict[str, str]:
-        """The flags with values the tuner believes ``name`` runs (for ``tuner_engine_arg_info``)."""
+        """The flags with values the tuner believes ``name`` runs (for ``tuner_engine_arg_info`` and
+        ``/status``), secret ones masked."""
         args = self.args[name]
-        return {f: str(v) for f in args.flags() if (v := args.get(f)) is not None}
+        return {f: secrets.MASK if self.redactor.is_secret_flag(f) else str(v)
+                for f in args.flags() if (v := args.get(f)) is not None}
+
+    def config_digest(self, name: str) -> str:
+        """The configured arguments of ``name``, masked, hashed: detects an edit without storing them."""
+        return secrets.digest(self.redactor.argv(self.config_args[name]))
 
     def book(self, histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.EngineArgs]) -> None:
         """Take a booked rollout (``pooling.book``) and persist it."""
@@ -92,9 +119,17 @@ class TunerState:
         self.save()
 
     def as_json(self) -> dict[str, Any]:
-        return {"targets": {name: {"args": self.args[name].argv(), "config_args": self.config_args[name],
-                                   "history": history_mod.to_dict(self.history(name))}
+        return {"targets": {name: {"args": self.redactor.argv(self.args[name].argv()),
+                                   "config_sha256": self.config_digest(name),
+                                   "history": self._history_json(name)}
                             for name in self.args}}
+
+    def _history_json(self, name: str) -> dict[str, Any]:
+        data = history_mod.to_dict(self.history(name))
+        for key in ("bad_args", "rejected_args"):
+            data[key] = [{**entry, "args": self.redactor.pairs(entry["args"]),
+                          "reason": self.redactor.text(str(entry["reason"]))} for entry in data[key]]
+        return data
 
     def save(self) -> None:
         if self.path is None:

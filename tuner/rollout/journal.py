@@ -25,20 +25,28 @@ back the next append goes on where the last good record ended.
 
 The journal's owner holds ``<journal>.lock`` (``locks``) from open to close: a second tuner on the same
 journal is refused with the first one's pid. ``read_records`` reads without the lock and changes nothing.
+
+Secrets: with a ``redactor`` (``model.secrets``), every record is masked before it is written — the
+argv of a ``rollout`` record reads ``--api-key ***``, and a secret value met in any text (a reason) is
+replaced. What the journal holds in memory is what the file holds. A rollout rebuilt from it has masked
+arguments; ``restored`` puts the real values back from the configuration before anything is started
+with them (the tuner never changes a secret flag, so the configured value is the one they had).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno as errno_mod
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
 from tuner.errors import TunerError
+from tuner.model import secrets
 from tuner.rollout import locks, machine
 
 VERSION = 1
@@ -109,9 +117,11 @@ class Journal:
     Opening takes ``<path>.lock`` (``locks.LockedError`` if another process holds it); ``close`` gives it
     back. ``lock=False`` is for tests that must open a journal twice in one process."""
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True, lock: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True, lock: bool = True,
+                 redactor: secrets.Redactor | None = None) -> None:
         self.path = Path(path)
         self._fsync = fsync
+        self._redactor = redactor
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._owner = locks.acquire(locks.lock_path(self.path)) if lock else None
@@ -148,6 +158,8 @@ class Journal:
 
     def append(self, kind: str, *, at: float, **fields: Any) -> Record:
         """Write one record and fsync it; return it once it is durable."""
+        if self._redactor is not None:
+            fields = self._redactor.data(fields)
         with self._lock:
             seq = (self._records[-1].get("seq", 0) if self._records else 0) + 1
             record = {"v": VERSION, "seq": seq, "at": at, "kind": kind, **fields}
@@ -265,6 +277,14 @@ def _rollout_from(payload: Mapping[str, Any]) -> machine.Rollout:
         now=payload["created_at"],
         measured_start_seconds=payload.get("measured_start_seconds"),
     )
+
+
+def restored(rollout: machine.Rollout, restore: Callable[[str, Sequence[str]], Sequence[str]]) -> machine.Rollout:
+    """The rollout with each replica's old and new argv passed through ``restore(replica, argv)``: the
+    masked secrets of a replayed rollout put back from the configuration."""
+    return dataclasses.replace(
+        rollout, old_argv={n: tuple(restore(n, a)) for n, a in rollout.old_argv.items()},
+        new_argv={n: tuple(restore(n, a)) for n, a in rollout.new_argv.items()})
 
 
 def replay(records: Iterable[Record]) -> dict[str, machine.Rollout]:

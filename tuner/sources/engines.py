@@ -302,4 +302,4 @@ class EngineClient:
         try:
             return json.loads(text)
         except ValueError as exc:
-            raise SourceError(url, f"not JSON: {text[:80]!r}") from exc
+            raise SourceError(url, f"not JSON ({len(text)} characters; the body is not copied here)") from exc

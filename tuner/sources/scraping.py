@@ -3,6 +3,7 @@
 ``scrape()`` never raises: every failure — refused connection, timeout, HTTP 500, an HTML page, a
 truncated or oversized body, an exposition Prometheus would refuse — comes back as a Snapshot whose
 ``error`` says what happened, so the window that holds it is marked invalid and the cycle says why.
+A reason names the status, the content type and the size of a bad response, never its body.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def fetch_text(client: httpx.Client, url: str, *, max_body_bytes: int) -> str:
     try:
         with client.stream("GET", url) as response:
             if response.status_code != 200:
-                snippet = _head(response, 512).decode("utf-8", "replace")[:120].strip()
-                raise SourceError(url, f"HTTP {response.status_code}" + (f": {snippet!r}" if snippet else ""))
+                raise SourceError(url, f"HTTP {response.status_code}{_shape(response)}")
             declared = response.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
                 raise SourceError(url, f"body of {int(declared)} bytes exceeds the limit of {max_body_bytes}")
@@ -81,14 +81,13 @@ def fetch_text(client: httpx.Client, url: str, *, max_body_bytes: int) -> str:
     return text
 
 
-def _head(response: httpx.Response, limit: int) -> bytes:
-    """At most ``limit`` bytes of a streamed body (for error messages)."""
-    got = b""
-    for chunk in response.iter_bytes():
-        got += chunk
-        if len(got) >= limit:
-            break
-    return got[:limit]
+def _shape(response: httpx.Response) -> str:
+    """What an error response was, never what it said: its body is not copied into a reason or a log
+    (an engine's error page can echo a request, a header, a token). The content type and declared size."""
+    content_type = response.headers.get("content-type", "").split(";")[0].strip()[:60]
+    length = response.headers.get("content-length", "")
+    shape = ", ".join(x for x in (content_type, f"{length} bytes" if length.isdigit() else "") if x)
+    return f" ({shape})" if shape else ""
 
 
 def scrape(
