@@ -8,11 +8,16 @@ a restarted tuner rebuilds its windows in ``window_seconds`` and re-plans what s
 
 Owned arguments: ``targets[].args`` at first, then what the last finished rollout left. An edited
 configuration wins over the tuner's own changes (the saved ``config_args`` no longer match).
+
+Booked rollout: the id of the last rollout whose outcome these arguments and histories include, saved in
+the same atomic write. A tuner killed after a rollout's last journal record but before that write finds
+the rollout finished and not booked, and books it then — once (``running.Applying.book_unbooked``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,6 +32,8 @@ from tuner.model import knobs
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
 
+log = logging.getLogger("tuner.state")
+
 
 @dataclass
 class TunerState:
@@ -39,6 +46,7 @@ class TunerState:
     number: int = 0  # cycles run
     last: CycleResult | None = None  # the last cycle's result (what /status and /healthz read)
     rollout_state: Mapping[str, Any] = field(default_factory=dict)  # the rollout as it stands (/status)
+    booked_rollout: str | None = None  # the last rollout booked here ("": none yet; None: not known)
 
     @classmethod
     def fresh(cls, targets: Sequence[config.Target], *, path: Path | None = None) -> TunerState:
@@ -58,6 +66,10 @@ class TunerState:
             saved_targets = data["targets"]
             if not isinstance(saved_targets, dict):
                 raise TypeError("targets is not a mapping")
+            booked = data.get("booked_rollout")
+            if booked is not None and not isinstance(booked, str):
+                raise TypeError("booked_rollout is not a string")
+            state.booked_rollout = booked
             for name, saved in saved_targets.items():
                 if name not in state.args:
                     continue  # a target removed from the config
@@ -85,16 +97,24 @@ class TunerState:
         return {f: str(v) for f in args.flags() if (v := args.get(f)) is not None}
 
     def book(self, histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.EngineArgs]) -> None:
-        """Take a booked rollout (``pooling.book``) and persist it."""
+        """Take a booked rollout (``pooling.book``) and persist it. A save that fails (a full or read-only
+        disk) is logged, not raised: the journal holds the finished rollout, and a tuner that stops
+        before a later save succeeds books it again at its next start (``booked_rollout``)."""
         for name, h in histories.items():
             self.set_history(name, h)
         self.args.update(args)
-        self.save()
+        try:
+            self.save()
+        except OSError as exc:
+            log.error("%s: the tuner's state was not saved (%s%s); it is kept in memory and saved at the next "
+                      "change or stop, and the journal holds the rollout", self.path, exc.strerror or exc,
+                      f" [errno {exc.errno}]" if exc.errno is not None else "")
 
     def as_json(self) -> dict[str, Any]:
         return {"targets": {name: {"args": self.args[name].argv(), "config_args": self.config_args[name],
                                    "history": history_mod.to_dict(self.history(name))}
-                            for name in self.args}}
+                            for name in self.args},
+                "booked_rollout": self.booked_rollout}
 
     def save(self) -> None:
         if self.path is None:
