@@ -140,11 +140,13 @@ def test_a_state_file_that_cannot_be_saved_mid_cycle_is_logged_and_the_rollout_b
         assert "Traceback" not in tuner.log.read_text()
         assert tuner.terminate() == 1, tuner.tail()  # the state could not be persisted on the way out
         # at start, on the still-broken disk: one line, exit 2, nothing done
+        engines = {n: pool.pidfile(n) for n in pool.names}
         again = pool.start_tuner()
         assert again.wait(60) == 2, again.tail()
         lines = error_lines(again)
         assert len(lines) == 1 and "daemon.state_file" in lines[0], again.tail()
         assert "Traceback" not in again.tail(200)
+        assert {n: pool.pidfile(n) for n in pool.names} == engines  # no engine touched
         # the disk is fixed: the restarted tuner books the rollout the journal holds, once
         if filler is not None:
             filler.unlink()
