@@ -71,7 +71,7 @@ def idle_keepalive(host: str, port: int, n: int) -> list[socket.socket]:
 def run_case(model: Path, case: str, *, grace: float | None, deadline: float, shutdown_timeout: float) -> dict:
     srv = vllm.VllmServer(model, ["--max-num-seqs", "8", "--max-model-len", "1024", "--enforce-eager",
                                   "--shutdown-timeout", str(shutdown_timeout)],
-                          env={"VLLM_CPU_KVCACHE_SPACE": "1"}).start()
+                          env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout=900).start()  # a loaded 2-core box
     assert srv.proc is not None
     pid = srv.proc.pid
     kids = children(pid)

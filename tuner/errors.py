@@ -4,6 +4,7 @@
 
     TunerError
     ├── ConfigError            bad configuration or rule file; the CLI exits 2
+    │   └── StorageError       the tuner's own state or journal cannot be written at start
     ├── SourceError            a scrape or read failed; no decision from that window (transient)
     └── ActuatorError          an actuator could not act
         ├── TemporaryActuatorError(delay=)   try again after ``delay`` seconds
@@ -34,6 +35,19 @@ class ConfigError(TunerError):
         lines = [f"{file}: {len(self.problems)} problem(s)"]
         lines += [f"  - {where or '<top level>'}: {what}" for where, what in self.problems]
         super().__init__("\n".join(lines))
+
+
+class StorageError(ConfigError):
+    """At start, the tuner cannot write where its configuration says its own files live
+    (``daemon.state_file``, ``rollout.journal_file``): a read-only or full file system, a missing
+    permission. One line; the CLI exits 2. (Mid-run, the same failure is logged and the daemon goes on:
+    docs/reliability.md.)"""
+
+    def __init__(self, path: str, setting: str, reason: str) -> None:
+        self.path, self.setting, self.reason = path, setting, reason
+        self.file, self.problems = path, [(setting, reason)]
+        TunerError.__init__(self, f"{setting} {path}: cannot write there ({reason}); the tuner needs a writable "
+                                  "directory with free space for its state and journal")
 
 
 class SourceError(TunerError):

@@ -428,12 +428,33 @@ def test_the_last_serving_replica_is_held_then_the_rollout_aborted(tmp_path: Pat
     d2.journal.close()
 
 
-def test_a_drain_that_fails_fails_the_step_and_a_failed_rollback_stops_everything(tmp_path: Path) -> None:
-    d = fake_driver(tmp_path, drainer=fake.FakeDrainer(failing=frozenset({"a"})))
+def test_a_drain_that_fails_is_undone_by_the_undrain_alone_and_a_failed_undrain_stops_everything(
+        tmp_path: Path) -> None:
+    """The engine still runs the old arguments when its drain fails: the way back is the undrain, not a
+    restart onto what already runs nor a second drain through the hook that just failed (it used to
+    end failed, "a human must look", with the engine untouched and serving)."""
+
+    class DrainFails(fake.FakeDrainer):
+        def drain(self, name: str) -> None:
+            self.calls.append(("drain", name))
+            raise PermanentActuatorError(f"fake drainer: cannot drain {name}")
+
+    drainer = DrainFails()
+    d = fake_driver(tmp_path, drainer=drainer)
+    pid = d.actuator.status("a").pid
     r = d.run(d.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
-    # A permanent drain error fails the step; the back leg cannot drain either: a human must look.
+    assert machine.outcome(r) is Outcome.ROLLED_BACK, machine.describe(r)
+    assert "cannot drain a" in r.of("a").reason and not r.of("a").bad_args
+    assert [(x["event"], x["to"]) for x in d.journal.records if x["kind"] == "event"] == [
+        ("go", "draining"), ("failed_before_stop", "undraining"), ("undrained", "rolled_back")]
+    assert d.actuator.status("a").pid == pid and d.actuator.status("a").argv == ("--max-num-seqs", "8")
+    assert drainer.calls == [("drain", "a"), ("undrain", "a")] and r.of("b").state is machine.State.PENDING
+    d.journal.close()
+    # …and where the undrain fails too, the replica is left failed: a human must look.
+    d = fake_driver(tmp_path / "2", drainer=fake.FakeDrainer(failing=frozenset({"a"})))
+    r = d.run(d.begin("r", {"a": NEW, "b": NEW}, limits=FAST))
     assert machine.outcome(r) is Outcome.FAILED
-    assert "cannot drain a" in r.of("a").reason
+    assert "cannot undrain a" in r.of("a").reason
     assert r.of("b").state is machine.State.PENDING
     d.journal.close()
 

@@ -156,6 +156,32 @@ def test_which_failures_mark_the_new_arguments_bad(at: tuple[Event, ...], event:
     assert r.of("a").bad_args is bad
 
 
+def test_a_step_failing_before_the_stop_goes_back_by_undraining_only() -> None:
+    """The engine still runs the old arguments at DRAINING and WAITING_IDLE: the back leg begins at the
+    undrain. Past the stop, and on the back leg, a failure is FAILED as before."""
+    for at in ((E.GO,), (E.GO, E.DRAINED)):
+        r = drive(make(), "a", at)
+        assert machine.failure_event(r, "a") is E.FAILED_BEFORE_STOP
+        r = machine.handle(r, "a", E.FAILED_BEFORE_STOP, now=50, reason="nginx -t rejected the config")
+        a = r.of("a")
+        assert (a.state, a.leg, a.bad_args, a.reason) == (
+            State.UNDRAINING, Leg.BACK, False, "nginx -t rejected the config")
+        assert steps(r, {"a", "b"}) == [(Step.UNDRAIN, "a")]  # halted: b is not admitted
+        assert machine.handle(r, "a", E.UNDRAINED, now=51).of("a").state is State.ROLLED_BACK
+        assert machine.handle(r, "a", E.FAILED, now=51).of("a").state is State.FAILED
+        again = machine.handle(r, "a", E.INTERRUPTED, now=51)  # resumed: the old arguments are confirmed
+        assert (again.of("a").state, again.of("a").leg) == (State.WAITING_HEALTHY, Leg.BACK)
+    past = drive(make(), "a", (E.GO, E.DRAINED, E.IDLE))
+    assert machine.failure_event(past, "a") is E.FAILED
+    with pytest.raises(machine.RolloutError):
+        machine.handle(past, "a", E.FAILED_BEFORE_STOP, now=60)
+    back = machine.handle(drive(make(), "a", (E.GO, E.DRAINED, E.IDLE)), "a", E.FAILED, now=60)
+    back = machine.handle(back, "a", E.DRAINED, now=61)  # back leg, waiting for idle
+    assert back.of("a").state is State.WAITING_IDLE and machine.failure_event(back, "a") is E.FAILED
+    with pytest.raises(machine.RolloutError):
+        machine.handle(back, "a", E.FAILED_BEFORE_STOP, now=62)
+
+
 def test_a_failure_on_the_back_leg_leaves_the_replica_failed_and_out_of_the_pool() -> None:
     r = drive(make(("a", "b", "c"), max_unavailable=2), "a", (E.GO, E.DRAINED, E.IDLE, E.STOPPED, E.STARTED))
     r = machine.handle(r, "a", E.CRASHED, now=10)

@@ -5,6 +5,7 @@ changes nothing."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from tuner import config
 from tuner.daemon import running
@@ -26,7 +27,8 @@ def applying(tmp_path: Path) -> running.Applying:
         {"name": n, "metrics_url": f"http://127.0.0.1:{p}/metrics", "args": list(OLD)}
         for n, p in (("a", 8001), ("b", 8002))]})
     state = TunerState.fresh(settings.targets, path=tmp_path / "state.json")
-    return running.Applying(settings, state, driver=None, client=None, replicas={},  # type: ignore[arg-type]
+    driver = SimpleNamespace(restored=lambda rollout: rollout)  # booking reads nothing else of the driver
+    return running.Applying(settings, state, driver=driver, client=None, replicas={},  # type: ignore[arg-type]
                             journal=journal.Journal(tmp_path / "j.jsonl"), clock=lambda: 1000.0)
 
 
@@ -71,3 +73,55 @@ def test_a_rolled_back_pool_rejects_the_arguments_on_every_replica(tmp_path: Pat
     new = knobs.EngineArgs.parse(NEW)
     assert ap.state.history("b").is_bad(new) == "engine exited: status 1"  # crashed: bad for good
     assert ap.state.args["a"].argv() == list(NEW)  # a stays on what it runs; the pool rolled back at b
+
+
+def journal_a_finished_rollout(ap: running.Applying) -> machine.Rollout:
+    """The journal of a rollout that finished (both replicas done), with its decision, as the driver writes it."""
+    ap.journal.append("decision", at=0, rollout="r1", changes=[{**CHANGE.as_dict(), "knob": CHANGE.knob,
+                                                               "direction": CHANGE.direction}])
+    r = machine.new("r1", replicas=["a", "b"], changes={"a": (OLD, NEW), "b": (OLD, NEW)},
+                    limits=machine.Limits(), now=0)
+    ap.journal.append("rollout", at=0, **journal.rollout_fields(r))
+    for name in ("a", "b"):
+        for e in FORWARD:
+            after = machine.handle(r, name, e, now=1)
+            ap.journal.append("event", at=1, **journal.event_fields(r, after, name, e))
+            r = after
+    return r
+
+
+def test_a_rollout_finished_but_not_booked_when_the_tuner_died_is_booked_at_the_next_start_once(
+        tmp_path: Path) -> None:
+    """SIGKILL between the rollout's last journal record and the state file's write: the restarted tuner
+    found nothing unfinished, kept the old arguments as its own while both engines ran the new ones, and
+    rolled both replicas out again (tests/faults/test_kill_points.py, k = N)."""
+    ap = applying(tmp_path)
+    ap.state.booked_rollout = ""  # what a first start saves: nothing booked yet
+    ap.state.save()
+    journal_a_finished_rollout(ap)
+    ap.journal.close()  # …killed here
+    again = applying(tmp_path)
+    again.state = TunerState.load(tmp_path / "state.json", again.settings.targets)
+    out = again.book_unbooked()
+    assert out is not None and out.results == {"a": "ok", "b": "ok"}
+    saved = TunerState.load(tmp_path / "state.json", again.settings.targets)
+    assert saved.booked_rollout == "r1"
+    assert saved.args["a"].argv() == list(NEW) and saved.history("a").restarts == (1000.0,)
+    assert again.book_unbooked() is None  # once
+    again.journal.close()
+    third = applying(tmp_path)
+    third.state = TunerState.load(tmp_path / "state.json", third.settings.targets)
+    assert third.book_unbooked() is None and third.state.history("b").restarts == (1000.0,)
+    third.journal.close()
+
+
+def test_a_state_that_does_not_say_what_it_booked_takes_the_journal_as_booked(tmp_path: Path) -> None:
+    """A state file from an older tuner (or none at all) with a journal of finished rollouts: nothing is
+    booked twice; the last finished rollout is taken as booked."""
+    ap = applying(tmp_path)
+    journal_a_finished_rollout(ap)
+    assert ap.state.booked_rollout is None
+    assert ap.book_unbooked() is None
+    assert ap.state.booked_rollout == "r1" and ap.state.args["a"].argv() == list(OLD)
+    assert ap.state.history("a").restarts == ()
+    ap.journal.close()

@@ -2,7 +2,12 @@
 
 - ``NginxDrainer``: owns one upstream include file (``server host:port;`` per replica), marks a
   drained replica's line ``down``, replaces the file atomically, checks the whole config with
-  ``nginx -t`` (restoring the old file if it fails) and reloads with ``nginx -s reload``.
+  ``nginx -t`` and reloads with ``nginx -s reload``, restoring the old file if either fails (the file
+  then says what nginx still runs). A drain is skipped, with no reload, only where this drainer itself
+  has had nginx load that very content: a file written by a tuner killed before its reload, or one
+  whose reload timed out, is written and reloaded again (else a replica nginx still routes to would be
+  stopped). An undrain the file already shows is skipped (at worst the replica stays out of the pool
+  until the next reload; and a rollback through an nginx that rejects every change still succeeds).
 - ``CommandDrainer``: runs an argv template (``{name}``, ``{host}``, ``{port}``, ``{url}``), never a shell;
   the commands must be idempotent (a rollback or a resumed rollout drains again).
 - ``HttpDrainer``: calls a URL template (same fields) and expects a 2xx.
@@ -176,6 +181,7 @@ class NginxDrainer:
         self._timeout = timeout_seconds
         self._lock = threading.Lock()
         self.drained = self._read_drained()
+        self._loaded: bytes | None = None  # what this drainer last had nginx load (None: not known)
 
     def _read_drained(self) -> set[str]:
         """Recover the drained set from the file itself (a restarted tuner must not forget one)."""
@@ -194,32 +200,44 @@ class NginxDrainer:
     def _nginx_run(self, *args: str) -> subprocess.CompletedProcess[str]:
         return files.run([*self._nginx, *args], who="nginx drainer", timeout_seconds=self._timeout)
 
-    def _apply(self, drained: set[str]) -> None:
+    def _apply(self, drained: set[str], *, draining: bool) -> None:
         content = render_upstreams(self._servers, drained=frozenset(drained), parameters=self._parameters)
         try:
             previous: bytes | None = self.upstream_file.read_bytes()
         except FileNotFoundError:
             previous = None
-        if previous == content.encode("utf-8"):
-            # Already so (a re-drain on rollback, a resumed rollout): no reload. Every reload makes old
-            # workers close idle client keep-alive connections, and a client that sends a request
-            # on one at that instant sees the connection reset.
+        data = content.encode("utf-8")
+        if previous == data and (self._loaded == data or not draining):
+            # Already so, and loaded by us (a re-drain on rollback, a resumed rollout): no reload. Every
+            # reload makes old workers close idle client keep-alive connections, and a client that sends
+            # a request on one at that instant sees the connection reset.
             self.drained = drained
             return
-        files.write_atomically(self.upstream_file, content.encode("utf-8"))
+        files.write_atomically(self.upstream_file, data)
         test = self._nginx_run("-t", "-q")
         if test.returncode != 0:
-            if previous is not None:
-                files.write_atomically(self.upstream_file, previous)
+            self._restore(previous)
             raise PermanentActuatorError(
                 f"nginx drainer: `nginx -t` rejected the config with {self.upstream_file} rewritten; the old "
                 f"file is back: {test.stderr.strip()[:500]}"
             )
-        reload = self._nginx_run("-s", "reload")
+        try:
+            reload = self._nginx_run("-s", "reload")
+        except TemporaryActuatorError:  # timed out: whether nginx reloaded is not known
+            self._loaded = None
+            self._restore(previous)
+            raise
         if reload.returncode != 0:
-            raise TemporaryActuatorError(f"nginx drainer: `nginx -s reload` failed: {reload.stderr.strip()[:500]}")
+            self._restore(previous)
+            raise TemporaryActuatorError(f"nginx drainer: `nginx -s reload` failed, the old {self.upstream_file} "
+                                         f"is back: {reload.stderr.strip()[:500]}", delay=5)
+        self._loaded = data
         self.drained = drained
         time.sleep(self._settle)  # the reload is asynchronous: let the new workers take over
+
+    def _restore(self, previous: bytes | None) -> None:
+        if previous is not None:
+            files.write_atomically(self.upstream_file, previous)
 
     def _check(self, name: str) -> None:
         if name not in self._servers:
@@ -230,9 +248,9 @@ class NginxDrainer:
     def drain(self, name: str) -> None:
         self._check(name)
         with self._lock:
-            self._apply(self.drained | {name})
+            self._apply(self.drained | {name}, draining=True)
 
     def undrain(self, name: str) -> None:
         self._check(name)
         with self._lock:
-            self._apply(self.drained - {name})
+            self._apply(self.drained - {name}, draining=False)

@@ -33,6 +33,7 @@ from tuner.daemon.collecting import Collecting, Gatherer
 from tuner.daemon.results import CycleResult, RolloutOutcome, TargetResult
 from tuner.daemon.scheduling import MaintenanceWindows
 from tuner.daemon.state import TunerState
+from tuner.errors import TunerError
 from tuner.model import knobs
 from tuner.planning import pooling, stepping
 from tuner.planning.guards import Action
@@ -168,7 +169,10 @@ def run_cycle(
                 outcome = rollout(pool.actions, change, now=now, signals=signals, should_stop=should_stop)
                 state.rollout_state = dict(outcome.state)
             except Exception as exc:  # the rollout journals its own state; the cycle reports and goes on
-                log.exception("rollout failed")
+                if isinstance(exc, TunerError):  # a condition it names itself (a full disk): no traceback
+                    log.error("rollout failed: %s", exc)
+                else:
+                    log.exception("rollout failed")
                 rollout_error = f"{type(exc).__name__}: {exc}"
     if metrics is not None:
         views.count(metrics, mode, plans, pool, admission, outcome, rollout_error, has_rollout=rollout is not None)

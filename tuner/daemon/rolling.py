@@ -3,10 +3,14 @@ drainer and an engine prober, and feed the outcomes back as events.
 
 The machine decides; this module only acts and observes. Every transition is journaled *before* the
 step it leads to runs (write-ahead), so a tuner killed at any point finds the rollout in the journal
-and ``recover()`` puts it back on a safe path (machine Rule 3). Every step is bounded: waits poll the
-engine every ``poll_seconds`` up to the machine's deadlines, a stop ends in SIGKILL at
-``stop_timeout_seconds``, and a start that dies is seen at the next poll, so a bad argument set is
-rolled back within its restart time + the start margin (60 s by default).
+and ``recover()`` puts it back on a safe path (machine Rule 3). A transition the journal cannot take (a
+full or read-only disk) stops the rollout on its last durable state, with what may serve put back in the
+pool, and raises ``JournalWriteError``: the daemon resumes it once the journal takes records again.
+
+Every step is bounded: waits poll the engine every ``poll_seconds`` up to the machine's deadlines, a
+stop ends in SIGKILL at ``stop_timeout_seconds``, and a start that dies is seen at the next poll, so a
+bad argument set is rolled back within its restart time + the start margin (60 s by default). A step
+that fails before the stop goes back by the undrain alone (``machine.failure_event``).
 """
 
 from __future__ import annotations
@@ -172,14 +176,17 @@ class RolloutDriver:
         self._transition(rollout)
         return rollout
 
+    def restored(self, rollout: machine.Rollout) -> machine.Rollout:
+        """A journaled rollout with its masked secrets put back (as given, without a restore function)."""
+        return self._restore(rollout) if self._restore is not None else rollout
+
     def recover(self) -> machine.Rollout | None:
         """The unfinished rollout of a tuner that died, with every replica in flight back on a path
         that is safe to repeat (Rule 3, journaled). None if there is nothing to recover."""
         rollout = journaling.unfinished(self.journal.records)
         if rollout is None:
             return None
-        if self._restore is not None:
-            rollout = self._restore(rollout)
+        rollout = self.restored(rollout)
         for name in rollout.in_flight:
             status = self._status(name)
             if status is not None and status.state is not base.State.RUNNING:
@@ -241,9 +248,12 @@ class RolloutDriver:
             except ActuatorError as exc:
                 log.warning("rollout %s: could not put %s back before stopping: %s", rollout.id, p.name, exc)
                 continue
-            self.journal.append("note", at=self._clock(), rollout_id=rollout.id, replica=p.name,
-                                note=f"undrained on stop at {p.state.value} ({p.leg.value} leg); the next "
-                                     "start resumes the rollout")
+            try:
+                self.journal.append("note", at=self._clock(), rollout_id=rollout.id, replica=p.name,
+                                    note=f"undrained on stop at {p.state.value} ({p.leg.value} leg); the next "
+                                         "start resumes the rollout")
+            except journaling.JournalWriteError as exc:  # a note only (replay ignores notes)
+                log.warning("rollout %s: the note on %s was not journaled: %s", rollout.id, p.name, exc.reason)
             log.info("rollout %s: %s put back in the pool while the tuner stops", rollout.id, p.name)
 
     def _status(self, name: str) -> base.ReplicaStatus | None:
@@ -263,7 +273,16 @@ class RolloutDriver:
     def _apply(self, rollout: machine.Rollout, name: str, event: Event, reason: str) -> machine.Rollout:
         now = self._clock()
         after = machine.handle(rollout, name, event, now=now, reason=reason)
-        self.journal.append("event", at=now, **journaling.event_fields(rollout, after, name, event, reason))
+        try:
+            self.journal.append("event", at=now, **journaling.event_fields(rollout, after, name, event, reason))
+        except journaling.JournalWriteError as exc:
+            # Write-ahead: the transition did not happen. The rollout stops on its last durable state,
+            # a step that is safe to repeat (Rule 3); what may serve goes back in the pool meanwhile.
+            log.error("rollout %s: %s %s → %s not journaled (%s); the rollout stops here and resumes once the "
+                      "journal takes records again", rollout.id, name, rollout.of(name).state.value,
+                      after.of(name).state.value, exc.reason)
+            self._undrain_serving(rollout)
+            raise
         p, q = rollout.of(name), after.of(name)
         log.info("rollout %s: %s %s → %s (%s%s)", rollout.id, name, p.state.value, q.state.value, event.value,
                  f": {reason}" if reason else "")
@@ -314,13 +333,13 @@ class RolloutDriver:
         except TemporaryActuatorError as exc:
             self._waits.temporary_failures += 1
             if self._waits.temporary_failures >= self._max_temporary:
-                return Event.FAILED, str(exc)
+                return machine.failure_event(rollout, replica.name), str(exc)
             log.warning("rollout %s: %s: %s (attempt %d)", rollout.id, action.step.value, exc,
                         self._waits.temporary_failures)
             self._stop.wait(min(exc.delay, 5 * self._poll))
             return None
         except ActuatorError as exc:
-            return Event.FAILED, str(exc)
+            return machine.failure_event(rollout, replica.name), str(exc)
 
     def _act(
         self, rollout: machine.Rollout, replica: base.Replica, action: machine.Action

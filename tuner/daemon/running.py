@@ -23,7 +23,7 @@ from tuner.actuators import settings as actuator_settings
 from tuner.daemon import collecting, cycle, logs, notify, results, rolling, scheduling, selfmetrics, verifying
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
-from tuner.errors import PermanentActuatorError
+from tuner.errors import PermanentActuatorError, StorageError
 from tuner.model import knobs, live, secrets
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
@@ -68,6 +68,26 @@ class Applying:
         done = self.driver.run(unfinished)
         outcome = self.book(done, changes)
         log.warning("%s", outcome.summary)
+        return outcome
+
+    def book_unbooked(self) -> results.RolloutOutcome | None:
+        """Book the journal's last finished rollout if the saved state does not include it yet: the tuner
+        died between the rollout's last record and saving its booking. Once: the booking saves the
+        rollout's id with it. A state that does not say what it booked (a first start, a state file
+        from an older tuner) takes everything already in the journal as booked."""
+        finished = [r for r in journaling.replay(self.journal.records).values()
+                    if machine.outcome(r) is not machine.Outcome.RUNNING]
+        last = finished[-1] if finished else None
+        if self.state.booked_rollout is None:
+            self.state.booked_rollout = last.id if last is not None else ""
+            return None
+        if last is None or last.id == self.state.booked_rollout:
+            return None
+        record = next((r for r in reversed(journaling.decisions(self.journal.records))
+                       if r.get("rollout") == last.id), None)
+        changes = [_change_from(c) for c in record.get("changes", [])] if record is not None else []
+        outcome = self.book(self.driver.restored(last), changes)
+        log.warning("booked %s, which finished before the tuner stopped", outcome.summary)
         return outcome
 
     def __call__(self, actions: Sequence[tuple[str, guards.Action]], change: pooling.PoolChange | None, *,
@@ -140,6 +160,7 @@ class Applying:
             pool_new_args={n: knobs.EngineArgs.parse(a) for n, a in rollout.new_argv.items()},
             rolled_back=result is machine.Outcome.ROLLED_BACK, now=self.clock(),
             reject_seconds=self.settings.decisions.safety.reject_seconds)
+        self.state.booked_rollout = rollout.id  # saved with the booking, in one atomic write
         self.state.book(histories, args)
         return results.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]),
                                     results={n: o.result for n, o in outcomes.items()}, state=rollout_state(rollout))
@@ -342,8 +363,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                                        live_dir=settings.live.dir_for(t.name) if settings.live.enabled else None)
                   for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
-    state = TunerState.load(state_path if state_path.is_absolute() else config_dir / state_path, settings.targets,
-                            redactor=redactor)
+    state_path = state_path if state_path.is_absolute() else config_dir / state_path
+    state = TunerState.load(state_path, settings.targets, redactor=redactor)
     metrics = selfmetrics.TunerMetrics()
     maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                  timezone=settings.daemon.maintenance_timezone)
@@ -352,7 +373,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     notifier = _MaskedNotifier(redactor)
     gatherer = collecting.Gatherer()
     applying: Applying | None = None
-    startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle
+    startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
 
     if settings.mode == "apply":
@@ -364,9 +385,11 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         loop = loop_holder.get("loop")
         should_stop = loop.should_stop if loop is not None else (lambda: False)
         while startup:
-            startup.pop(0)()
+            startup[0]()  # a failure (a full disk) raises here and is tried again at the next cycle
+            startup.pop(0)
+        act = applying if applying is None or _resumed(applying, state) else None
         return cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
-                               rollout=applying, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
+                               rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
                                should_stop=should_stop)
 
     if once:
@@ -421,9 +444,11 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
         actuator_config = actuator_config.model_copy(update={"env": env})
     actuator = actuator_settings.build_actuator(actuator_config, list(replicas.values()), redactor=redactor)
     drainer = actuator_settings.build_drainer(settings.drain, list(replicas.values()))
-    journal_path = Path(settings.rollout.journal_file)
-    journal = journaling.Journal(journal_path if journal_path.is_absolute() else config_dir / journal_path,
-                                 redactor=redactor)
+    journal_path = _journal_path(settings, config_dir)
+    try:
+        journal = journaling.Journal(journal_path, redactor=redactor)
+    except OSError as exc:
+        raise StorageError(str(journal_path), "rollout.journal_file", _why(exc)) from exc
     configured = {t.name: list(t.args or ()) for t in settings.targets}
 
     def restore(rollout: machine.Rollout) -> machine.Rollout:
@@ -463,14 +488,69 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
     return Applying(settings, state, driver, client, replicas, journal, verifier=verifier, power=power)
 
 
+def _journal_path(settings: config.TunerSettings, config_dir: Path) -> Path:
+    path = Path(settings.rollout.journal_file)
+    return path if path.is_absolute() else config_dir / path
+
+
+def _why(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f" [errno {exc.errno}]" if exc.errno is not None else "")
+
+
+def _resumed(applying: Applying, state: TunerState) -> bool:
+    """The journal holds no unfinished rollout, or the one it holds was resumed now. A journal append
+    that failed mid-rollout (a full or read-only disk) stopped the rollout at a safe step and left it
+    unfinished in the journal: it is resumed (machine Rule 3) before anything else, at the first cycle
+    whose journal takes records again. False while it cannot be: the cycle then starts no rollout."""
+    records = applying.journal.records
+    last = next((i for i in range(len(records) - 1, -1, -1) if records[i]["kind"] == "rollout"), None)
+    if last is None or journaling.unfinished(records[last:]) is None:
+        return True
+    try:
+        outcome = applying.recover()
+    except journaling.JournalWriteError as exc:
+        log.error("the unfinished rollout is not resumed yet: %s", exc)
+        return False
+    if outcome is not None:
+        state.rollout_state = dict(outcome.state)
+    return journaling.unfinished(applying.journal.records) is None
+
+
+def _start_the_rest(applying: Applying, state: TunerState) -> None:
+    """Before a rollout is resumed: every replica it does not hold in flight that is down (a host reboot
+    took them all) is started now, on what it ran — the new arguments where the rollout is done, the old
+    ones where it is pending or rolled back (or not part of it). Else they stayed down until the rollout
+    ended, and Rule 2 held the next replica for want of serving ones until the hold timeout aborted it."""
+    unfinished = journaling.unfinished(applying.journal.records)
+    if unfinished is None:
+        return  # nothing to resume: the take-over below starts what is down
+    unfinished = applying.driver.restored(unfinished)
+    actuator = applying.driver.actuator
+    for name in applying.replicas:
+        if name in unfinished.in_flight or actuator.status(name).state is base.State.RUNNING:
+            continue
+        argv: Sequence[str] = state.args[name].argv()
+        where = "not part of it"
+        if name in unfinished.order:
+            p = unfinished.of(name)
+            where = p.state.value
+            argv = unfinished.new_argv[name] if p.state is machine.State.DONE else unfinished.old_argv[name]
+        actuator.adopt(name, argv)
+        log.warning("started %s (down at start; %s in the unfinished rollout %s): %s", name, where, unfinished.id,
+                    " ".join(state.redactor.argv(argv)))
+
+
 def _start_up(applying: Applying, state: TunerState) -> None:
     """A tuner killed mid-rollout finishes or rolls back that rollout before anything else. This runs
     inside the first cycle, so systemd has READY=1 and watchdog pings meanwhile, and /healthz and /status
-    answer (/status shows the resumed rollout's progress). Then every replica is taken over: what was
-    never started is started, what runs is learnt."""
-    outcome = applying.recover()
-    if outcome is not None:
-        state.rollout_state = dict(outcome.state)
+    answer (/status shows the resumed rollout's progress). A rollout that finished but was not booked
+    (killed in between) is booked first. Then every replica is taken over: what was never started is
+    started, what runs is learnt."""
+    booked = applying.book_unbooked()
+    _start_the_rest(applying, state)
+    for outcome in (booked, applying.recover()):
+        if outcome is not None:
+            state.rollout_state = dict(outcome.state)
     if applying.settings.live.enabled:
         said = applying.recover_live()
         if said:

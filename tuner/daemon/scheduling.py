@@ -165,6 +165,9 @@ class Loop:
         if self.on_stop is not None:
             try:
                 self.on_stop()
+            except OSError as exc:  # a full or read-only disk: say it in one line
+                log.error("persisting state on stop failed: %s", exc)
+                code = 1
             except Exception:
                 log.exception("persisting state on stop failed")
                 code = 1

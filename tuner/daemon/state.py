@@ -13,12 +13,17 @@ Secrets: the file holds every command line masked (``--api-key ***``, ``model.se
 configuration's arguments only as a hash of their masked form, and crash memory's fingerprints masked
 too; loading puts the real values back from ``targets[].args`` (the tuner never changes a secret flag).
 ``current_args`` — what ``/status`` and ``tuner_engine_arg_info`` show — is masked as well.
+
+Booked rollout: the id of the last rollout whose outcome these arguments and histories include, saved in
+the same atomic write. A tuner killed after a rollout's last journal record but before that write finds
+the rollout finished and not booked, and books it then — once (``running.Applying.book_unbooked``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,6 +38,8 @@ from tuner.model import knobs, secrets
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
 
+log = logging.getLogger("tuner.state")
+
 
 @dataclass
 class TunerState:
@@ -46,6 +53,7 @@ class TunerState:
     last: CycleResult | None = None  # the last cycle's result (what /status and /healthz read)
     rollout_state: Mapping[str, Any] = field(default_factory=dict)  # the rollout as it stands (/status)
     redactor: secrets.Redactor = secrets.DEFAULT  # what is masked in the file and in current_args
+    booked_rollout: str | None = None  # the last rollout booked here ("": none yet; None: not known)
 
     @classmethod
     def fresh(cls, targets: Sequence[config.Target], *, path: Path | None = None,
@@ -69,6 +77,10 @@ class TunerState:
             saved_targets = data["targets"]
             if not isinstance(saved_targets, dict):
                 raise TypeError("targets is not a mapping")
+            booked = data.get("booked_rollout")
+            if booked is not None and not isinstance(booked, str):
+                raise TypeError("booked_rollout is not a string")
+            state.booked_rollout = booked
             for name, saved in saved_targets.items():
                 if name not in state.args:
                     continue  # a target removed from the config
@@ -112,17 +124,25 @@ class TunerState:
         return secrets.digest(self.redactor.argv(self.config_args[name]))
 
     def book(self, histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.EngineArgs]) -> None:
-        """Take a booked rollout (``pooling.book``) and persist it."""
+        """Take a booked rollout (``pooling.book``) and persist it. A save that fails (a full or read-only
+        disk) is logged, not raised: the journal holds the finished rollout, and a tuner that stops
+        before a later save succeeds books it again at its next start (``booked_rollout``)."""
         for name, h in histories.items():
             self.set_history(name, h)
         self.args.update(args)
-        self.save()
+        try:
+            self.save()
+        except OSError as exc:
+            log.error("%s: the tuner's state was not saved (%s%s); it is kept in memory and saved at the next "
+                      "change or stop, and the journal holds the rollout", self.path, exc.strerror or exc,
+                      f" [errno {exc.errno}]" if exc.errno is not None else "")
 
     def as_json(self) -> dict[str, Any]:
         return {"targets": {name: {"args": self.redactor.argv(self.args[name].argv()),
                                    "config_sha256": self.config_digest(name),
                                    "history": self._history_json(name)}
-                            for name in self.args}}
+                            for name in self.args},
+                "booked_rollout": self.booked_rollout}
 
     def _history_json(self, name: str) -> dict[str, Any]:
         data = history_mod.to_dict(self.history(name))

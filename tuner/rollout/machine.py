@@ -11,6 +11,12 @@ FAILED or CRASHED anywhere on that path switches the replica to the *back leg*: 
 again) and then the same path with the old arguments, ending in ROLLED_BACK instead of VERIFYING. A
 failure on the back leg ends in FAILED: the replica stays drained and a human must look.
 
+Before the stop the engine still runs the old arguments: a step that fails there (the drain hook, or
+nginx refusing its new configuration) is ``FAILED_BEFORE_STOP``, and the way back is only the undrain —
+UNDRAINING on the back leg, then ROLLED_BACK — not a restart onto what already runs, nor a second drain
+through the hook that just failed. (The driver chooses the event: ``failure_event``. A journal written
+before this event existed never holds it, so it replays as it did.)
+
 Rule 1: only the transition table changes a replica's state. An event the table does not list for the
 current state is a bug in the driver, raised as ``RolloutError``, never silently ignored. The back
 leg's table is the forward table with its two exits renamed (a failure → FAILED, UNDRAINED → ROLLED_BACK).
@@ -76,6 +82,7 @@ class Event(enum.Enum):
     UNDRAINED = "undrained"
     VERIFIED = "verified"  # the verification window passed without a regression
     FAILED = "failed"  # a step failed or a deadline passed (reason in the journal)
+    FAILED_BEFORE_STOP = "failed_before_stop"  # ... before the stop, forward leg: the old engine still runs
     CRASHED = "crashed"  # the engine process exited or went unhealthy on its own
     INTERRUPTED = "interrupted"  # the tuner restarted while this replica was in flight (Rule 3)
     FOUND_DOWN = "found_down"  # ... and found its engine not running: stop (no-op) and start again (Rule 3)
@@ -143,11 +150,13 @@ _RESUME_AT: Mapping[State, State] = {
     _S.VERIFYING: _S.WAITING_HEALTHY,
 }
 
+_BEFORE_STOP = (_S.DRAINING, _S.WAITING_IDLE)  # the engine still runs the old arguments
 FORWARD: Mapping[tuple[State, Event], State] = {
     **{(s, e): t for s, e, t in _MAIN_PATH},
     **{(s, e): _S.ROLLING_BACK for s in _STEPS_ON_PATH for e in (_E.FAILED, _E.CRASHED)},
     **{(s, _E.INTERRUPTED): t for s, t in _RESUME_AT.items()},
     **{(s, _E.FOUND_DOWN): _S.STOPPING for s in _STEPS_ON_PATH},
+    **{(s, _E.FAILED_BEFORE_STOP): _S.UNDRAINING for s in _BEFORE_STOP},  # onto the back leg: undrain only
 }
 # The back leg: ROLLING_BACK drains, then the forward table from WAITING_IDLE on, exits renamed.
 _BACK_RENAMES: Mapping[State, State] = {
@@ -159,7 +168,7 @@ BACK: Mapping[tuple[State, Event], State] = {
     **{
         (s, e): _BACK_RENAMES.get(t, t)
         for (s, e), t in FORWARD.items()
-        if s not in (_S.PENDING, _S.DRAINING, _S.VERIFYING)
+        if s not in (_S.PENDING, _S.DRAINING, _S.VERIFYING) and e is not _E.FAILED_BEFORE_STOP
     },
     (_S.ROLLING_BACK, _E.DRAINED): _S.WAITING_IDLE,
     (_S.ROLLING_BACK, _E.FAILED): _S.FAILED,
@@ -339,7 +348,7 @@ def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str
         raise RolloutError(rollout.id, name, p.state, event, p.leg)
     q = dataclasses.replace(p, state=target, since=now)
     measured = rollout.measured_start_seconds
-    if event in (Event.FAILED, Event.CRASHED):
+    if event in (Event.FAILED, Event.CRASHED, Event.FAILED_BEFORE_STOP):
         q = dataclasses.replace(q, reason=reason or event.value)
         if p.leg is Leg.FORWARD:
             # Only an engine that exited (or went unhealthy on its own) with the new arguments marks them
@@ -356,6 +365,13 @@ def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str
         measured = took if measured is None else max(measured, took)
     progress = tuple(q if x.name == name else x for x in rollout.progress)
     return dataclasses.replace(rollout, progress=progress, measured_start_seconds=measured)
+
+
+def failure_event(rollout: Rollout, name: str) -> Event:
+    """The event for a step of ``name`` that failed: ``FAILED_BEFORE_STOP`` where the forward leg has not
+    stopped the engine yet (only the undrain is needed to go back), ``FAILED`` elsewhere."""
+    p = rollout.of(name)
+    return Event.FAILED_BEFORE_STOP if p.leg is Leg.FORWARD and p.state in _BEFORE_STOP else Event.FAILED
 
 
 def abort(rollout: Rollout, reason: str) -> Rollout:

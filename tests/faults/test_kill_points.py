@@ -1,0 +1,77 @@
+"""SIGKILL at every journal record boundary of a rollout, on simulated replicas.
+
+A full rollout of two replicas (``vllm-tuner run``, process actuator running ``python -m tuner.sim.engine``,
+an http drain hook, one rule that doubles ``--max-num-seqs`` once) is run once to count its journal
+records, N. Then, for every k in 1..N, a fresh pool is started with the tuner SIGKILLed by
+``hook/sitecustomize.py`` the moment record k is durable (after its fsync, before ``append`` returns: the
+step it guards was not taken), the tuner is started again, and once the rollout has finished and a few
+more cycles have run it is stopped with SIGTERM and the promises are checked (``support.check_invariants``):
+nothing acknowledged lost, one rollout, no double-booked restart, the pool on verified arguments, nothing
+left drained.
+
+The kill points run four at a time (``FAULTS_PARALLEL``): each is mostly waiting.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import traceback
+from collections import Counter
+from pathlib import Path
+
+from tests.faults import support
+from tuner.rollout import machine
+
+PARALLEL = int(os.environ.get("FAULTS_PARALLEL", "4"))
+
+
+def run_to_the_end(pool: support.SimPool, tuner: support.Tuner) -> machine.Rollout:
+    """Wait for the rollout to finish, let a few cycles pass (a lost booking would start a second
+    rollout), stop the tuner with SIGTERM."""
+    support.wait_for(pool.finished_rollout, 180, "the rollout to finish", poll=0.2, detail=pool.diagnostics)
+    pool.wait_cycles(4)
+    assert tuner.terminate() == 0, tuner.tail()
+    rollout = pool.finished_rollout()
+    assert rollout is not None
+    return rollout
+
+
+def kill_at(work: Path, k: int) -> str:
+    """One kill point: the outcome, or an AssertionError saying which promise broke."""
+    with support.sim_pool(work) as pool:
+        first = pool.start_tuner(kill_at=k)
+        rc = first.wait(180)
+        assert rc == -9, f"k={k}: the tuner exited {rc} before record {k} was written\n{first.tail()}"
+        before = pool.journal_path.read_bytes()
+        written = before.count(b"\n")
+        assert written == k, f"k={k}: killed with {written} records"
+        second = pool.start_tuner()
+        run_to_the_end(pool, second)
+        rollout = support.check_invariants(pool, before_kill=before)
+        return machine.outcome(rollout).value
+
+
+def test_a_tuner_killed_at_every_record_boundary_of_a_rollout_keeps_every_promise(tmp_path: Path) -> None:
+    with support.sim_pool(tmp_path / "reference") as pool:
+        tuner = pool.start_tuner()
+        reference = run_to_the_end(pool, tuner)
+        support.check_invariants(pool)
+        n = len(pool.records())
+    assert machine.outcome(reference) is machine.Outcome.DONE, machine.describe(reference)
+    assert n >= 22  # decision, rollout, 10 transitions per replica
+
+    outcomes: Counter[str] = Counter()
+    failures: dict[int, str] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool_of_runs:
+        futures = {pool_of_runs.submit(kill_at, tmp_path / f"k{k:02d}", k): k for k in range(1, n + 1)}
+        for future in concurrent.futures.as_completed(futures):
+            k = futures[future]
+            try:
+                outcomes[future.result()] += 1
+            except Exception as exc:  # collect every broken kill point, not just the first
+                failures[k] = "".join(traceback.format_exception_only(exc)).strip()[:3000]
+    report = "\n\n".join(f"k={k}: {why}" for k, why in sorted(failures.items()))
+    assert not failures, f"{len(failures)} of {n} kill points broke a promise:\n{report}"
+    assert sum(outcomes.values()) == n and set(outcomes) <= {"done", "rolled_back"}, outcomes
+    print(f"kill points survived: {n} of {n} ({dict(outcomes)})")
