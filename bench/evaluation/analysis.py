@@ -13,10 +13,10 @@ Definitions (docs/evaluation.md repeats them):
 - **Flags over time**: the admission cap (``--max-num-seqs``, or the plugin's cap) each replica serves
   with: from the tuner's journal (a restarted replica serves its new flags from its undrain), from the
   plugin's acknowledgements (live caps), or the arm's static value.
-- **Time to converge**: from the trace's start to the decision of the last flag change (for a live cap
-  without a journaled decision: its acknowledgement); **live at**: when the last replica began serving
-  it. **Converged**: that decision came at least ``converge_quiet_seconds`` before the trace's end and no
-  rollout was in flight when the tuner was stopped. No change at all: converged at 0.
+- **Time to converge**: from the trace's start until the flags stop changing: the last replica begins
+  serving the last change (undrained after its restart, or its live cap acknowledged); **decided at**: the
+  tuner's decision of that change. **Converged**: that decision came at least ``converge_quiet_seconds``
+  before the trace's end and no rollout was in flight when the tuner was stopped. No change: 0 s.
 """
 
 from __future__ import annotations
@@ -150,14 +150,16 @@ def convergence(changes: Sequence[FlagChange], *, decisions_at: Sequence[float],
             real.append(c)
     live_s = max((c.at for c in real), default=None)
     if live_s is None and not in_flight:
-        return {"converged": True, "changed": False, "converge_s": 0.0, "live_s": None}
+        return {"converged": True, "changed": False, "converge_s": 0.0, "decided_s": None}
     if in_flight:
-        converge_s = max(decisions_at, default=live_s)
+        decided_s = max(decisions_at, default=live_s)
+        converge_s = None
     else:
         decided = [d for d in decisions_at if live_s is None or d <= live_s]
-        converge_s = max(decided) if decided else live_s
-    converged = not in_flight and converge_s is not None and converge_s <= duration - quiet_s
-    return {"converged": converged, "changed": bool(real), "converge_s": converge_s, "live_s": live_s}
+        decided_s = max(decided) if decided else live_s
+        converge_s = live_s
+    converged = not in_flight and decided_s is not None and decided_s <= duration - quiet_s
+    return {"converged": converged, "changed": bool(real), "converge_s": converge_s, "decided_s": decided_s}
 
 
 # --- one arm --------------------------------------------------------------------------------------
@@ -182,8 +184,8 @@ class ArmSummary:
     itl_p99: float | None
     restarts: dict[str, int] = field(default_factory=dict)
     converged: bool | None = None
-    converge_s: float | None = None
-    live_s: float | None = None
+    converge_s: float | None = None  # the last flag change live: the flags stopped changing
+    decided_s: float | None = None  # ... decided
     errors: dict[str, int] = field(default_factory=dict)
     replicas_served: dict[str, int] = field(default_factory=dict)
 
@@ -218,7 +220,7 @@ def summarize(meta: Mapping[str, Any], requests: Sequence[Mapping[str, Any]], *,
         ttft_p50=percentile(ttfts, 0.5), ttft_p99=percentile(ttfts, 0.99),
         itl_p50=percentile(itls, 0.5), itl_p99=percentile(itls, 0.99),
         restarts=dict(restarts or {}), converged=converge.get("converged"), converge_s=converge.get("converge_s"),
-        live_s=converge.get("live_s"), errors=dict(errors), replicas_served=dict(served),
+        decided_s=converge.get("decided_s"), errors=dict(errors), replicas_served=dict(served),
     )
 
 
@@ -291,12 +293,12 @@ def goals(summaries: Mapping[str, ArmSummary], *, tuner_arm: str, replicas: int,
                     most <= 1))
     if replicas >= 2:
         out.append(Goal("failed requests", "0 (two replicas)", str(t.failed), t.failed == 0))
-    if t.converged:
-        out.append(Goal("time to converge", f"≤ {converge_limit_s / 60:g} min",
-                        f"{t.converge_s:.0f} s (live at {t.live_s:.0f} s)" if t.live_s is not None else
-                        f"{t.converge_s or 0:.0f} s (no change)", (t.converge_s or 0) <= converge_limit_s))
+    if t.converged and t.converge_s is not None:
+        measured = (f"{t.converge_s:.0f} s (decided at {t.decided_s:.0f} s)" if t.decided_s is not None
+                    else "0 s (no change)")
+        out.append(Goal("time to converge", f"≤ {converge_limit_s / 60:g} min", measured,
+                        t.converge_s <= converge_limit_s))
     else:
-        out.append(Goal("time to converge", f"≤ {converge_limit_s / 60:g} min",
-                        "not converged within the trace" + (f" (last change at {t.live_s:.0f} s)"
-                                                            if t.live_s is not None else ""), False))
+        last = f" (last change decided at {t.decided_s:.0f} s)" if t.decided_s is not None else ""
+        out.append(Goal("time to converge", f"≤ {converge_limit_s / 60:g} min", "not converged" + last, False))
     return out

@@ -155,17 +155,17 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
                      f"{p['input_len']} | {p['output_len']} | {n} |")
     lines += ["", "## Arms", "",
               "| arm | how | flags | goodput req/s | throughput req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
-              "| met SLO | failed | restarts | converged at (live at) |",
+              "| met SLO | failed | restarts | converged at (decided at) |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         s = a.summary
         restarts = ", ".join(f"{k} {v}" for k, v in s.restarts.items()) if s.kind == "tuner" else "–"
         if s.kind != "tuner":
             conv = "–"
-        elif s.converged:
-            conv = (f"{s.converge_s:.0f} s ({s.live_s:.0f} s)" if s.live_s is not None else "no change")
+        elif s.converged and s.converge_s is not None:
+            conv = f"{s.converge_s:.0f} s ({s.decided_s:.0f} s)" if s.decided_s is not None else "no change"
         else:
-            conv = "not converged" + (f" (last change {s.live_s:.0f} s)" if s.live_s is not None else "")
+            conv = "not converged" + (f" (decided {s.decided_s:.0f} s)" if s.decided_s is not None else "")
         lines.append(
             f"| {s.arm} | {a.meta.get('how', s.mode)} | {s.flags} | {s.goodput:.2f} | {s.throughput:.2f} | "
             f"{_fmt(s.ttft_p50)} | {_fmt(s.ttft_p99)} | {_fmt(s.itl_p50)} | {_fmt(s.itl_p99)} | "
@@ -223,8 +223,10 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
         lines.append(f"$ {cmd}")
     lines += ["```", ""]
     for a in arms:
-        lines.append(f"- `{a.name}`: {a.meta.get('how_long', '')} started "
-                     f"{a.meta.get('started_iso', '?')}; {a.meta.get('note', '')}".rstrip("; "))
+        load = a.meta.get("host_load")
+        load_text = f"; host load (1-min average) {load[0]:g} → {load[1]:g}" if load else ""
+        lines.append(f"- `{a.name}`: {a.meta.get('how_long', '')} started {a.meta.get('started_iso', '?')}"
+                     f"{load_text}; {a.meta.get('note', '')}".rstrip("; "))
     lines.append("")
     return "\n".join(lines)
 
