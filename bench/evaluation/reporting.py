@@ -252,9 +252,15 @@ def _plots(results: Path, arms: Sequence[Arm], trace: Mapping[str, Any]) -> list
                     ha="center", va="bottom", fontsize=8)
 
     names = []
-    # 1. flags over time, with restart marks
+    # 1. flags over time, with restart marks; past the trace's end when a tuner was still rolling out
+    horizon = max([duration, *(c.at for a in arms for c in a.changes),
+                   *(r.back_at for a in arms for r in a.restart_spans if r.back_at is not None)])
+    horizon = duration if horizon <= duration else horizon * 1.03
     fig, ax = plt.subplots(figsize=(10, 4.5))
     phases(ax)
+    if horizon > duration:
+        ax.axvline(duration, color="black", linestyle="--", linewidth=1)
+        ax.text(duration, 0.02, " trace ends", transform=ax.get_xaxis_transform(), fontsize=8)
     for a in arms:
         by_replica: dict[str, list[analysis.FlagChange]] = {}
         for c in a.changes:
@@ -271,7 +277,7 @@ def _plots(results: Path, arms: Sequence[Arm], trace: Mapping[str, Any]) -> list
                 ys.append(v)
             if not xs:
                 continue
-            xs.append(duration)
+            xs.append(horizon)
             ys.append(ys[-1])
             label = a.name if len(by_replica) == 1 or a.meta["kind"] != "tuner" else f"{a.name} ({rep})"
             if a.meta["kind"] != "tuner" and j > 0:
@@ -279,11 +285,11 @@ def _plots(results: Path, arms: Sequence[Arm], trace: Mapping[str, Any]) -> list
             ax.step(xs, ys, where="post", color=color[a.name], linestyle=styles[j % len(styles)], label=label,
                     linewidth=2 if a.meta["kind"] == "tuner" else 1)
         for r in a.restart_spans:
-            end = r.back_at if r.back_at is not None else duration
+            end = r.back_at if r.back_at is not None else horizon
             ax.axvspan(r.out_at, end, color=color[a.name], alpha=0.12)
             ax.axvline(r.out_at, color=color[a.name], linestyle=":", linewidth=1)
     ax.set_yscale("log", base=2)
-    ax.set_xlim(0, duration)
+    ax.set_xlim(0, horizon)
     ax.set_xlabel("seconds since the trace's start")
     ax.set_ylabel("admission cap (--max-num-seqs)")
     ax.set_title("Flags over time (coloured band: a tuner replica drained and restarting; grey: phases)", pad=16)
