@@ -136,10 +136,9 @@ def ack_flags(samples: Iterable[Mapping[str, Any]], *, start_at: float) -> list[
     return changes
 
 
-def convergence(changes: Sequence[FlagChange], *, decisions_at: Sequence[float], in_flight: Sequence[str],
-                duration: float, quiet_s: float) -> dict[str, Any]:
-    """Whether and when the flags stopped changing. A replica's first value (its ``start`` entry, or its
-    first acknowledgement) is the baseline, not a change."""
+def real_changes(changes: Sequence[FlagChange]) -> list[FlagChange]:
+    """The changes that moved a replica's value. Its first value (its ``start`` entry, or its first
+    acknowledgement) is the baseline, not a change."""
     current: dict[str, int | None] = {}
     real: list[FlagChange] = []
     for c in sorted(changes, key=lambda c: (c.source != "start", c.at)):
@@ -148,6 +147,13 @@ def convergence(changes: Sequence[FlagChange], *, decisions_at: Sequence[float],
         elif current[c.replica] != c.value:
             current[c.replica] = c.value
             real.append(c)
+    return real
+
+
+def convergence(changes: Sequence[FlagChange], *, decisions_at: Sequence[float], in_flight: Sequence[str],
+                duration: float, quiet_s: float) -> dict[str, Any]:
+    """Whether and when the flags stopped changing."""
+    real = real_changes(changes)
     live_s = max((c.at for c in real), default=None)
     if live_s is None and not in_flight:
         return {"converged": True, "changed": False, "converge_s": 0.0, "decided_s": None}

@@ -192,14 +192,14 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
     for a in tuner_arms:
         lines += ["", f"### What `{a.name}` did", ""]
         decisions = a.decisions()
-        if not decisions and not a.changes:
-            lines.append("Nothing (no decision in the journal).")
+        if not decisions and not analysis.real_changes(a.changes):
+            lines.append("Nothing: no decision in the journal, no flag changed.")
         for d in decisions:
             lines.append(f"- {d['at'] - a.start_at:+.0f} s: {d.get('summary') or d.get('action') or d}")
         for r in a.restart_spans:
             back = f"{r.back_at:.0f} s" if r.back_at is not None else "not back before the end"
             lines.append(f"- replica {r.replica} out of service {r.out_at:.0f} s → {back} ({r.leg} leg)")
-        for c in a.changes:
+        for c in analysis.real_changes(a.changes):
             if c.source in ("journal", "ack"):
                 lines.append(f"- {c.at:+.0f} s: {c.replica} serves {analysis.FLAG} "
                              f"{c.value if c.value is not None else 'default'} ({c.source})")
