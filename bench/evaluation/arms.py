@@ -306,6 +306,14 @@ def write_meta(arm_dir: Path, meta: Mapping[str, Any]) -> None:
     (arm_dir / "meta.json").write_text(json.dumps(dict(meta), indent=1))
 
 
+def _shown(path: Path) -> str:
+    """A path as the report shows it: relative to the checkout when inside it."""
+    try:
+        return str(path.resolve().relative_to(vllm.REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
 
@@ -600,7 +608,7 @@ def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool) -> dict[str
         "how": "tuner, live cap (plugin)" if live else "tuner, restarts",
         "flags_label": f"from {ctx.profile.bad_start}", "flags": {"max_num_seqs": initial},
         "initial_flags": dict.fromkeys(ctx.names, ctx.profile.bad_start), "envelope": envelope,
-        "replicas": urls, "tuner_config": str(template), "tuner_exit": rc,
+        "replicas": urls, "tuner_config": _shown(template), "tuner_exit": rc,
         "tuner_stopped_at": time.time(), "in_flight_when_stopped": stopped_in_flight,
         "engine_flags": ctx.engine_flags(initial), "started_iso": _iso(started),
         "how_long": f"{played['end'] - started:.0f} s,", "pool_start_seconds": pool_seconds,
