@@ -305,8 +305,23 @@ def write_meta(arm_dir: Path, meta: Mapping[str, Any]) -> None:
     (arm_dir / "meta.json").write_text(json.dumps(dict(meta), indent=1))
 
 
+def _shown(path: Path) -> str:
+    """A path as the report shows it: relative to the checkout when inside it."""
+    try:
+        return str(path.resolve().relative_to(vllm.REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
+
+
+def nginx_read_timeout(ctx: Context) -> float:
+    """nginx's proxy_read_timeout (the longest silence of an upstream before nginx cuts the response) above
+    the player's own request timeout: a request queued in an engine streams nothing until its first token,
+    and only the client, as the profile sets it, decides when that is too long."""
+    return ctx.profile.player.request_timeout_seconds + 60
 
 
 # --- a pool the harness starts itself ------------------------------------------------------------------
@@ -325,7 +340,8 @@ class StaticPool:
         nginx = ctx.profile.path(ctx.profile.nginx, ctx.base) if ctx.profile.nginx else None
         self.lb = nginx_support.NginxBalancer({n: f"127.0.0.1:{p}" for n, p in self.ports.items()},
                                               binary=str(nginx) if nginx else None,
-                                              worker_connections=NGINX_CONNECTIONS)
+                                              worker_connections=NGINX_CONNECTIONS,
+                                              read_timeout_seconds=nginx_read_timeout(ctx))
         self.control: dict[str, Path | None] = {
             n: (live_knobs.prepare_control_dir(self.dir / f"control-{n}") if plugin else None) for n in ctx.names}
         self.servers: dict[str, vllm.VllmServer] = {}
@@ -432,6 +448,7 @@ def run_static(ctx: Context, pool: StaticPool, arm: str, *, cap: int | None, mod
         pool.set_cap(cap)  # again after the idle wait: the acks then carry this arm's cap from its start
     sampler = Sampler(arm_dir / "samples.jsonl", pool.urls, pool.control, every=ctx.profile.timings.sample_seconds)
     started = time.time()
+    load_before = os.getloadavg()[0]
     sampler.start()
     try:
         played = play(ctx, url=pool.lb.url, arm=arm, arm_dir=arm_dir, upstreams=upstream_names(pool.ports))
@@ -444,6 +461,7 @@ def run_static(ctx: Context, pool: StaticPool, arm: str, *, cap: int | None, mod
         "envelope": pool.envelope, "replicas": pool.urls, "pool": pool.label,
         "engine_flags": ctx.engine_flags(pool.max_num_seqs), "started_iso": _iso(started),
         "how_long": f"{played['end'] - started:.0f} s,", "pool_start_seconds": pool.started_seconds,
+        "host_load": [round(load_before, 1), round(os.getloadavg()[0], 1)],
         "trace_digest": ctx.trace["digest"], **played,
     }
     write_meta(arm_dir, meta)
@@ -472,7 +490,8 @@ class TunerPool(live_rollout.ProcessPool):
         nginx = ctx.profile.path(ctx.profile.nginx, ctx.base) if ctx.profile.nginx else None
         super().__init__(work, ctx.model, ctx.names, rules=[], max_num_seqs=ctx.profile.bad_start,
                          start_timeout=ctx.profile.engine.start_timeout_seconds,
-                         nginx_binary=str(nginx) if nginx else None, nginx_worker_connections=NGINX_CONNECTIONS)
+                         nginx_binary=str(nginx) if nginx else None, nginx_worker_connections=NGINX_CONNECTIONS,
+                         nginx_read_timeout_seconds=nginx_read_timeout(ctx))
         self.control_root = work / "control"
         self.control: dict[str, Path | None] = {n: (self.control_root / n if live else None) for n in self.names}
 
@@ -568,6 +587,7 @@ def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool) -> dict[str
         wait_idle(urls, ctx.profile.timings.idle_timeout_seconds)
         sampler = Sampler(arm_dir / "samples.jsonl", urls, pool.control, every=ctx.profile.timings.sample_seconds)
         started = time.time()
+        load_before = os.getloadavg()[0]
         sampler.start()
         try:
             played = play(ctx, url=pool.lb.url, arm=arm, arm_dir=arm_dir, upstreams=upstream_names(pool.ports))
@@ -585,10 +605,11 @@ def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool) -> dict[str
         "how": "tuner, live cap (plugin)" if live else "tuner, restarts",
         "flags_label": f"from {ctx.profile.bad_start}", "flags": {"max_num_seqs": initial},
         "initial_flags": dict.fromkeys(ctx.names, ctx.profile.bad_start), "envelope": envelope,
-        "replicas": urls, "tuner_config": str(template), "tuner_exit": rc,
+        "replicas": urls, "tuner_config": _shown(template), "tuner_exit": rc,
         "tuner_stopped_at": time.time(), "in_flight_when_stopped": stopped_in_flight,
         "engine_flags": ctx.engine_flags(initial), "started_iso": _iso(started),
         "how_long": f"{played['end'] - started:.0f} s,", "pool_start_seconds": pool_seconds,
+        "host_load": [round(load_before, 1), round(os.getloadavg()[0], 1)],
         "trace_digest": ctx.trace["digest"], **played,
     }
     if rc not in (0, None):

@@ -110,7 +110,8 @@ class Timings(_Model):
     """Width of the time bins of the report's plots."""
     converge_quiet_seconds: float = Field(60.0, ge=0)
     """A tuner arm converged when its last flag change was decided at least this long before the trace's
-    end and no rollout was in flight when the tuner was stopped."""
+    end (so that the trace would have shown another decision) and no rollout was in flight when the tuner
+    was stopped."""
     idle_timeout_seconds: float = Field(600.0, gt=0)
     """Between arms: longest wait for every replica to be idle (nothing running or waiting)."""
     lead_in_seconds: float = Field(3.0, ge=0)

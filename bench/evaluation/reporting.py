@@ -155,17 +155,17 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
                      f"{p['input_len']} | {p['output_len']} | {n} |")
     lines += ["", "## Arms", "",
               "| arm | how | flags | goodput req/s | throughput req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
-              "| met SLO | failed | restarts | converged at (live at) |",
+              "| met SLO | failed | restarts | converged at (decided at) |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         s = a.summary
         restarts = ", ".join(f"{k} {v}" for k, v in s.restarts.items()) if s.kind == "tuner" else "–"
         if s.kind != "tuner":
             conv = "–"
-        elif s.converged:
-            conv = (f"{s.converge_s:.0f} s ({s.live_s:.0f} s)" if s.live_s is not None else "no change")
+        elif s.converged and s.converge_s is not None:
+            conv = f"{s.converge_s:.0f} s ({s.decided_s:.0f} s)" if s.decided_s is not None else "no change"
         else:
-            conv = "not converged" + (f" (last change {s.live_s:.0f} s)" if s.live_s is not None else "")
+            conv = "not converged" + (f" (decided {s.decided_s:.0f} s)" if s.decided_s is not None else "")
         lines.append(
             f"| {s.arm} | {a.meta.get('how', s.mode)} | {s.flags} | {s.goodput:.2f} | {s.throughput:.2f} | "
             f"{_fmt(s.ttft_p50)} | {_fmt(s.ttft_p99)} | {_fmt(s.itl_p50)} | {_fmt(s.itl_p99)} | "
@@ -192,14 +192,14 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
     for a in tuner_arms:
         lines += ["", f"### What `{a.name}` did", ""]
         decisions = a.decisions()
-        if not decisions and not a.changes:
-            lines.append("Nothing (no decision in the journal).")
+        if not decisions and not analysis.real_changes(a.changes):
+            lines.append("Nothing: no decision in the journal, no flag changed.")
         for d in decisions:
             lines.append(f"- {d['at'] - a.start_at:+.0f} s: {d.get('summary') or d.get('action') or d}")
         for r in a.restart_spans:
             back = f"{r.back_at:.0f} s" if r.back_at is not None else "not back before the end"
             lines.append(f"- replica {r.replica} out of service {r.out_at:.0f} s → {back} ({r.leg} leg)")
-        for c in a.changes:
+        for c in analysis.real_changes(a.changes):
             if c.source in ("journal", "ack"):
                 lines.append(f"- {c.at:+.0f} s: {c.replica} serves {analysis.FLAG} "
                              f"{c.value if c.value is not None else 'default'} ({c.source})")
@@ -223,8 +223,10 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
         lines.append(f"$ {cmd}")
     lines += ["```", ""]
     for a in arms:
-        lines.append(f"- `{a.name}`: {a.meta.get('how_long', '')} started "
-                     f"{a.meta.get('started_iso', '?')}; {a.meta.get('note', '')}".rstrip("; "))
+        load = a.meta.get("host_load")
+        load_text = f"; host load (1-min average) {load[0]:g} → {load[1]:g}" if load else ""
+        lines.append(f"- `{a.name}`: {a.meta.get('how_long', '')} started {a.meta.get('started_iso', '?')}"
+                     f"{load_text}; {a.meta.get('note', '')}".rstrip("; "))
     lines.append("")
     return "\n".join(lines)
 
@@ -250,9 +252,15 @@ def _plots(results: Path, arms: Sequence[Arm], trace: Mapping[str, Any]) -> list
                     ha="center", va="bottom", fontsize=8)
 
     names = []
-    # 1. flags over time, with restart marks
+    # 1. flags over time, with restart marks; past the trace's end when a tuner was still rolling out
+    horizon = max([duration, *(c.at for a in arms for c in a.changes),
+                   *(r.back_at for a in arms for r in a.restart_spans if r.back_at is not None)])
+    horizon = duration if horizon <= duration else horizon * 1.03
     fig, ax = plt.subplots(figsize=(10, 4.5))
     phases(ax)
+    if horizon > duration:
+        ax.axvline(duration, color="black", linestyle="--", linewidth=1)
+        ax.text(duration, 0.02, " trace ends", transform=ax.get_xaxis_transform(), fontsize=8)
     for a in arms:
         by_replica: dict[str, list[analysis.FlagChange]] = {}
         for c in a.changes:
@@ -269,7 +277,7 @@ def _plots(results: Path, arms: Sequence[Arm], trace: Mapping[str, Any]) -> list
                 ys.append(v)
             if not xs:
                 continue
-            xs.append(duration)
+            xs.append(horizon)
             ys.append(ys[-1])
             label = a.name if len(by_replica) == 1 or a.meta["kind"] != "tuner" else f"{a.name} ({rep})"
             if a.meta["kind"] != "tuner" and j > 0:
@@ -277,11 +285,11 @@ def _plots(results: Path, arms: Sequence[Arm], trace: Mapping[str, Any]) -> list
             ax.step(xs, ys, where="post", color=color[a.name], linestyle=styles[j % len(styles)], label=label,
                     linewidth=2 if a.meta["kind"] == "tuner" else 1)
         for r in a.restart_spans:
-            end = r.back_at if r.back_at is not None else duration
+            end = r.back_at if r.back_at is not None else horizon
             ax.axvspan(r.out_at, end, color=color[a.name], alpha=0.12)
             ax.axvline(r.out_at, color=color[a.name], linestyle=":", linewidth=1)
     ax.set_yscale("log", base=2)
-    ax.set_xlim(0, duration)
+    ax.set_xlim(0, horizon)
     ax.set_xlabel("seconds since the trace's start")
     ax.set_ylabel("admission cap (--max-num-seqs)")
     ax.set_title("Flags over time (coloured band: a tuner replica drained and restarting; grey: phases)", pad=16)

@@ -626,7 +626,7 @@ class ProcessPool:
                  timing: Timing = Timing(), max_num_seqs: int = 4, start_timeout: float = 600,
                  client_keepalive_seconds: int = 0, api_key: str | None = None,
                  live_cap: int | None = None, nginx_binary: str | None = None,
-                 nginx_worker_connections: int = 1024) -> None:
+                 nginx_worker_connections: int = 1024, nginx_read_timeout_seconds: float = 120) -> None:
         from tests.support import nginx as nginx_support
 
         self.work, self.model, self.names, self.timing = work, model, tuple(names), timing
@@ -645,7 +645,8 @@ class ProcessPool:
         self.client_keepalive_seconds = client_keepalive_seconds
         self.lb = nginx_support.NginxBalancer({n: f"127.0.0.1:{p}" for n, p in self.ports.items()},
                                               client_keepalive_seconds=client_keepalive_seconds,
-                                              binary=nginx_binary, worker_connections=nginx_worker_connections)
+                                              binary=nginx_binary, worker_connections=nginx_worker_connections,
+                                              read_timeout_seconds=nginx_read_timeout_seconds)
         self.tuner: TunerProcess | None = None
         self._rules = list(rules)
         self._tag = 0

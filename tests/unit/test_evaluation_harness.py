@@ -113,7 +113,7 @@ def test_restarts_flags_and_convergence_come_from_the_journal() -> None:
     assert [(r.replica, r.out_at, r.back_at, r.leg) for r in restarts] == [
         ("a", 21, 80, "forward"), ("b", 91, 150, "forward"), ("b", 160, 230, "back")]
     conv = analysis.convergence(changes, decisions_at=facts["decisions_at"], in_flight=[], duration=300, quiet_s=60)
-    assert conv == {"converged": True, "changed": True, "converge_s": 20, "live_s": 230}
+    assert conv == {"converged": True, "changed": True, "converge_s": 230, "decided_s": 20}
     late = analysis.convergence(changes, decisions_at=facts["decisions_at"], in_flight=[], duration=70, quiet_s=60)
     assert late["converged"] is False
 
@@ -126,7 +126,7 @@ def test_a_rollout_in_flight_is_not_converged() -> None:
     assert restarts[0].back_at is None
     conv = analysis.convergence(changes, decisions_at=facts["decisions_at"], in_flight=facts["in_flight_at_end"],
                                 duration=300, quiet_s=60)
-    assert conv["converged"] is False and conv["converge_s"] == 20 and conv["live_s"] is None
+    assert conv["converged"] is False and conv["decided_s"] == 20 and conv["converge_s"] is None
 
 
 def test_live_caps_come_from_the_acknowledgements() -> None:
@@ -136,7 +136,7 @@ def test_live_caps_come_from_the_acknowledgements() -> None:
     assert [(c.at, c.value) for c in changes] == [(0.0, 4), (30.0, 64)]
     conv = analysis.convergence([analysis.FlagChange("a", 0.0, 4, "start"), *changes], decisions_at=[],
                                 in_flight=[], duration=120, quiet_s=60)
-    assert conv == {"converged": True, "changed": True, "converge_s": 30.0, "live_s": 30.0}
+    assert conv == {"converged": True, "changed": True, "converge_s": 30.0, "decided_s": 30.0}
 
 
 def test_goals_compare_the_tuner_with_the_oracle_and_the_bad_start() -> None:
@@ -147,8 +147,8 @@ def test_goals_compare_the_tuner_with_the_oracle_and_the_bad_start() -> None:
         return analysis.ArmSummary(**{**base, **kw})  # type: ignore[arg-type]
 
     arms = {"bad": s("bad", 2.0), "sweep-64": s("sweep-64", 9.0), "sweep-128": s("sweep-128", 10.0),
-            "tuner": s("tuner", 9.5, kind="tuner", restarts={"a": 1, "b": 1}, converged=True, converge_s=100.0,
-                       live_s=180.0)}
+            "tuner": s("tuner", 9.5, kind="tuner", restarts={"a": 1, "b": 1}, converged=True, converge_s=180.0,
+                       decided_s=100.0)}
     got = {g.name: g for g in analysis.goals(arms, tuner_arm="tuner", replicas=2)}
     assert got["goodput vs the oracle"].met is True and "0.95" in got["goodput vs the oracle"].measured
     assert "sweep-128" in got["goodput vs the oracle"].measured
