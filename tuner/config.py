@@ -302,7 +302,7 @@ class TunerSettings(_Model):
         configuration can be validated piecewise)."""
         if self.mode != "apply":
             return []
-        problems = []
+        problems: list[tuple[str, str]] = []
         if self.kubernetes is not None:  # the pods bring their arguments; their launchers are the actuator
             return problems
         if self.actuator is None:

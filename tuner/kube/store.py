@@ -38,6 +38,8 @@ from typing import Any
 
 from tuner.errors import TunerError
 from tuner.kube.api import ApiError, ConfigMapRecord, KubeApi, dumps
+
+__all__ = ["ConfigMapJournal", "Deposed", "PoolStore", "compact", "dumps", "loads"]
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 
@@ -237,7 +239,7 @@ class ConfigMapJournal:
         out: dict[str, Any] = {}
 
         def change(data: dict[str, str]) -> dict[str, str]:
-            records: list[Mapping[str, Any]] = parse_journal(data.get("journal", ""))
+            records: list[Mapping[str, Any]] = list(parse_journal(data.get("journal", "")))
             seq = (int(records[-1].get("seq", 0)) if records else 0) + 1
             record = {"v": journaling.VERSION, "seq": seq, "at": at, "kind": kind, **fields}
             records.append(record)
