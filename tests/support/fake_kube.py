@@ -83,28 +83,40 @@ def role_allows(rules: Sequence[Mapping[str, Any]], *, verb: str, group: str, re
     return False
 
 
-def parse_label_selector(text: str) -> list[Callable[[Mapping[str, str]], bool]]:
-    tests: list[Callable[[Mapping[str, str]], bool]] = []
-    for part in re.findall(r"(?:[^,(]|\([^)]*\))+", text or ""):
-        part = part.strip()
+Requirement = tuple[str, str, frozenset[str]]  # (operator, key, values)
+
+
+def parse_label_selector(text: str) -> list[Requirement]:
+    """``a=b,c!=d,e in (f,g),h notin (i),j,!k`` → requirements."""
+    out: list[Requirement] = []
+    for raw in re.findall(r"(?:[^,(]|\([^)]*\))+", text or ""):
+        part = raw.strip()
         if not part:
             continue
         m = re.match(r"^(\S+)\s+(in|notin)\s+\((.*)\)$", part)
         if m:
-            key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",") if v.strip()}
-            tests.append((lambda k, vs: lambda l: l.get(k) in vs)(key, values) if op == "in" else
-                         (lambda k, vs: lambda l: l.get(k) not in vs)(key, values))
+            out.append((m.group(2), m.group(1), frozenset(v.strip() for v in m.group(3).split(",") if v.strip())))
         elif "!=" in part:
             key, value = part.split("!=", 1)
-            tests.append((lambda k, v: lambda l: l.get(k) != v)(key.strip(), value.strip()))
+            out.append(("!=", key.strip(), frozenset({value.strip()})))
         elif "=" in part:
             key, value = part.split("==", 1) if "==" in part else part.split("=", 1)
-            tests.append((lambda k, v: lambda l: l.get(k) == v)(key.strip(), value.strip()))
+            out.append(("=", key.strip(), frozenset({value.strip()})))
         elif part.startswith("!"):
-            tests.append((lambda k: lambda l: k not in l)(part[1:].strip()))
+            out.append(("!", part[1:].strip(), frozenset()))
         else:
-            tests.append((lambda k: lambda l: k in l)(part))
-    return tests
+            out.append(("exists", part, frozenset()))
+    return out
+
+
+def labels_match(labels: Mapping[str, str], requirements: Iterable[Requirement]) -> bool:
+    for op, key, values in requirements:
+        value = labels.get(key)
+        ok = {"=": value in values, "in": value in values, "!=": value not in values, "notin": value not in values,
+              "!": key not in labels, "exists": key in labels}[op]
+        if not ok:
+            return False
+    return True
 
 
 def field_name(text: str | None) -> str | None:
@@ -171,7 +183,7 @@ class FakeKube:
     def _bump(self, key: tuple[str, str, str, str], obj: dict[str, Any] | None, kind: str) -> None:
         """Under ``cond``: store (or delete) and log an event."""
         self.rv += 1
-        group, resource, ns, name = key
+        group, resource, ns, _ = key
         if obj is None:
             old = self.objects.pop(key)
             old = copy.deepcopy(old)
@@ -248,10 +260,9 @@ class FakeKube:
 
     def _pdb_status(self, pdb: dict[str, Any]) -> dict[str, Any]:
         spec = pdb.get("spec", {})
-        tests = [(lambda k, v: lambda l: l.get(k) == v)(k, v)
-                 for k, v in spec.get("selector", {}).get("matchLabels", {}).items()]
+        wanted = [("=", k, frozenset({v})) for k, v in spec.get("selector", {}).get("matchLabels", {}).items()]
         matched = [p for p in self.pods() if not p["metadata"].get("deletionTimestamp")
-                   and all(t(p["metadata"].get("labels", {})) for t in tests)]
+                   and labels_match(p["metadata"].get("labels", {}), wanted)]
         healthy = sum(1 for p in matched if any(c["type"] == "Ready" and c["status"] == "True"
                                                 for c in p["status"].get("conditions", [])))
         expected = len(matched)
@@ -411,8 +422,7 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
             name = field_name(query.get("fieldSelector"))
             if name is not None and obj["metadata"]["name"] != name:
                 return False
-            labels = obj["metadata"].get("labels") or {}
-            return all(t(labels) for t in parse_label_selector(query.get("labelSelector", "")))
+            return labels_match(obj["metadata"].get("labels") or {}, parse_label_selector(query.get("labelSelector", "")))
 
         def _list(self, group: str, res: str, ns: str, query: Mapping[str, str]) -> None:
             with kube.cond:

@@ -109,7 +109,7 @@ class RolloutDriver:
         max_temporary_failures: int = 3,
         drains: bool = True,
         admission: Callable[[machine.Rollout, str], str | None] | None = None,
-        departed: Callable[[], Collection[str]] | None = None,
+        departed: Callable[[Collection[str]], Collection[str]] | None = None,
     ) -> None:
         self.actuator, self.drainer, self.prober, self.journal = actuator, drainer, prober, journal
         self._replicas = {r.name: r for r in actuator.replicas()}
@@ -126,7 +126,7 @@ class RolloutDriver:
         self._max_temporary = max_temporary_failures
         self._drains = drains  # False: nothing takes the replica out of the load balancer
         # Kubernetes: the API server's view before an admission (Ready pods, the PodDisruptionBudget) — a
-        # reason to hold, or None; and the replicas whose pods are gone (machine Rule 4).
+        # reason to hold, or None; and which of the rollout's replicas are gone for good (machine Rule 4).
         self._admission = admission
         self._departed = departed
         self._waits = _Waits(idle_since={}, unhealthy_polls={})
@@ -175,6 +175,7 @@ class RolloutDriver:
         rollout = journaling.unfinished(self.journal.records)
         if rollout is None:
             return None
+        rollout = self._leave_departed(rollout)
         for name in rollout.in_flight:
             status = self._status(name)
             if status is not None and status.state is not base.State.RUNNING:
@@ -233,7 +234,7 @@ class RolloutDriver:
         if self._departed is None:
             return rollout
         try:
-            gone = set(self._departed())
+            gone = set(self._departed([p.name for p in rollout.progress if p.state not in machine.TERMINAL]))
         except Exception:  # not knowing who left is not a reason to stop a rollout
             log.exception("rollout %s: listing departed replicas failed", rollout.id)
             return rollout

@@ -300,14 +300,22 @@ class Admission:
         return None
 
 
-def departed(api: KubeApi, names: Collection[str]) -> Callable[[], set[str]]:
-    """The driver hook: which of ``names`` have no pod any more (or one being deleted)."""
-    def gone() -> set[str]:
-        try:
-            live = {p.name for p in api.list_pods() if not p.deleting}
-        except ApiError:
-            return set()
-        return set(names) - live
+def departed(api: KubeApi, *, every_seconds: float = 2.0,
+             monotonic: Callable[[], float] = time.monotonic) -> Callable[[Collection[str]], set[str]]:
+    """The driver hook: which of the given replicas have no pod any more (or one being deleted). The pods
+    are listed at most every ``every_seconds`` (the driver asks at every poll); when they cannot be
+    listed, nobody is taken for gone."""
+    seen: dict[str, Any] = {"at": None, "live": None}
+
+    def gone(names: Collection[str]) -> set[str]:
+        now = monotonic()
+        if seen["at"] is None or now - seen["at"] >= every_seconds:
+            try:
+                seen["live"] = {p.name for p in api.list_pods() if not p.deleting}
+                seen["at"] = now
+            except ApiError as exc:
+                log.warning("listing the pool's pods: %s", exc)
+        return set() if seen["live"] is None else set(names) - seen["live"]
 
     return gone
 

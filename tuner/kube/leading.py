@@ -89,8 +89,12 @@ class Leader:
 
     def cycle(self, journal: store_mod.ConfigMapJournal, stop: threading.Event, *, recover: bool = False) -> None:
         now = self.clock()
-        pods = [p for p in self.api.list_pods() if not p.deleting and p.ip and p.phase == "Running"]
+        listed = self.api.list_pods()
+        pods = [p for p in listed if not p.deleting and p.ip and p.phase == "Running"]
         data = self.store.refresh()
+        unfinished = journaling.unfinished(journal.records)
+        self._forget_gone({p.name for p in listed} | set(unfinished.replicas if unfinished is not None else ()),
+                          journal)
         reports = {p.name: acting.report_of(data, p.name) for p in pods}
         members = [p for p in pods if (r := reports[p.name]) is not None and isinstance(r.get("argv"), list)
                    and r.get("state") in acting.RUNNING_STATES]
@@ -100,14 +104,15 @@ class Leader:
             hold = "the pool's pods run different base command lines (the Deployment is rolling out new args)"
         elif bases:
             self._user_wins(next(iter(bases)), journal, now=now)
-        replicas = {p.name: acting.replica_of(p, self.k) for p in pods}
+        # The actuator knows every pod with an IP (one being deleted too: a rollout may still name it and
+        # leaves it, machine Rule 4); the targets are the pods that run and report.
+        replicas = {p.name: acting.replica_of(p, self.k) for p in listed if p.ip}
         targets = [config.Target(name=p.name, kind=self.k.engine_kind, metrics_url=replicas[p.name].base_url + "/metrics",
                                  base_url=replicas[p.name].base_url, args=list(reports[p.name]["argv"]))  # type: ignore[index]
                    for p in members]
-        unfinished = journaling.unfinished(journal.records)
         self._track(targets, keep=unfinished.replicas if unfinished is not None else ())
         applying = None
-        if self.settings.mode == "apply":
+        if self.settings.mode == "apply" and targets:
             applying = self._applying(targets, replicas, journal, stop)
             if recover:
                 outcome = applying.recover()
@@ -125,7 +130,7 @@ class Leader:
         if hold is not None:
             log.info("no rollout: %s", hold)
         self.last, self.cycles = result, self.cycles + 1
-        self._verified(journal)
+        self._verified(journal, members={p.name for p in members})
         self._save_history(journal)
 
     # --- pieces --------------------------------------------------------------------------------------
@@ -147,7 +152,7 @@ class Leader:
             on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name, " ".join(argv), why),
             stop_event=stop, drains=True,
             admission=acting.Admission(self.api, self.k, allow_downtime=r.allow_downtime),
-            departed=acting.departed(self.api, list(replicas)))
+            departed=acting.departed(self.api))
         settings = self.settings.model_copy(update={"targets": list(targets)})
         return running.Applying(settings, self.state, driver, self.client, replicas, journal, verifier=self.verifier)
 
@@ -171,6 +176,20 @@ class Leader:
         for name in keep:
             self.state.targets.setdefault(name, stepping.TargetState(history=seed))
 
+    def _forget_gone(self, pods: set[str], journal: store_mod.ConfigMapJournal) -> None:
+        """The reports and desired states of pods that no longer exist leave the ConfigMap."""
+        def change(data: dict[str, str]) -> dict[str, str] | None:
+            gone = [k for k in data if k.startswith(store_mod.REPORT_PREFIX) and k[len(store_mod.REPORT_PREFIX):] not in pods]
+            desired = acting.desired_of(data)
+            kept = {n: d for n, d in desired.items() if n in pods}
+            if not gone and kept == desired:
+                return None
+            out = {k: v for k, v in data.items() if k not in gone}
+            out["desired"] = store_mod.dumps(kept)
+            return out
+
+        self.store.update(change, epoch=journal.epoch, leader=self.identity)
+
     def _user_wins(self, base: str, journal: store_mod.ConfigMapJournal, *, now: float) -> None:
         pool = store_mod.loads(self.store.data, "pool", {})
         if not isinstance(pool, dict) or not pool.get("overrides") or pool.get("base_sha256") in (None, base):
@@ -178,14 +197,17 @@ class Leader:
         old = str(pool.get("base_sha256"))
         note = (f"the Deployment's base command line changed ({old[:12]} → {base[:12]}): the user wins, the pool's "
                 f"overrides {pool['overrides']} are dropped")
-        self.store.update(lambda d: {**d, "pool": store_mod.dumps({"overrides": [], "base_sha256": base,
-                                                                   "reason": note})},
-                          epoch=journal.epoch, leader=self.identity)
+        finished = [rid for rid, r in journaling.replay(journal.records).items()
+                    if machine.outcome(r) is not machine.Outcome.RUNNING]
+        # the rollouts finished so far are set aside: none of them makes the pool's arguments again
+        self._set_pool({"overrides": [], "base_sha256": base, "reason": note,
+                        "rollout": finished[-1] if finished else pool.get("rollout")}, journal)
         journal.append("note", at=now, note=note)
         log.warning("%s", note)
 
-    def _verified(self, journal: store_mod.ConfigMapJournal) -> None:
-        """A rollout that finished done: its overrides become the pool's verified arguments."""
+    def _verified(self, journal: store_mod.ConfigMapJournal, *, members: set[str]) -> None:
+        """A rollout that finished done: its overrides (as a pod it moved runs them now) become the pool's
+        verified arguments. Once per rollout: the pool remembers which one it took (or set aside)."""
         done = [r for r in journaling.replay(journal.records).values() if machine.outcome(r) is machine.Outcome.DONE]
         if not done:
             return
@@ -195,7 +217,8 @@ class Leader:
             return
         for p in last.progress:
             report = acting.report_of(self.store.data, p.name)
-            if p.state is machine.State.DONE and report is not None and not report.get("overrides_dropped"):
+            if p.state is machine.State.DONE and p.name in members and report is not None \
+                    and not report.get("overrides_dropped"):
                 doc = {"overrides": report.get("overrides") or [], "base_sha256": report.get("base_sha256"),
                        "rollout": last.id}
                 self._set_pool(doc, journal)

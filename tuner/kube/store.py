@@ -39,7 +39,7 @@ from typing import Any
 from tuner.errors import TunerError
 from tuner.kube.api import ApiError, ConfigMapRecord, KubeApi, dumps
 
-__all__ = ["ConfigMapJournal", "Deposed", "PoolStore", "compact", "dumps", "loads"]
+__all__ = ["REPORT_PREFIX", "ConfigMapJournal", "Deposed", "PoolStore", "compact", "dumps", "loads"]
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 
