@@ -24,7 +24,8 @@ refused then. **Agent reports** are JSON merge patches of their own key only (at
 CAS: they touch nothing else).
 
 The ConfigMap is at most 1 MiB: once the journal passes ``JOURNAL_BUDGET`` bytes, the records of finished
-rollouts (all but the last ``KEEP_ROLLOUTS``) and their decisions are dropped (``compact``).
+rollouts (all but the last ``KEEP_ROLLOUTS``) and their decisions are dropped (``compact``), then fewer
+until it fits; the unfinished rollout is always kept whole.
 """
 
 from __future__ import annotations
@@ -244,9 +245,12 @@ class ConfigMapJournal:
             record = {"v": journaling.VERSION, "seq": seq, "at": at, "kind": kind, **fields}
             records.append(record)
             text = journal_text(records)
-            if len(text.encode()) > self.budget:
-                records = compact(records)
+            keep_rollouts, keep_decisions = KEEP_ROLLOUTS, KEEP_DECISIONS
+            while len(text.encode()) > self.budget and (keep_rollouts or keep_decisions):
+                # fewer and fewer finished rollouts and loose decisions, never the unfinished rollout
+                records = compact(records, keep_rollouts=keep_rollouts, keep_decisions=keep_decisions)
                 text = journal_text(records)
+                keep_rollouts, keep_decisions = keep_rollouts // 2, keep_decisions // 2
                 self.compactions += 1
             out["record"] = record
             return {**data, "journal": text}
