@@ -11,6 +11,7 @@ tests/e2e/test_kube_agents_live.py.
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -158,6 +159,38 @@ def test_one_pod_at_a_time_and_the_leaders_death_mid_rollout(sims: SimPool) -> N
     kp.wait_for(lambda: late.status().get("ready"), 60, "the new pod ready", detail=pool.diagnostics)
     assert seqs(late) == value and late.status()["planned_restarts"] == 0
     assert late.desired()["overrides"] == [["--max-num-seqs", value]]
+
+
+def test_a_paused_leader_wakes_up_deposed(sims: SimPool) -> None:
+    """SIGSTOP the leader mid-rollout (a stalled node, a long GC pause): another agent takes the Lease and
+    resumes the rollout; the old one wakes up still in the middle of its rollout step, and none of its
+    writes lands: every journal record after the takeover is the new epoch's."""
+    pool = sims.pool
+    for n in ("vllm-a", "vllm-b"):
+        pool.add_pod(n, wait=False)
+    rid = rollout(pool)
+    first = journaling.replay(pool.records())[rid].order[0]
+    kp.wait_for(lambda: state_of(pool, rid, first) in ("waiting_healthy", "confirming_args", "warming", "undraining"),
+                120, f"{first} relaunching", poll=0.1, detail=pool.diagnostics)
+    old = pool.leader()
+    assert old is not None
+    pool.pods[old].agent.signal(signal.SIGSTOP)
+    try:
+        kp.wait_for(lambda: (h := pool.leader()) and h != old, 60, "a new leader", poll=0.1, detail=pool.diagnostics)
+        kp.wait_for(lambda: any(e["event"] == "interrupted" for e in live.events(pool.records(), rid)), 60,
+                    "the new leader to resume the rollout", detail=pool.diagnostics)
+    finally:
+        pool.pods[old].agent.signal(signal.SIGCONT)
+    assert wait_outcome(pool, rid) is machine.Outcome.DONE, pool.diagnostics()
+    records = pool.records()
+    epochs = [r["epoch"] for r in records]
+    assert epochs == sorted(epochs) and epochs[-1] == 2, epochs
+    assert pool.doc("epoch") == 2
+    kp.wait_for(lambda: "no longer acting" in pool.pods[old].agent.log() or "rollout failed" in pool.pods[old].agent.log()
+                or pool.leader() != old, 30, "the old leader to stand down")
+    refused = pool.pods[old].agent.log().count("is deposed")
+    print(f"\nthe paused leader woke up: {refused} write(s) refused by the ConfigMap's epoch")
+    assert_rbac_clean(pool)
 
 
 def test_a_pod_deleted_mid_rollout_leaves_it(sims: SimPool) -> None:

@@ -14,7 +14,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     settings = config.load(args.config)
     logs.configure(json_logs=settings.daemon.json_logs or args.json_logs)
     return running.run_agent(args.config, state_dir=args.state_dir, pod=args.pod,
-                             startup_timeout=args.startup_timeout)
+                             startup_timeout=args.startup_timeout, prepare_only=args.prepare_only)
 
 
 def register(sub: Any) -> None:
@@ -26,5 +26,8 @@ def register(sub: Any) -> None:
     p.add_argument("--startup-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="how long to wait for the pool's ConfigMap before the engine starts on its own command "
                         "line (default 120)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="only the start-up (launcher.pyz and desired.json in the state directory), then exit: an "
+                        "init container's job where native sidecars are not available")
     p.add_argument("--json-logs", action="store_true", help="one JSON object per log line")
     p.set_defaults(func=cmd_agent)

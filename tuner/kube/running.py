@@ -50,7 +50,7 @@ def namespace_of(settings: config.KubernetesSettings) -> str:
 
 
 def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None = None,
-              stop: threading.Event | None = None, startup_timeout: float = 120.0) -> int:
+              stop: threading.Event | None = None, startup_timeout: float = 120.0, prepare_only: bool = False) -> int:
     settings = config.load(config_path)
     k = settings.kubernetes
     if k is None:
@@ -76,6 +76,9 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
 
     agent = podside.PodAgent(store, pod=pod, state_dir=Path(state_dir or k.state_dir))
     agent.prepare(startup_timeout=startup_timeout, stop=stop)
+    if prepare_only:  # an init container's job where native sidecars are not available (Kubernetes < 1.29)
+        api.close()
+        return 0
     threads = [threading.Thread(target=store.watch, args=(stop,), name="watch", daemon=True),
                threading.Thread(target=agent.run, args=(stop,), name="pod", daemon=True)]
 

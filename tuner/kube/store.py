@@ -225,8 +225,9 @@ def _rv(value: str | None) -> int:
 
 class ConfigMapJournal:
     """``journaling.JournalLike`` over the pool's ConfigMap: ``records`` and ``append(kind, at=, **fields)``
-    with the file journal's record format (v, seq, at, kind, …). An append is durable once it returns
-    (the CAS succeeded); a deposed leader's append raises ``Deposed`` and writes nothing."""
+    with the file journal's record format (v, seq, at, kind, …), plus the writer's ``epoch``. An append is
+    durable once it returns (the CAS succeeded); a deposed leader's append raises ``Deposed`` and writes
+    nothing."""
 
     def __init__(self, store: PoolStore, *, epoch: int, leader: str, budget: int = JOURNAL_BUDGET) -> None:
         self.store, self.epoch, self.leader, self.budget = store, epoch, leader, budget
@@ -242,7 +243,7 @@ class ConfigMapJournal:
         def change(data: dict[str, str]) -> dict[str, str]:
             records: list[Mapping[str, Any]] = list(parse_journal(data.get("journal", "")))
             seq = (int(records[-1].get("seq", 0)) if records else 0) + 1
-            record = {"v": journaling.VERSION, "seq": seq, "at": at, "kind": kind, **fields}
+            record = {"v": journaling.VERSION, "seq": seq, "at": at, "kind": kind, **fields, "epoch": self.epoch}
             records.append(record)
             text = journal_text(records)
             keep_rollouts, keep_decisions = KEEP_ROLLOUTS, KEEP_DECISIONS
