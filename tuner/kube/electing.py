@@ -116,6 +116,9 @@ class Elector:
     def run(self, stop: threading.Event) -> None:
         """Try every ``retry_seconds`` until ``stop``; then release."""
         while not stop.is_set():
-            self.try_once()
+            try:
+                self.try_once()
+            except Exception:  # the election must outlive any surprise; a leader that cannot renew steps down
+                log.exception("leader election failed")
             stop.wait(self.retry)
         self.release()

@@ -68,8 +68,13 @@ class Leader:
     def lead(self, leadership: Leadership, stop: threading.Event) -> None:
         """Cycles every ``scrape.interval_seconds`` until ``stop`` (set when the leadership ends)."""
         epoch = leadership.epoch
-        self.store.refresh()
-        self.store.update(lambda d: d, epoch=epoch, leader=self.identity)  # the ConfigMap is ours: older epochs refused
+        try:
+            self.store.refresh()
+            self.store.update(lambda d: d, epoch=epoch, leader=self.identity)  # ours now: older epochs refused
+        except store_mod.Deposed as exc:
+            log.warning("%s: not leading", exc)
+            stop.wait(self.settings.scrape.interval_seconds)
+            return
         journal = store_mod.ConfigMapJournal(self.store, epoch=epoch, leader=self.identity)
         self.state = TunerState(targets={}, args={}, config_args={})
         self._load_history()

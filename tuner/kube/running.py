@@ -117,7 +117,11 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
             lead_stop.clear()
             if elector.leadership is None:
                 continue
-            leader.lead(leadership, lead_stop)
+            try:
+                leader.lead(leadership, lead_stop)
+            except Exception:  # the pod's loop and the election go on; the next leadership starts afresh
+                log.exception("leading the pool failed")
+                stop.wait(k.retry_period_seconds)
     finally:
         stop.set()
         for t in threads:
