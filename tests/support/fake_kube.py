@@ -157,7 +157,7 @@ class FakeKube:
         self.cond = threading.Condition()
         self.requests: list[Request] = []
         self.fail_next: dict[str, int] = {}  # verb → how many requests to answer 500 (fault injection)
-        self._server = ThreadingHTTPServer((host, port), _handler(self))
+        self._server = _Server((host, port), _handler(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
         self.closing = False
@@ -490,6 +490,13 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
             self._route("DELETE")
 
     return Handler
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away (a SIGKILLed agent) is not an error of the server."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 def chart_objects(values: Mapping[str, Any] | None = None, *, namespace: str = "llm") -> list[dict[str, Any]]:

@@ -186,7 +186,8 @@ class KubePool:
         k = {"pool": POOL, "selector": {"matchLabels": {"vllm-tuner.io/pool": POOL}}, "lease": LEASE,
              "journal_configmap": JOURNAL, "pod_disruption_budget": POOL, "api_server": self.kube.url,
              "token_file": str(self.token), "ca_file": None, **config.get("kubernetes", {})}
-        self.config = {**config, "kubernetes": k}
+        self.config = {**config, "kubernetes": k,
+                       "daemon": {"listen_port": 0, **config.get("daemon", {})}}  # every agent on this machine
         self.config_path = work / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         # every pod's command line: the engine's, through on_pod_ip.py (--host $POD_IP), as one Deployment runs it

@@ -76,7 +76,9 @@ class Leader:
             stop.wait(self.settings.scrape.interval_seconds)
             return
         journal = store_mod.ConfigMapJournal(self.store, epoch=epoch, leader=self.identity)
-        self.state = TunerState(targets={}, args={}, config_args={})
+        for part in (self.state.targets, self.state.args, self.state.config_args):  # the same object: /status reads it
+            part.clear()
+        self.state.pending, self.state.rollout_state = None, {}
         self._load_history()
         log.info("leading the pool %s (epoch %d)", self.k.pool, epoch)
         first = True

@@ -23,7 +23,8 @@ import uuid
 from pathlib import Path
 
 from tuner import config
-from tuner.daemon import collecting
+from tuner.daemon import collecting, selfmetrics
+from tuner.daemon.httpserver import TunerHttpServer
 from tuner.errors import ConfigError
 from tuner.kube import electing, leading, podside
 from tuner.kube import store as store_mod
@@ -74,7 +75,10 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
             signal.signal(sig, lambda *_: stop.set())
     log.info("agent %s of pool %s in %s (mode %s)", identity, k.pool, namespace, settings.mode)
 
-    agent = podside.PodAgent(store, pod=pod, state_dir=Path(state_dir or k.state_dir))
+    # The image's own copy of the launcher (deploy/docker/Dockerfile), else one built from this package.
+    shipped = os.environ.get("VLLM_TUNER_LAUNCHER_ZIPAPP")
+    zipapp = Path(shipped) if shipped and Path(shipped).is_file() else None
+    agent = podside.PodAgent(store, pod=pod, state_dir=Path(state_dir or k.state_dir), zipapp=zipapp)
     agent.prepare(startup_timeout=startup_timeout, stop=stop)
     if prepare_only:  # an init container's job where native sidecars are not available (Kubernetes < 1.29)
         api.close()
@@ -99,7 +103,14 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
 
     http = collecting.http_settings(settings.scrape, config_dir=config_dir)
     client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
-    leader = leading.Leader(settings, api=api, store=store, identity=identity, rules=tuple(rules), client=client)
+    metrics = selfmetrics.TunerMetrics()
+    leader = leading.Leader(settings, api=api, store=store, identity=identity, rules=tuple(rules), client=client,
+                            metrics=metrics)
+    # /metrics, /status, /recommendations: the leader's cycles (a follower has none; it is healthy while it runs)
+    server = TunerHttpServer(metrics=metrics, state=leader.state, is_alive=lambda: not stop.is_set(),
+                             is_busy=lambda: not elector.is_leader(),
+                             max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
+                             host=settings.daemon.listen_host, port=settings.daemon.listen_port).start()
 
     def relay() -> None:
         stop.wait()
@@ -124,6 +135,7 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
                 stop.wait(k.retry_period_seconds)
     finally:
         stop.set()
+        server.close()
         for t in threads:
             t.join(timeout=k.request_timeout_seconds + 5)
         client.close()
