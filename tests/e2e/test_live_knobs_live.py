@@ -268,20 +268,23 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
     assert bench_result["completed"] == PROMPTS and bench_result.get("failed", 0) == 0
     after = engine.metrics()
 
-    report = []
+    report, reached = [], []
     for phase in phases:
-        gauge = max(m["running"] for m in sampler.window(phase.t0, phase.t1))
+        # The gauge is sampled every 0.2 s by a scrape that can take seconds on a loaded box, so a short
+        # phase may hold no sample: the step log (every step, from the engine) says what was reached.
+        gauge = max((m["running"] for m in sampler.window(phase.t0, phase.t1)), default=None)
         steps = engine.iterations(phase.log0, phase.log1)
         assert steps, f"no vLLM iteration lines in phase {phase.name}"
         per_step = max(s[1] + s[3] for s in steps)
         tokens = max(s[2] + s[4] for s in steps)
-        report.append(f"{phase.name}: running max {gauge:.0f}, scheduled max {per_step} over {len(steps)} steps, "
-                      f"tokens/step max {tokens}")
-        assert gauge <= phase.cap and per_step <= phase.cap, report[-1]
+        reached.append(per_step)
+        report.append(f"{phase.name}: running max {gauge if gauge is None else f'{gauge:.0f}'}, scheduled max "
+                      f"{per_step} over {len(steps)} steps, tokens/step max {tokens}")
+        assert (gauge is None or gauge <= phase.cap) and per_step <= phase.cap, report[-1]
     print("\n".join(report), f"\ndrain 16 -> 8 took {drained_s:.2f}s (no preemption)")
-    maxima = [max(m["running"] for m in sampler.window(p.t0, p.t1)) for p in phases]
-    assert maxima[:4] == [4, 16, 8, 8], report  # each cap was reached (and, above, never exceeded)
-    assert maxima[4] > 16, report  # restored: full concurrency again
+    assert reached[:4] == [4, 16, 8, 8], report  # each cap was reached (and, above, never exceeded)
+    assert reached[4] > 16, report  # restored: full concurrency again
+    assert sum(1 for p in phases if sampler.window(p.t0, p.t1)) >= 3, report  # the gauge was seen under load
     steps = engine.iterations(phases[-1].log0, phases[-1].log1)
     assert max(s[2] + s[4] for s in steps) > 64  # baseline for the token-budget test below
 

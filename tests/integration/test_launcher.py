@@ -61,6 +61,19 @@ def test_relaunch_in_place_tears_down_the_old_group_and_keeps_liveness(state):
         assert recorder.transitions("/readyz") == [200, 503, 200]
 
 
+def test_a_planned_relaunch_does_not_wait_for_attached_connections(state):
+    """An engine that, like vLLM's HTTP server with keep-alive clients attached, keeps going for its whole
+    shutdown timeout after SIGTERM: the relaunch sends SIGINT after --force-after instead of waiting."""
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--term-delay", "60"), options=["--force-after", "1"]) as lp:
+        lp.wait_state("serving", 30)
+        generation = lp.request([("--max-num-seqs", "8")])
+        st = lp.wait(lambda s: s["state"] == "serving" and s["running_generation"] == generation, 40, "relaunch")
+        relaunch = st["last_relaunch"]
+        assert relaunch["forced"] and not relaunch["killed"] and relaunch["stop_seconds"] < 30, relaunch
+        assert "SIGINT to the engine 1s after its SIGTERM" in lp.log_tail(60)
+
+
 def test_drain_takes_readiness_away_without_touching_the_engine(state):
     port = free_port()
     with LauncherProcess(state, fake_engine_argv(port)) as lp:

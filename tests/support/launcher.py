@@ -232,10 +232,36 @@ class ProbeRecorder:
     def codes(self, path: str) -> list[int]:
         return [code for _, p, code, _ in self.samples if p == path]
 
+    def liveness_held(self, *, period: float = 10, failure_threshold: int = 6) -> tuple[bool, str]:
+        """Whether a kubelet probing /livez with the component's settings (periodSeconds 10,
+        failureThreshold 6: deploy/kubernetes/component/pod.yaml) would have kept the container: every
+        answer was 200, and no run of unanswered probes (a timeout on a loaded box) lasted as long as the
+        kubelet's ``failure_threshold`` periods. (False, what broke it) otherwise."""
+        samples = [(t, code, body) for t, p, code, body in self.samples if p == "/livez"]
+        wrong = [(code, body) for _, code, body in samples if code not in (0, 200)]
+        if wrong:
+            return False, f"/livez answered {wrong[:3]}"
+        if not any(code == 200 for _, code, _ in samples):
+            return False, "/livez never answered"
+        longest, since = 0.0, None
+        for t, code, _ in samples:
+            if code == 0:
+                since = t if since is None else since
+                longest = max(longest, t - since + self.period)
+            else:
+                since = None
+        unanswered = sum(1 for _, code, _ in samples if code == 0)
+        if longest >= period * failure_threshold:
+            return False, f"/livez unanswered for {longest:.1f} s in a row"
+        return True, f"{unanswered} of {len(samples)} samples unanswered, at most {longest:.1f} s in a row"
+
     def transitions(self, path: str) -> list[int]:
-        """The /readyz (or /livez) codes with repeats collapsed: e.g. [503, 200, 503, 200]."""
+        """The /readyz (or /livez) codes with repeats collapsed, unanswered samples left out (a loaded box
+        may time a probe out): e.g. [503, 200, 503, 200]."""
         out: list[int] = []
         for code in self.codes(path):
+            if code == 0:
+                continue
             if not out or out[-1] != code:
                 out.append(code)
         return out

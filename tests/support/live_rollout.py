@@ -252,11 +252,11 @@ class TunerProcess:
 
 # --- load: vLLM's own benchmark client ------------------------------------------------------------------
 
-# vLLM's benchmark client, unchanged but for two wrappers: requests are handed out as a closed loop
+# vLLM's benchmark client, unchanged but for the stream fix (bench_client_fix.py) and two wrappers: requests are handed out as a closed loop
 # of CONCURRENCY clients (the next one only when one finished), and no new request starts once
 # STOP_FILE exists. The client then finishes what is in flight and reports on exactly the requests
 # it sent, with its own metrics code (completed, failed, latencies) and --save-result JSON.
-_LOAD_SCRIPT = r"""
+_LOAD_SCRIPT = vllm.CLIENT_FIX_PRELUDE + r"""
 import asyncio, os, sys
 import vllm.benchmarks.serve as serve
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -314,8 +314,8 @@ class LiveLoad:
         argv = vllm.benchmark_argv(base_url, SERVED_NAME, num_prompts=max_prompts, max_concurrency=concurrency,
                                    input_len=input_len, output_len=output_len, tokenizer=str(model_dir),
                                    result_file=self.result_file, seed=seed)
-        assert argv[1] == "-c"
-        self.argv = [argv[0], "-c", _LOAD_SCRIPT, str(self.stop_file), str(concurrency), *argv[3:]]
+        assert argv[1] == "-c" and argv[3].endswith("bench_client_fix.py")
+        self.argv = [argv[0], "-c", _LOAD_SCRIPT, argv[3], str(self.stop_file), str(concurrency), *argv[4:]]
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.sending_at: float | None = None  # when wait_sending() saw the first real request go out
@@ -821,3 +821,29 @@ class ProcessPool:
         finally:
             kill_engines_on_ports(self.ports.values())
             self.lb.stop()
+
+
+class CpuHog:
+    """A process spinning on one core (``cpu_hog()``); ``cpu_seconds``: the CPU time it got."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.cpu_seconds = 0.0
+
+    def __enter__(self) -> CpuHog:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            self.cpu_seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def cpu_hog() -> CpuHog:
+    """A busy neighbour for the length of a ``with``: one process spinning at normal priority (on a
+    2-core box, half the machine), as a batch job beside the engines would."""
+    return CpuHog()

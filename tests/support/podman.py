@@ -18,6 +18,16 @@ What makes it work on this kind of machine (a VM with a hybrid cgroup v1 tree an
 
 podman 4.3 ignores readiness probes and has no native sidecars (init containers with
 ``restartPolicy: Always``): tests render those as an init container plus an ordinary container.
+
+**The agent and the API server.** The agent is the real one (``python -m tuner agent``, the project's
+virtualenv and the repository as read-only hostPath volumes): its start-up (``--prepare-only``) as the init
+container, then the agent itself as an ordinary container. The pod has no network but its own loopback,
+so the Kubernetes API is the fake one (tests/support/fake_kube.py, stdlib only, under the host's Python)
+**run inside the pod** as one more container, on 127.0.0.1:6443, loaded with the chart's Role, Lease,
+journal ConfigMap and this pod's object. The chart's ConfigMap gets ``api_server``/``token_file`` for it
+(the one change to the rendered configuration). The init container cannot reach that API yet (ordinary
+containers start after init containers): its start-up falls back to the pod's own command line after
+``--startup-timeout``, which is what a real agent does when the API is unreachable.
 """
 
 from __future__ import annotations
@@ -207,22 +217,10 @@ EXAMPLE = REPO / "deploy" / "kubernetes" / "example"
 CHART = REPO / "deploy" / "helm" / "vllm-tuner"
 STATE_DIR = "/var/run/vllm-tuner"
 ZIPAPP_DIR = "/opt/vllm-tuner"  # where the agent's image keeps launcher.pyz (a hostPath here)
-
-# What the agent does before its startupProbe passes (the real agent: `vllm-tuner agent`, coming):
-# put the launcher zipapp in the shared directory and write the pool's verified args (none yet).
-AGENT_INIT = f"""\
-import os, shutil, sys
-sys.path.insert(0, "{ZIPAPP_DIR}/launcher.pyz")
-from pathlib import Path
-from vllm_tuner_launcher import protocol
-shutil.copyfile("{ZIPAPP_DIR}/launcher.pyz", "{STATE_DIR}/.launcher.pyz.tmp")
-os.replace("{STATE_DIR}/.launcher.pyz.tmp", "{STATE_DIR}/launcher.pyz")
-if not os.path.exists("{STATE_DIR}/desired.json"):  # a restarted pod keeps what the agent asked for last
-    protocol.write_desired(Path("{STATE_DIR}"), generation=1, base_sha256=os.environ["BASE_SHA256"])
-print("agent-init: launcher.pyz and desired.json in place", flush=True)
-"""
-AGENT_STAND_IN = "import time\nwhile True: time.sleep(3600)\n"
-
+API_DIR = "/var/run/vllm-tuner-api"  # the fake API server's state and the agent's token (a hostPath here)
+API_PORT = 6443
+POD_NAME = "vllm-pod-0"
+NAMESPACE = "default"
 
 def kubectl() -> str:
     import sys
@@ -240,14 +238,46 @@ def render_example() -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-def chart_configmap() -> dict[str, Any]:
-    """The Helm chart's ConfigMap (what the component mounts at /etc/vllm-tuner)."""
+def chart_docs() -> list[dict[str, Any]]:
+    """The Helm chart, rendered (its Role, Lease, ConfigMaps…)."""
     import helm_python
     import yaml
 
     with helm_python.Chart.load(str(CHART)) as chart:
-        rendered = chart.render({}, name="tuner", namespace="default")
-    return yaml.safe_load(rendered["vllm-tuner/templates/configmap.yaml"])
+        rendered = chart.render({}, name="tuner", namespace=NAMESPACE)
+    return [d for name, text in sorted(rendered.items()) if name.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+def chart_configmap() -> dict[str, Any]:
+    """The Helm chart's ConfigMap (what the component mounts at /etc/vllm-tuner), pointed at the API server
+    inside the pod."""
+    import yaml
+
+    (cm,) = [d for d in chart_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-tuner-config"]
+    cfg = yaml.safe_load(cm["data"]["config.yaml"])
+    cfg["kubernetes"].update(api_server=f"http://127.0.0.1:{API_PORT}", token_file=f"{API_DIR}/token", ca_file=None,
+                             retry_period_seconds=1, renew_deadline_seconds=4, lease_duration_seconds=6)
+    cfg["scrape"] = {"interval_seconds": 5}
+    cm["data"]["config.yaml"] = yaml.safe_dump(cfg, sort_keys=False)
+    return cm
+
+
+def write_api_state(api_dir: Path, *, labels: dict[str, str]) -> Path:
+    """What the in-pod API server starts with: the chart's Role, Lease and journal ConfigMap, this pod's object
+    (its IP is the pod's loopback: the pod has no other), and the agent's token."""
+    from tests.support import fake_kube
+
+    docs = chart_docs()
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    objects = [d for d in docs if d["kind"] == "Lease" or (d["kind"] == "ConfigMap" and "journal" in d["metadata"]["name"])]
+    objects.append({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": POD_NAME, "labels": labels},
+                    "spec": {"containers": [{"name": "vllm"}]},
+                    "status": {"phase": "Running", "podIP": "127.0.0.1",
+                               "conditions": [{"type": "Ready", "status": "True"}]}})
+    api_dir.mkdir(parents=True, exist_ok=True)
+    (api_dir / "token").write_text(fake_kube.AGENT_TOKEN)
+    (api_dir / "state.json").write_text(json.dumps({"role_rules": role["rules"], "objects": objects}))
+    return api_dir
 
 
 def host_path(name: str, path: Path | str, mount: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -257,14 +287,14 @@ def host_path(name: str, path: Path | str, mount: str | None = None) -> tuple[di
 
 
 def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence[str], env: dict[str, str],
-                 zipapp_dir: Path, host_dirs: Sequence[Path]) -> tuple[list[dict[str, Any]], str]:
+                 zipapp_dir: Path, host_dirs: Sequence[Path], api_dir: Path) -> tuple[list[dict[str, Any]], str]:
     """The example pool, made playable here (the rendered example is changed only where this machine
     needs it): one replica; ``engine`` (an argv) instead of the example's model command, after the
     component's launcher prefix; the skeleton image with the host's /usr and ``host_dirs`` as read-only
-    hostPath volumes; no GPU; no service-account token (no API server here); and the native sidecar as an
-    init container (the agent's start-up: zipapp + desired.json) plus an ordinary container (the agent
-    itself; a stand-in until the real agent exists); no ports or probes (below). Returns the documents and
-    the base argv's sha256."""
+    hostPath volumes; no GPU; no service-account token (the API server is the fake one, in the pod: module
+    docstring); and the native sidecar as an init container (the real agent's start-up, ``--prepare-only``)
+    plus an ordinary container (the real agent); no ports or probes (below). Returns the documents and the
+    base argv's sha256."""
     import copy
 
     from tuner.launcher import argv as argvs
@@ -294,15 +324,32 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     (sidecar,) = spec["initContainers"]
     sidecar.pop("restartPolicy")
     sidecar.pop("startupProbe")
+    sidecar.pop("securityContext", None)  # runAsUser 65532 cannot read the hostPath repository here
     sidecar["image"] = image
-    sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["name"] != "vllm-tuner-token"] + mounts
-    init = {**copy.deepcopy(sidecar), "name": "vllm-tuner-agent-init", "command": ["python3", "-c", AGENT_INIT]}
-    init.pop("args", None)
+    api_volume, api_mount = host_path("vllm-tuner-api", api_dir, API_DIR)
+    spec["volumes"].append(api_volume)
+    repo_volume, repo_mount = host_path("vllm-tuner-repo", REPO)
+    spec["volumes"].append(repo_volume)
+    pyenv = Path(os.path.realpath(REPO / ".venv" / "bin" / "python")).parents[2]  # the Python the venv links to
+    pyenv_volume, pyenv_mount = host_path("vllm-tuner-python", pyenv)
+    spec["volumes"].append(pyenv_volume)
+    agent_mounts = [api_mount, repo_mount, pyenv_mount]
+    sidecar["volumeMounts"] = _unique_mounts([m for m in sidecar["volumeMounts"] if m["name"] != "vllm-tuner-token"]
+                                             + mounts + agent_mounts)
+    # The image's entrypoint is `vllm-tuner`; here it is the project's virtualenv.
+    sidecar["command"] = [str(REPO / ".venv" / "bin" / "python"), "-m", "tuner"]
+    sidecar["env"] = [*sidecar.get("env", []), {"name": "PYTHONUNBUFFERED", "value": "1"},
+                      {"name": "HOME", "value": "/tmp"}]
+    init = {**copy.deepcopy(sidecar), "name": "vllm-tuner-agent-init",
+            "args": [*sidecar["args"], "--prepare-only", "--startup-timeout", "3"]}
     init.pop("ports", None)
-    init["env"] = [*init.get("env", []), {"name": "BASE_SHA256", "value": base_sha256}]
     init["volumeMounts"] = [*init["volumeMounts"], zip_mount]
-    agent = {**sidecar, "command": ["python3", "-c", AGENT_STAND_IN]}
-    agent.pop("args", None)
+    agent = sidecar
+    api = {"name": "kube-api", "image": image,
+           "command": ["python3", str(REPO / "tests" / "support" / "fake_kube.py"), "--port", str(API_PORT),
+                       "--state", f"{API_DIR}/state.json", "--namespace", NAMESPACE],
+           "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+           "volumeMounts": _unique_mounts([*mounts, api_mount, repo_mount])}
     spec["initContainers"] = [init]
     # podman 4.3 removes a finished "once" init container and sometimes races its exit ("cannot remove
     # container ... as it is running"); "always" keeps it (exited) instead. podman applies the pod's
@@ -311,7 +358,7 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     for meta in (deployment["metadata"], deployment["spec"]["template"]["metadata"]):
         meta.setdefault("annotations", {})["io.podman.annotations.init.container.type"] = "always"
     spec["restartPolicy"] = "OnFailure"
-    spec["containers"].append(agent)
+    spec["containers"].extend([agent, api])
     for container in [*spec["containers"], *spec["initContainers"]]:
         # --network none has no port mappings; podman 4.3 runs httpGet probes with curl inside the
         # container (not in this image) and ignores readiness: the test probes /livez and /readyz itself.
@@ -322,8 +369,18 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
             field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
             if field is not None:
                 var.pop("valueFrom")
-                var["value"] = {"metadata.name": "vllm-pod-0", "metadata.namespace": "default"}.get(field, "podman")
+                var["value"] = {"metadata.name": POD_NAME, "metadata.namespace": NAMESPACE}.get(field, "podman")
     return [deployment, chart_configmap()], base_sha256
+
+
+def _unique_mounts(mounts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: set[str] = set()
+    out = []
+    for m in mounts:
+        if m["mountPath"] not in seen:
+            seen.add(m["mountPath"])
+            out.append(m)
+    return out
 
 
 def write_yaml(path: Path, docs: Sequence[dict[str, Any]]) -> Path:
@@ -395,19 +452,65 @@ class PlayedPod:
                                      timeout, what, poll=2.0, detail=lambda: self.podman.logs(self.engine, 40)))
 
 
-class ExecAgent:
-    """The agent's side of the protocol, done by hand: desired.json written with ``podman exec`` in the
-    agent's container, by the zipapp's own ``protocol.write_desired`` (atomic). When the real agent
-    exists, this is the one piece a test swaps for it."""
+API_CALL = """\
+import json, sys, urllib.request, urllib.error
+method, path = sys.argv[1], sys.argv[2]
+body = sys.argv[3].encode() if len(sys.argv) > 3 else None
+req = urllib.request.Request("http://127.0.0.1:%d" + path, data=body, method=method,
+                             headers={"Authorization": "Bearer %s", "Content-Type": "application/merge-patch+json"})
+try:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as r:
+        print(r.status); print(r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code); print(e.read().decode())
+except OSError as e:
+    print(0); print(repr(e))
+"""
 
-    def __init__(self, pod: PlayedPod, *, base_sha256: str, generation: int = 1) -> None:
-        self.pod, self.base_sha256, self.generation = pod, base_sha256, generation
 
-    def request(self, overrides: Sequence[tuple[str, str]], *, drain: bool = False) -> int:
-        self.generation += 1
-        script = (f"import sys; sys.path.insert(0, '{STATE_DIR}/launcher.pyz'); from pathlib import Path; "
-                  "from vllm_tuner_launcher import protocol; "
-                  f"protocol.write_desired(Path('{STATE_DIR}'), generation={self.generation}, "
-                  f"overrides={[tuple(o) for o in overrides]!r}, base_sha256={self.base_sha256!r}, drain={drain!r})")
-        self.pod.podman.exec(self.pod.agent, ["python3", "-c", script])
-        return self.generation
+class ApiLeader:
+    """The leader's side of one pod, done by hand through the API server in the pod: the pod's desired state
+    written into the pool's ConfigMap (as the leader's actuator does), the pod's real agent carrying it out
+    (desired.json for its launcher) and reporting back into the ConfigMap."""
+
+    JOURNAL = "/api/v1/namespaces/default/configmaps/vllm-tuner-journal-vllm"
+
+    def __init__(self, pod: PlayedPod, *, base_sha256: str) -> None:
+        from tests.support import fake_kube
+
+        self.pod, self.base_sha256, self.serial = pod, base_sha256, 0
+        self.script = API_CALL % (API_PORT, fake_kube.ADMIN_TOKEN)
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        argv = ["python3", "-c", self.script, method, path] + ([json.dumps(body)] if body is not None else [])
+        out = self.pod.podman.exec(self.pod.agent, argv, timeout=90, check=False).stdout
+        code, _, text = out.partition("\n")
+        with contextlib.suppress(ValueError):
+            return int(code), json.loads(text)
+        return 0, text
+
+    def data(self) -> dict[str, str]:
+        code, cm = self.call("GET", self.JOURNAL)
+        return dict(cm.get("data") or {}) if code == 200 else {}
+
+    def report(self) -> dict[str, Any]:
+        text = self.data().get(f"report.{POD_NAME}")
+        return dict(json.loads(text)) if text else {}
+
+    def desired_file(self) -> dict[str, Any]:
+        out = self.pod.podman.exec(self.pod.agent, ["cat", f"{STATE_DIR}/desired.json"], check=False).stdout
+        with contextlib.suppress(ValueError):
+            return dict(json.loads(out))
+        return {}
+
+    def request(self, overrides: Sequence[tuple[str, str]], *, drain: bool = False, timeout: float = 120) -> int:
+        """The desired state for the pod; returns the desired.json generation its agent wrote for it."""
+        self.serial += 1
+        entry = {"serial": self.serial, "overrides": [list(o) for o in overrides], "base_sha256": self.base_sha256,
+                 "drain": drain}
+        code, answer = self.call("PATCH", self.JOURNAL, {"data": {"desired": json.dumps({POD_NAME: entry})}})
+        assert code == 200, (code, answer)
+        desired = self.pod.podman.wait(lambda: (lambda d: d if d.get("serial") == self.serial else None)(
+            self.desired_file()), timeout, f"the agent to carry out request {self.serial}", poll=1.0,
+            detail=lambda: self.pod.podman.logs(self.pod.agent, 40))
+        return int(desired["generation"])

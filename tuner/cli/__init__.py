@@ -1,4 +1,4 @@
-"""Command line: ``vllm-tuner inspect | recommend | replay | run | check-config | config-schema | demo``.
+"""Command line: ``vllm-tuner inspect | recommend | replay | run | agent | check-config | config-schema | demo``.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, or a start-up that cannot proceed
 (one ``error:`` line per problem on stderr, never a traceback).
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import yaml
 
 from tuner import __version__, config
-from tuner.cli import deciding, demo, inspecting
+from tuner.cli import agent, deciding, demo, inspecting
 from tuner.errors import ConfigError, TunerError
 
 
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     deciding.register(sub)
     demo.register(sub)
+    agent.register(sub)
 
     sub.add_parser("launch", help="the in-pod engine launcher: launch [options] -- vllm serve ... "
                                   "(docs/kubernetes.md; `launch --help` lists its options)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,7 +99,7 @@ class RolloutDriver:
         actuator: base.Actuator,
         drainer: base.Drainer,
         prober: Prober,
-        journal: journaling.Journal,
+        journal: journaling.JournalLike,
         poll_seconds: float = 1.0,
         idle_settle_seconds: float = 2.0,
         hold_timeout_seconds: float = 600.0,
@@ -113,6 +113,8 @@ class RolloutDriver:
         max_temporary_failures: int = 3,
         drains: bool = True,
         restore: Callable[[machine.Rollout], machine.Rollout] | None = None,
+        admission: Callable[[machine.Rollout, str], str | None] | None = None,
+        departed: Callable[[Collection[str]], Collection[str]] | None = None,
     ) -> None:
         self.actuator, self.drainer, self.prober, self.journal = actuator, drainer, prober, journal
         self._replicas = {r.name: r for r in actuator.replicas()}
@@ -131,6 +133,10 @@ class RolloutDriver:
         # A rollout replayed from the journal carries masked secrets (``--api-key ***``): this puts the real
         # values back (from the configuration) before any engine is started with them.
         self._restore = restore
+        # Kubernetes: the API server's view before an admission (Ready pods, the PodDisruptionBudget) — a
+        # reason to hold, or None; and which of the rollout's replicas are gone for good (machine Rule 4).
+        self._admission = admission
+        self._departed = departed
         self._waits = _Waits(idle_since={}, unhealthy_polls={})
         self._last_hold_reason = ""
 
@@ -187,6 +193,7 @@ class RolloutDriver:
         if rollout is None:
             return None
         rollout = self.restored(rollout)
+        rollout = self._leave_departed(rollout)
         for name in rollout.in_flight:
             status = self._status(name)
             if status is not None and status.state is not base.State.RUNNING:
@@ -208,6 +215,7 @@ class RolloutDriver:
         while not self._stop.is_set():
             if self._on_tick is not None:
                 self._on_tick()
+            rollout = self._leave_departed(rollout)
             healthy = frozenset(
                 name for name, replica in self._replicas.items() if self._safe_healthy(replica)
             )
@@ -217,6 +225,10 @@ class RolloutDriver:
             for action in actions:
                 if self._stop.is_set():
                     break
+                if action.step is Step.ADMIT and self._admission is not None and action.replica is not None:
+                    why = self._admission(rollout, action.replica)
+                    if why:
+                        action = machine.Action(Step.HOLD, action.replica, reason=why)
                 if action.step is Step.HOLD:
                     held = self._hold(rollout, action)
                     if held is not rollout:
@@ -234,6 +246,19 @@ class RolloutDriver:
         if self._stop.is_set() and machine.outcome(rollout) is machine.Outcome.RUNNING:
             self._undrain_serving(rollout)
         log.info("%s", machine.describe(rollout))
+        return rollout
+
+    def _leave_departed(self, rollout: machine.Rollout) -> machine.Rollout:
+        if self._departed is None:
+            return rollout
+        try:
+            gone = set(self._departed([p.name for p in rollout.progress if p.state not in machine.TERMINAL]))
+        except Exception:  # not knowing who left is not a reason to stop a rollout
+            log.exception("rollout %s: listing departed replicas failed", rollout.id)
+            return rollout
+        for p in rollout.progress:
+            if p.name in gone and p.state not in machine.TERMINAL:
+                rollout = self._apply(rollout, p.name, Event.LEFT, "its pod was deleted")
         return rollout
 
     def _undrain_serving(self, rollout: machine.Rollout) -> None:

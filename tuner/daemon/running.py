@@ -40,7 +40,7 @@ class Applying:
     """``cycle.Rollout``: carries a cycle's actions and the pool's change out, and books the outcome."""
 
     def __init__(self, settings: config.TunerSettings, state: TunerState, driver: rolling.RolloutDriver,
-                 client: engines.EngineClient, replicas: Mapping[str, base.Replica], journal: journaling.Journal,
+                 client: engines.EngineClient, replicas: Mapping[str, base.Replica], journal: journaling.JournalLike,
                  *, verifier: verifying.SignalVerifier | None = None, power: Any = None,
                  clock: Callable[[], float] | None = None, sleep: Callable[[float], Any] | None = None) -> None:
         self.settings, self.state, self.driver, self.client = settings, state, driver, client

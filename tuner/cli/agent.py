@@ -1,0 +1,33 @@
+"""``vllm-tuner agent --config FILE``: the Kubernetes agent (docs/kubernetes.md, "The agent")."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from tuner import config
+    from tuner.daemon import logs
+    from tuner.kube import running
+
+    settings = config.load(args.config)
+    logs.configure(json_logs=settings.daemon.json_logs or args.json_logs)
+    return running.run_agent(args.config, state_dir=args.state_dir, pod=args.pod,
+                             startup_timeout=args.startup_timeout, prepare_only=args.prepare_only)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("agent", help="the Kubernetes agent: a native sidecar in every pod of a vLLM Deployment "
+                                     "(docs/kubernetes.md)")
+    p.add_argument("--config", required=True, help="the tuner's YAML configuration, with a `kubernetes:` section")
+    p.add_argument("--state-dir", help="the directory shared with the launcher (default kubernetes.state_dir)")
+    p.add_argument("--pod", help="this pod's name (default $POD_NAME)")
+    p.add_argument("--startup-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="how long to wait for the pool's ConfigMap before the engine starts on its own command "
+                        "line (default 120)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="only the start-up (launcher.pyz and desired.json in the state directory), then exit: an "
+                        "init container's job where native sidecars are not available")
+    p.add_argument("--json-logs", action="store_true", help="one JSON object per log line")
+    p.set_defaults(func=cmd_agent)

@@ -1,0 +1,251 @@
+"""The leader's work: the tuner's cycle over the pool's pods (``daemon.cycle.run_cycle``, the one decision
+path), with the pods as targets — they come and go, so the targets are taken from the API server at every
+cycle — and, in apply mode, the rollout driver over the pods' launchers (``acting``), journaling into the
+pool's ConfigMap (``store.ConfigMapJournal``, fenced by the leader's epoch).
+
+Per cycle:
+
+1. **pods**: the pool's pods (label selector) that run, have an IP and are not being deleted; those whose
+   agent has reported are the targets (name = pod name, URL = pod IP + engine port, args = what its
+   launcher runs).
+2. **the user wins**: when every pod runs a base command line other than the one the pool's verified
+   overrides were computed for (``helm upgrade`` changed the Deployment's args), the overrides are dropped
+   from the pool (the launchers already dropped them) and a journal note says so. While pods run different
+   bases (the Deployment is rolling), nothing is rolled out: the leader does not fight the Deployment.
+3. **the cycle**: collect → step → pool → act → report, as ``vllm-tuner run`` does.
+4. **verified arguments**: a rollout that finished *done* makes its overrides the pool's (``pool``): what a
+   new pod starts on. The decision history is saved in the ConfigMap (``state``).
+
+A new leader first resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or
+deposed leader left — with every pod in flight put back on a step that is safe to repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tuner import config
+from tuner.daemon import collecting, cycle, rolling, running, scheduling, selfmetrics, verifying
+from tuner.daemon.state import TunerState
+from tuner.kube import acting
+from tuner.kube import store as store_mod
+from tuner.kube.api import KubeApi
+from tuner.kube.electing import Leadership
+from tuner.model import knobs
+from tuner.planning import history as history_mod
+from tuner.planning import stepping
+from tuner.rollout import journal as journaling
+from tuner.rollout import machine
+from tuner.rules.schema import Rule
+from tuner.sources import engines
+
+log = logging.getLogger("tuner.kube.leader")
+
+
+class Leader:
+    def __init__(self, settings: config.TunerSettings, *, api: KubeApi, store: store_mod.PoolStore, identity: str,
+                 rules: Sequence[Rule], client: engines.EngineClient,
+                 metrics: selfmetrics.TunerMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
+        assert settings.kubernetes is not None
+        self.settings, self.k = settings, settings.kubernetes
+        self.api, self.store, self.identity, self.rules, self.client = api, store, identity, tuple(rules), client
+        self.metrics, self.clock = metrics, clock
+        self.verifier = verifying.SignalVerifier(client, kind=self.k.engine_kind)
+        self.gatherer = collecting.Gatherer()
+        self.maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
+                                                          timezone=settings.daemon.maintenance_timezone)
+                            if settings.daemon.maintenance_windows else None)
+        self.state = TunerState(targets={}, args={}, config_args={})
+        self.last: Any = None
+        self.cycles = 0
+
+    # --- leading -------------------------------------------------------------------------------------
+
+    def lead(self, leadership: Leadership, stop: threading.Event) -> None:
+        """Cycles every ``scrape.interval_seconds`` until ``stop`` (set when the leadership ends)."""
+        epoch = leadership.epoch
+        try:
+            self.store.refresh()
+            self.store.update(lambda d: d, epoch=epoch, leader=self.identity)  # ours now: older epochs refused
+        except store_mod.Deposed as exc:
+            log.warning("%s: not leading", exc)
+            stop.wait(self.settings.scrape.interval_seconds)
+            return
+        journal = store_mod.ConfigMapJournal(self.store, epoch=epoch, leader=self.identity)
+        for part in (self.state.targets, self.state.args, self.state.config_args):  # the same object: /status reads it
+            part.clear()
+        self.state.pending, self.state.rollout_state = None, {}
+        self._load_history()
+        log.info("leading the pool %s (epoch %d)", self.k.pool, epoch)
+        first = True
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.cycle(journal, stop, recover=first)
+                first = False
+            except store_mod.Deposed as exc:
+                log.warning("%s: no longer acting", exc)
+                return
+            except Exception:  # a failing cycle is reported and the next one tries again
+                log.exception("the leader's cycle failed")
+            stop.wait(max(0.0, self.settings.scrape.interval_seconds - (time.monotonic() - started)))
+
+    def cycle(self, journal: store_mod.ConfigMapJournal, stop: threading.Event, *, recover: bool = False) -> None:
+        now = self.clock()
+        listed = self.api.list_pods()
+        pods = [p for p in listed if not p.deleting and p.ip and p.phase == "Running"]
+        data = self.store.refresh()
+        unfinished = journaling.unfinished(journal.records)
+        self._forget_gone({p.name for p in listed} | set(unfinished.replicas if unfinished is not None else ()),
+                          journal)
+        reports = {p.name: acting.report_of(data, p.name) for p in pods}
+        members = [p for p in pods if (r := reports[p.name]) is not None and isinstance(r.get("argv"), list)
+                   and r.get("state") in acting.RUNNING_STATES]
+        bases = {str(reports[p.name]["base_sha256"]) for p in members if reports[p.name]}  # type: ignore[index]
+        hold = None
+        if len(bases) > 1:
+            hold = "the pool's pods run different base command lines (the Deployment is rolling out new args)"
+        elif bases:
+            self._user_wins(next(iter(bases)), journal, now=now)
+        # The actuator knows every pod with an IP (one being deleted too: a rollout may still name it and
+        # leaves it, machine Rule 4); the targets are the pods that run and report.
+        replicas = {p.name: acting.replica_of(p, self.k) for p in listed if p.ip}
+        targets = [config.Target(name=p.name, kind=self.k.engine_kind, metrics_url=replicas[p.name].base_url + "/metrics",
+                                 base_url=replicas[p.name].base_url, args=list(reports[p.name]["argv"]))  # type: ignore[index]
+                   for p in members]
+        self._track(targets, keep=unfinished.replicas if unfinished is not None else ())
+        applying = None
+        if self.settings.mode == "apply" and targets:
+            applying = self._applying(targets, replicas, journal, stop)
+            if recover:
+                outcome = applying.recover()
+                if outcome is not None:
+                    self.state.rollout_state = dict(outcome.state)
+                    self._track(targets)
+        if not targets:
+            log.info("cycle: no pod of the pool %s reports yet", self.k.pool)
+            return
+        settings = self.settings.model_copy(update={"targets": targets})
+        result = cycle.run_cycle(self.state, settings=settings, collectors=[
+            collecting.Collector(t, client=self.client) for t in targets], rules=self.rules,
+            rollout=applying if hold is None else None, maintenance=self.maintenance, metrics=self.metrics,
+            gatherer=self.gatherer, now=now, should_stop=stop.is_set)
+        if hold is not None:
+            log.info("no rollout: %s", hold)
+        self.last, self.cycles = result, self.cycles + 1
+        self._verified(journal, members={p.name for p in members})
+        self._save_history(journal)
+
+    # --- pieces --------------------------------------------------------------------------------------
+
+    def _applying(self, targets: Sequence[config.Target], replicas: Mapping[str, Any],
+                  journal: store_mod.ConfigMapJournal, stop: threading.Event) -> running.Applying:
+        kind = self.k.engine_kind
+        pool = acting.PoolActions(self.store, self.api, self.k, epoch=journal.epoch, leader=self.identity,
+                                  replicas=list(replicas.values()), stop=stop)
+        actuator = acting.KubeActuator(pool)
+        tracked = kind == "vllm" and all("--enable-server-load-tracking" in (t.args or ()) for t in targets)
+        r = self.settings.rollout
+        driver = rolling.RolloutDriver(
+            actuator=actuator, drainer=acting.KubeDrainer(pool),
+            prober=rolling.EngineProber(self.client, kind=kind, server_load=tracked), journal=journal,
+            poll_seconds=r.poll_seconds, idle_settle_seconds=r.idle_settle_seconds,
+            hold_timeout_seconds=r.hold_timeout_seconds, verifier=self.verifier,
+            confirm=running.confirm_for(self.client, actuator, kind=kind),
+            on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name, " ".join(argv), why),
+            stop_event=stop, drains=True,
+            admission=acting.Admission(self.api, self.k, allow_downtime=r.allow_downtime),
+            departed=acting.departed(self.api))
+        settings = self.settings.model_copy(update={"targets": list(targets)})
+        return running.Applying(settings, self.state, driver, self.client, replicas, journal, verifier=self.verifier)
+
+    def _track(self, targets: Sequence[config.Target], keep: Sequence[str] = ()) -> None:
+        """The state follows the pods: a new pod inherits the pool's history (cooldowns, rejected and bad
+        arguments are the pool's: its replicas are interchangeable), a gone one is forgotten (unless an
+        unfinished rollout still names it). Every target's args are what its launcher runs."""
+        names = {t.name for t in targets}
+        seed = next((self.state.targets[n].history for n in sorted(self.state.targets)), history_mod.History())
+        for name in list(self.state.targets):
+            if name not in names and name not in keep:
+                del self.state.targets[name]
+        for name in list(self.state.args):
+            if name not in names and name not in keep:
+                del self.state.args[name]
+                self.state.config_args.pop(name, None)
+        for t in targets:
+            self.state.targets.setdefault(t.name, stepping.TargetState(history=seed))
+            self.state.args[t.name] = knobs.EngineArgs.parse(t.args or [])
+            self.state.config_args[t.name] = list(t.args or [])
+        for name in keep:
+            self.state.targets.setdefault(name, stepping.TargetState(history=seed))
+
+    def _forget_gone(self, pods: set[str], journal: store_mod.ConfigMapJournal) -> None:
+        """The reports and desired states of pods that no longer exist leave the ConfigMap."""
+        def change(data: dict[str, str]) -> dict[str, str] | None:
+            gone = [k for k in data if k.startswith(store_mod.REPORT_PREFIX) and k[len(store_mod.REPORT_PREFIX):] not in pods]
+            desired = acting.desired_of(data)
+            kept = {n: d for n, d in desired.items() if n in pods}
+            if not gone and kept == desired:
+                return None
+            out = {k: v for k, v in data.items() if k not in gone}
+            out["desired"] = store_mod.dumps(kept)
+            return out
+
+        self.store.update(change, epoch=journal.epoch, leader=self.identity)
+
+    def _user_wins(self, base: str, journal: store_mod.ConfigMapJournal, *, now: float) -> None:
+        pool = store_mod.loads(self.store.data, "pool", {})
+        if not isinstance(pool, dict) or not pool.get("overrides") or pool.get("base_sha256") in (None, base):
+            return
+        old = str(pool.get("base_sha256"))
+        note = (f"the Deployment's base command line changed ({old[:12]} → {base[:12]}): the user wins, the pool's "
+                f"overrides {pool['overrides']} are dropped")
+        finished = [rid for rid, r in journaling.replay(journal.records).items()
+                    if machine.outcome(r) is not machine.Outcome.RUNNING]
+        # the rollouts finished so far are set aside: none of them makes the pool's arguments again
+        self._set_pool({"overrides": [], "base_sha256": base, "reason": note,
+                        "rollout": finished[-1] if finished else pool.get("rollout")}, journal)
+        journal.append("note", at=now, note=note)
+        log.warning("%s", note)
+
+    def _verified(self, journal: store_mod.ConfigMapJournal, *, members: set[str]) -> None:
+        """A rollout that finished done: its overrides (as a pod it moved runs them now) become the pool's
+        verified arguments. Once per rollout: the pool remembers which one it took (or set aside)."""
+        done = [r for r in journaling.replay(journal.records).values() if machine.outcome(r) is machine.Outcome.DONE]
+        if not done:
+            return
+        last = done[-1]
+        pool = store_mod.loads(self.store.data, "pool", {})
+        if isinstance(pool, dict) and pool.get("rollout") == last.id:
+            return
+        for p in last.progress:
+            report = acting.report_of(self.store.data, p.name)
+            if p.state is machine.State.DONE and p.name in members and report is not None \
+                    and not report.get("overrides_dropped"):
+                doc = {"overrides": report.get("overrides") or [], "base_sha256": report.get("base_sha256"),
+                       "rollout": last.id}
+                self._set_pool(doc, journal)
+                log.info("the pool's verified arguments: %s (rollout %s)", doc["overrides"] or "the base", last.id)
+                return
+
+    def _set_pool(self, doc: Mapping[str, Any], journal: store_mod.ConfigMapJournal) -> None:
+        text = store_mod.dumps(doc)
+        self.store.update(lambda d: {**d, "pool": text}, epoch=journal.epoch, leader=self.identity)
+
+    def _load_history(self) -> None:
+        doc = store_mod.loads(self.store.data, "state", {})
+        for name, h in (doc.get("histories", {}) if isinstance(doc, dict) else {}).items():
+            try:
+                self.state.targets[name] = stepping.TargetState(history=history_mod.from_dict(h))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("the pool's saved history of %s is unreadable (%s): starting it afresh", name, exc)
+
+    def _save_history(self, journal: store_mod.ConfigMapJournal) -> None:
+        doc = {"histories": {n: history_mod.to_dict(t.history) for n, t in sorted(self.state.targets.items())}}
+        text = store_mod.dumps(doc)
+        self.store.update(lambda d: None if d.get("state") == text else {**d, "state": text},
+                          epoch=journal.epoch, leader=self.identity)

@@ -1,0 +1,160 @@
+"""The agent's own pod: it carries out the pod's desired state through the pod's launcher and reports the
+launcher's status back. Every agent does this, leader or not; it never acts on another pod.
+
+Start-up (before the native sidecar's startupProbe passes, so before the engine container starts):
+
+1. ``launcher.pyz`` into the shared directory (built from this package: reproducible, so the file says
+   which version runs), atomically;
+2. ``desired.json``, unless one is there already (a restarted agent keeps what it asked for last): the
+   pod's own entry in the pool's ConfigMap if the leader wrote one, else the pool's **verified arguments**
+   (``pool``: overrides + the base hash they were computed for; the launcher drops them when this pod's
+   base differs: the user wins). When the ConfigMap cannot be read within ``startup_timeout`` seconds,
+   the engine starts on its own command line (no overrides): safe, and logged.
+
+Then, at every change of the ConfigMap (and every ``poll`` seconds): a newer ``desired[<pod>].serial`` is
+written to desired.json (generation + 1, the serial kept in the file), and the launcher's status.json,
+condensed, is written to ``report.<pod>`` whenever it changed (a merge patch of that one key).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tuner.kube import acting
+from tuner.kube import store as store_mod
+from tuner.kube.api import ApiError
+from tuner.launcher import packaging, protocol
+
+log = logging.getLogger("tuner.kube.pod")
+
+REPORTED = ("state", "ready", "ready_reason", "running_generation", "pid", "argv", "base_argv", "base_sha256",
+            "overrides", "drain", "overrides_dropped", "desired_error", "planned_restarts", "last_relaunch")
+
+
+def condensed(status: Mapping[str, Any]) -> dict[str, Any]:
+    """What the leader needs of status.json (no log lines, no timestamps that change every 5 s)."""
+    out = {k: status.get(k) for k in REPORTED}
+    out["launcher_generation"] = status.get("generation")
+    failure = status.get("candidate_failure")
+    out["candidate_failure"] = ({k: failure.get(k) for k in ("generation", "reason", "exit_code")}
+                                if isinstance(failure, dict) else None)
+    last_exit = status.get("last_exit")
+    out["last_exit"] = ({k: last_exit.get(k) for k in ("code", "planned", "reason")}
+                        if isinstance(last_exit, dict) else None)
+    return out
+
+
+class PodAgent:
+    def __init__(self, store: store_mod.PoolStore, *, pod: str, state_dir: Path, zipapp: Path | None = None) -> None:
+        self.store, self.pod, self.state_dir, self.zipapp = store, pod, Path(state_dir), zipapp
+        self.serial = 0  # the last desired serial carried out
+        self.generation = 0  # the last desired.json generation written
+        self._reported: dict[str, Any] | None = None
+        self.reports = 0
+
+    # --- start-up ------------------------------------------------------------------------------------
+
+    def prepare(self, *, startup_timeout: float = 120.0, stop: threading.Event | None = None) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._install_launcher()
+        existing = self._read_desired()
+        if existing is not None:
+            self.generation = existing.generation
+            serial = existing.extra.get("serial")
+            self.serial = serial if isinstance(serial, int) else 0
+            log.info("desired.json generation %d is in place (a restarted agent keeps it)", self.generation)
+            return
+        stop = stop or threading.Event()
+        deadline = time.monotonic() + startup_timeout
+        data: Mapping[str, str] | None = None
+        while data is None:
+            try:
+                data = self.store.refresh()
+            except ApiError as exc:
+                if time.monotonic() > deadline or stop.is_set():
+                    log.warning("the pool's ConfigMap is not readable (%s): the engine starts on its own command "
+                                "line", exc)
+                    self._write({"serial": 0, "overrides": [], "base_sha256": None, "drain": False})
+                    return
+                log.warning("reading the pool's ConfigMap: %s; again in 2s", exc)
+                stop.wait(2.0)
+        entry = acting.desired_of(data).get(self.pod)
+        if entry is not None:
+            self._write(entry)
+            return
+        pool = store_mod.loads(data, "pool", {})
+        pool = pool if isinstance(pool, dict) else {}
+        self._write({"serial": 0, "overrides": pool.get("overrides") or [], "base_sha256": pool.get("base_sha256"),
+                     "drain": False})
+        log.info("the engine starts on the pool's verified arguments: %s", pool.get("overrides") or "its own")
+
+    def _install_launcher(self) -> None:
+        target = self.state_dir / protocol.ZIPAPP
+        fd, tmp = tempfile.mkstemp(prefix=".launcher.", suffix=".pyz", dir=str(self.state_dir))
+        os.close(fd)
+        try:
+            if self.zipapp is not None:
+                Path(tmp).write_bytes(self.zipapp.read_bytes())
+            else:
+                packaging.build_zipapp(Path(tmp))
+            if target.exists() and target.read_bytes() == Path(tmp).read_bytes():
+                return
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _read_desired(self) -> protocol.Desired | None:
+        try:
+            return protocol.read_desired(self.state_dir / protocol.DESIRED)
+        except protocol.ProtocolError as exc:
+            log.warning("desired.json is unreadable (%s): writing it again", exc)
+            return None
+
+    def _write(self, entry: Mapping[str, Any]) -> None:
+        overrides = [tuple(o) for o in entry.get("overrides") or []]
+        base = entry.get("base_sha256") if overrides else None
+        generation = self.generation + 1
+        desired = protocol.parse_desired(json.dumps(protocol.Desired(
+            generation, tuple((str(f), v) for f, v in overrides), base, bool(entry.get("drain"))).document()))
+        protocol.write_json(self.state_dir / protocol.DESIRED, {**desired.document(), "serial": int(entry.get("serial") or 0)})
+        self.generation, self.serial = generation, int(entry.get("serial") or 0)
+        log.info("desired.json generation %d (request %d): %d override(s), drain=%s", generation, self.serial,
+                 len(overrides), desired.drain)
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Carry out a newer desired state; report the launcher's status when it changed."""
+        entry = acting.desired_of(self.store.data).get(self.pod)
+        if entry is not None and int(entry.get("serial") or 0) > self.serial:
+            self._write(entry)
+        status = protocol.read_status(self.state_dir)
+        if status is None:
+            return
+        report = {**condensed(status), "serial": self.serial, "generation": self.generation}
+        if report != self._reported:
+            self.store.report(self.pod, {**report, "at": round(time.time(), 3)})
+            self._reported = report
+            self.reports += 1
+
+    def run(self, stop: threading.Event, *, poll: float = 0.5) -> None:
+        rv = None
+        while not stop.is_set():
+            try:
+                self.step()
+            except ApiError as exc:
+                log.warning("reporting %s's status: %s", self.pod, exc)
+                self._reported = None  # report again
+            except Exception:  # the pod's loop must outlive any surprise
+                log.exception("the pod's loop failed")
+            rv = self.store.wait_change(rv, poll)
