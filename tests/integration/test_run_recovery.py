@@ -181,7 +181,10 @@ def test_the_tuner_starts_the_pool_one_engine_at_a_time(tmp_path: Path) -> None:
         os.killpg(tuner.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             tuner.wait(60)
-    first, second = (json.loads(p.read_text()) for p in pidfiles)
+        # the engines outlive the tuner (by design): read their pid files, then stop them
+        started = {p: json.loads(p.read_text()) for p in pidfiles if p.exists()}
+        cli_demo._stop_engines(tmp_path)
+    first, second = (started[p] for p in pidfiles)
     ticks = os.sysconf("SC_CLK_TCK")
     assert (second["starttime"] - first["starttime"]) / ticks >= startup, (first, second, log.read_text()[-2000:])
     assert "sim-a is healthy; starting the next engine" in log.read_text()
