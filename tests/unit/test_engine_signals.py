@@ -286,3 +286,44 @@ def test_gpu_signals_outside_their_domain_are_unknown():
     assert s["gpu_util"].value is None and "[0, 1]" in s["gpu_util"].reason
     assert s["power_w"].value is None and "not a finite number" in s["power_w"].reason
     assert s["gpu_temp_c"].value == 61.0
+
+
+ITL_BOUNDS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]  # vLLM's, cut at 2.5 s
+
+
+def latency(name: str, counts: list[int], total: float) -> str:
+    """A vLLM latency histogram on the inter-token buckets; ``counts`` per bucket, +Inf last."""
+    lines, cum = [], 0
+    for bound, n in zip([*ITL_BOUNDS, "+Inf"], counts, strict=True):
+        cum += n
+        lines.append(f'{name}_bucket{{engine="0",model_name="m",le="{bound}"}} {cum}')
+    return "\n".join([*lines, f'{name}_sum{{engine="0",model_name="m"}} {total}',
+                      f'{name}_count{{engine="0",model_name="m"}} {cum}']) + "\n"
+
+
+def test_tpot_counts_each_request_once_where_itl_counts_every_gap():
+    # 10 requests of 100 tokens: 980 gaps of ~85 ms and 20 prefill stalls of 0.1-0.15 s (2 % of the gaps, so
+    # the ITL p99 lands among the stalls); each request's own mean gap stays at ~86 ms (0.075-0.1 bucket)
+    zero = [0] * 14
+    itl = [0, 0, 0, 0, 980, 20, 0, 0, 0, 0, 0, 0, 0, 0]
+    tpot = [0, 0, 0, 0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    before = snap(0, extra=latency("vllm:inter_token_latency_seconds", zero, 0)
+                  + latency("vllm:request_time_per_output_token_seconds", zero, 0))
+    after = snap(30, success=10, extra=latency("vllm:inter_token_latency_seconds", itl, 85.8)
+                 + latency("vllm:request_time_per_output_token_seconds", tpot, 0.858))
+    s = es.compute([before, after])
+    assert s["itl_p99_s"].bounds == (0.1, 0.15)  # the stalls
+    assert s["tpot_p99_s"].bounds == (0.075, 0.1) and s["tpot_p99_s"].value <= 0.1  # what each request saw
+    assert s["tpot_p50_s"].bounds == (0.075, 0.1)
+    assert s["tpot_mean_s"].value == pytest.approx(0.0858)
+    assert "tpot_p95_s" not in s  # not in the vocabulary
+
+
+def test_tpot_absent_is_unknown_with_the_series_named_never_zero():
+    s = es.compute([snap(0), snap(30, success=3)])
+    for name in ("tpot_mean_s", "tpot_p50_s", "tpot_p99_s"):
+        assert s[name].value is None
+        assert s[name].reason == "series vllm:request_time_per_output_token_seconds absent"
+    text = 'sglang:num_running_reqs{model_name="m"} 1\nsglang:num_requests_total{model_name="m"} 1\n'
+    sg = es.compute([snapshots.parse(text, 0), snapshots.parse(text, 30)], dialect=dialects.SGLANG)
+    assert sg["tpot_p99_s"].value is None and sg["tpot_p99_s"].reason == "sglang does not expose this"

@@ -1,4 +1,5 @@
 import re
+import typing
 from datetime import timedelta
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import yaml
 
 from tuner.errors import ConfigError
 from tuner.model.knobs import EngineArgs
-from tuner.rules import evaluation, loading
+from tuner.rules import evaluation, loading, models, schema
 from tuner.rules.schema import Rule
 from tuner.signals import Signal, missing
 
@@ -74,6 +75,24 @@ def test_default_decode_rules_read_the_p99():
     (head,) = [c for c in by_id["queue-slot-bound"].when.all if getattr(c, "signal", None) == "itl_p99_s"]
     assert (head.op, head.factor, head.slo) == ("<", 1.0, "itl_p99_s")
     assert not any("itl_p95_s" in str(r.when) for r in by_id.values())
+
+
+def test_every_slo_is_a_valid_slo_reference_and_the_queue_rule_is_verified_on_tpot():
+    assert typing.get_args(schema.SloName) == models.SLO_NAMES == ("ttft_p99_s", "itl_p99_s", "tpot_p99_s")
+    assert models.SloSettings().tpot_p99_s == 0.1
+    r = rule("""
+        id: fast-requests
+        verify: {signal: tpot_p99_s, expect: at-most, slo: tpot_p99_s}
+        when: {all: [{signal: tpot_p99_s, op: "<", value: 0.5, slo: tpot_p99_s}]}
+        then: {flag: --max-num-seqs, op: scale, factor: 2}
+    """)
+    assert (r.verify[0].slo, r.when.all[0].slo) == ("tpot_p99_s", "tpot_p99_s")
+    assert any(w == "rules[0] (id: ok).verify[0].slo" for w, _ in problems(
+        {"rules": [with_(verify={"signal": "tpot_p99_s", "expect": "at-most", "slo": "tpot_p50_s"})]}))
+    by_id = {r.id: r for r in loading.load(REPO / "rules" / "default.yaml")}
+    # the raise is judged on what each request saw, the stalls stay the decode rules' trigger (rules/default.yaml)
+    assert [v.as_dict() for v in by_id["queue-slot-bound"].verify] == [
+        {"signal": "tpot_p99_s", "expect": "at-most", "slo": "tpot_p99_s"}]
 
 
 def test_default_rules_shape():

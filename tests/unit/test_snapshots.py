@@ -185,6 +185,14 @@ def test_duplicates_are_found_however_the_labels_are_spelled_and_on_both_parse_p
     assert not snap.ok and "duplicate series vllm:num_requests_waiting" in snap.error
 
 
+def test_a_duplicate_holding_an_escaped_newline_is_named_on_one_line():
+    # found by tests/fuzz (test_mutated_real_bodies): the unescaped label value broke the one-line error
+    line = 'vllm:num_requests_waiting{le="a\\n\\"b\\\\"} 0.0\n'
+    snap = snapshots.parse(line + line, 0.0)
+    assert not snap.ok and "\n" not in snap.error
+    assert 'duplicate series vllm:num_requests_waiting{le="a\\n\\"b\\\\"} in one exposition' in snap.error
+
+
 def test_distinct_label_sets_are_not_duplicates():
     body = WAITING + 'vllm:num_requests_waiting{engine="1",model_name="m"} 3\n'
     snap = snapshots.parse(body, 0.0)

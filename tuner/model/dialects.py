@@ -48,6 +48,9 @@ VLLM = Dialect(
             "queue_time": ("vllm:request_queue_time_seconds",),
             "ttft": ("vllm:time_to_first_token_seconds",),
             "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+            # per-request mean time per output token (TPOT), one observation per finished request; NOT the
+            # removed vllm:time_per_output_token_seconds above, which was per token gap (the old ITL)
+            "tpot": ("vllm:request_time_per_output_token_seconds",),
             "e2e": ("vllm:e2e_request_latency_seconds",),
             "prompt_len": ("vllm:request_prompt_tokens",),
             "generation_len": ("vllm:request_generation_tokens",),
@@ -79,6 +82,7 @@ SGLANG = Dialect(
             "queue_time": ("sglang:queue_time_seconds",),
             "ttft": ("sglang:time_to_first_token_seconds",),
             "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+            "tpot": (),  # SGLang has no per-request TPOT histogram
             "e2e": ("sglang:e2e_request_latency_seconds",),
             "prompt_len": ("sglang:prompt_tokens_histogram",),
             "generation_len": ("sglang:generation_tokens_histogram",),

@@ -340,8 +340,13 @@ def _duplicate(name: str, samples: Iterable[Sample]) -> str:
     for s in samples:
         key = frozenset(s.labels.items())
         if key in seen:
-            text = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            # escaped as in the exposition, so a label value holding a newline keeps the message on one line
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
             return (f"duplicate series {name}{{{text}}} in one exposition: Prometheus refuses the second "
                     "sample; the tuner refuses the scrape rather than guess which one is true")
         seen.add(key)
     return f"duplicate series in {name}"  # unreachable: the caller counted fewer distinct label sets
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

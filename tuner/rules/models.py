@@ -50,7 +50,13 @@ class SloSettings(_Model):
     """Time to first token that 99 % of requests should meet, in seconds. Slots pinned near the cap while
     this tail is missed is still a queue, even when the mean queue time looks small."""
     itl_p99_s: float = Field(default=0.1, gt=0)
-    """Inter-token latency that 99 % of gaps should meet, in seconds (100 ms ≈ 10 tokens/s per stream)."""
+    """Inter-token latency that 99 % of gaps should meet, in seconds (100 ms ≈ 10 tokens/s per stream). Every
+    gap counts, so a prefill step that stalls the batch once counts once per waiting request: the bound the
+    decode-latency rules steer the stalls to."""
+    tpot_p99_s: float = Field(default=0.1, gt=0)
+    """Time per output token that 99 % of requests should meet, in seconds: each request's own mean gap
+    (vLLM's per-request TPOT), what a user streaming one answer feels. The price a rule that admits more
+    requests at once may pay (queue-slot-bound's ``verify:``); one-off stalls are ``itl_p99_s``'s business."""
 
     def value(self, name: str) -> float:
         return float(getattr(self, name))

@@ -56,6 +56,7 @@ from tuner.signals import VOCABULARY
 RULE_ID = r"^[a-z][a-z0-9-]*$"
 Op = Literal["<", "<=", ">", ">=", "==", "!="]
 EngineKind = Literal["vllm", "sglang"]
+SloName = Literal["ttft_p99_s", "itl_p99_s", "tpot_p99_s"]  # the fields of rules.models.SloSettings
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -145,7 +146,7 @@ class Comparison(_SignalOrFlag):
     """How the left side compares with the right side."""
     value: float | None = None
     """The constant on the right side, or the multiplier when ``times`` or ``slo`` is given (default 1)."""
-    slo: Literal["ttft_p99_s", "itl_p99_s"] | None = None
+    slo: SloName | None = None
     """Compare with the service level objective of that name (``decisions.slo``) instead of a constant."""
     times: str | None = None
     """A flag (``--max-num-seqs``) or signal: the right side becomes ``value × its current value``."""
@@ -387,7 +388,7 @@ class Verify(_Model):
     bounded absolutely, whatever it was before)."""
     value: float | None = None
     """For at-most: the bound (in the signal's unit)."""
-    slo: Literal["ttft_p99_s", "itl_p99_s"] | None = None
+    slo: SloName | None = None
     """For at-most: the bound is this SLO (``decisions.slo``)."""
     min_change: float = Field(default=0.05, ge=0)
     """For decrease/increase: the least relative improvement that counts (0.05 = 5 %)."""

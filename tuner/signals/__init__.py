@@ -122,6 +122,14 @@ VOCABULARY: Mapping[str, Definition] = {
     "itl_p99_s": Definition(
         "s", "as itl_mean_s", "quantile of bucket deltas; catches prefill stalls that a p95 hides (a few "
         "percent of gaps of 1-2.5 s while long prompts are prefilled)"),
+    "tpot_mean_s": Definition(
+        "s", "vllm:request_time_per_output_token_seconds (SGLang: none)",
+        "Δsum / Δcount: each finished request's own mean gap between output tokens, averaged"),
+    "tpot_p50_s": Definition(
+        "s", "as tpot_mean_s", "quantile of bucket deltas over the window's finished requests; carries bounds"),
+    "tpot_p99_s": Definition(
+        "s", "as tpot_mean_s", "quantile of bucket deltas: the per-token speed 99 % of requests saw. Unlike "
+        "itl_p99_s, a request's one-off prefill stall is spread over its tokens, not counted as a gap of its own"),
     "e2e_mean_s": Definition(
         "s", "vllm:e2e_request_latency_seconds | sglang:e2e_request_latency_seconds", "Δsum / Δcount"),
     "e2e_p95_s": Definition(

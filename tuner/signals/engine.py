@@ -24,7 +24,7 @@ WINDOW_SIGNALS = (
     "request_rate", "prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_per_s",
     "requests_rejected_per_s", "prefix_cache_hit_rate",
     "queue_time_mean_s", "queue_time_p50_s", "queue_time_p95_s", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s",
-    "ttft_p99_s", "itl_mean_s", "itl_p50_s", "itl_p95_s", "itl_p99_s",
+    "ttft_p99_s", "itl_mean_s", "itl_p50_s", "itl_p95_s", "itl_p99_s", "tpot_mean_s", "tpot_p50_s", "tpot_p99_s",
     "e2e_mean_s", "e2e_p95_s", "prompt_tokens_p99", "max_tokens_p99", "idle_seconds", "window_seconds",
     # the inputs of the concurrency model (planning/models.py)
     "requests_running_mean", "requests_waiting_mean", "in_system_growth_per_s", "arrival_rate_per_s",
@@ -411,8 +411,8 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
         else:
             out[signal] = Signal(window[1] / window[2]) if window[2] > 0 else missing("no requests finished in the window")
 
-    for prefix, concept in (("queue_time", "queue_time"), ("ttft", "ttft"), ("itl", "itl"), ("e2e", "e2e")):
-        window = _histogram_window(first, last, d, concept, restarted)
+    for prefix in ("queue_time", "ttft", "itl", "tpot", "e2e"):  # the concept of the same name
+        window = _histogram_window(first, last, d, prefix, restarted)
         if isinstance(window, Signal):
             for suffix in ("mean_s", "p50_s", "p95_s", "p99_s"):
                 out[f"{prefix}_{suffix}"] = window

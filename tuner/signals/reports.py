@@ -89,6 +89,12 @@ functions over a window of two or more snapshots (engine) or over the latest rea
 - Token-length quantiles (`prompt_tokens_p99`, `max_tokens_p99`) report the bucket's *upper* bound, so
   a `--max-model-len` floor built on them is never too low. vLLM's token buckets are 1-2-5 steps capped
   at the current max_model_len.
+- Two per-token latencies, from two vLLM histograms with the same buckets: `itl_*` counts **every gap
+  between two output tokens** (`vllm:inter_token_latency_seconds`), so one long prefill step that stalls a
+  whole batch shows up in its p99 as many slow gaps; `tpot_*` counts **each finished request once**, at
+  its own mean gap (`vllm:request_time_per_output_token_seconds`, TPOT), which is what a user streaming
+  one answer feels. `itl_p99_s` finds stalls; `tpot_p99_s` judges the per-request speed. SGLang has no
+  TPOT histogram: the `tpot_*` signals are `null` there.
 - Engine series are summed over data-parallel `engine` labels (KV usage: the fullest engine).
 - GPU signals aggregate the engine's GPUs worst-first: max temperature, min margin, any-of flags.
 - Every value lies in its **domain** (last column) or is `null` with a reason: KV usage 57, a negative
