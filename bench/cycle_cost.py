@@ -5,7 +5,7 @@ exposition from the queue-bound scenario and a full dcgm-exporter scrape replica
 `gpu`/`UUID` labels changed per copy). Each engine copy gets its own `model_name`, so label sets are
 not shared between targets more than they would be in a real fleet of distinct models.
 
-    python bench/cycle_cost.py [--cycles 15] [--targets 512] [--window 10]
+    python -m bench.cycle_cost [--cycles 15] [--targets 512] [--window 10]
 """
 
 from __future__ import annotations
@@ -14,17 +14,14 @@ import argparse
 import gc
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from tuner.model import dcgm, dialects, snapshots
 from tuner.signals import engine as engine_signals
 from tuner.signals import gpu as gpu_signals
 
+ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
 
 

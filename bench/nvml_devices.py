@@ -2,7 +2,7 @@
 """Which device nodes NVML opens while the tuner reads a GPU — the evidence for the systemd unit's
 ``DeviceAllow=`` lines (deploy/systemd/vllm-tuner.service.d/nvml.conf).
 
-    PYTHONPATH=. python3 bench/nvml_devices.py [OUT.json]
+    python3 -m bench.nvml_devices [OUT.json]
 
 Drives ``tuner.sources.nvml.NvmlSource`` (the reader the daemon uses) and lists, after ``nvmlInit`` and
 again after a full reading of every GPU, the process's open files and memory mappings under ``/dev``

@@ -9,7 +9,7 @@ with the plugin installed in its environment and the control directory set, e.g.
 
 then, as the same user::
 
-    python bench/plugin_probe.py --port 8000 --control-dir /tmp/vllm-ctl --caps 4,16,8 --hold 20
+    python -m bench.plugin_probe --port 8000 --control-dir /tmp/vllm-ctl --caps 4,16,8 --hold 20
 
 It keeps ``--concurrency`` requests in flight (its own stdlib client; 0 = bring your own load), sets each
 cap in turn, waits for the engine's acknowledgement (and, after a lowering, for the drain-down to end),
@@ -35,9 +35,9 @@ from pathlib import Path
 
 try:
     from vllm_tuner_plugin import protocol
-except ImportError:  # not installed in this interpreter: use the checkout's copy
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin" / "src"))
-    from vllm_tuner_plugin import protocol
+except ImportError:
+    sys.exit("plugin_probe: the live-knob plugin is not installed in this interpreter "
+             "(pip install ./plugin into the engine's environment)")
 
 HOST = "127.0.0.1"
 SAMPLE_S = 0.2

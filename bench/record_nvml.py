@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Record NVML on a real GPU while it goes idle → bf16 matmul load → idle, for tests/fixtures/nvml/.
 
-    PYTHONPATH=. python3 bench/record_nvml.py OUT.json [--gpu 0] [--idle 8] [--load 45] [--cool 7]
+    python3 -m bench.record_nvml OUT.json [--gpu 0] [--idle 8] [--load 45] [--cool 7]
 
 Needs only pynvml and torch (no tuner dependencies): it drives ``tuner.sources.nvml.NvmlSource`` through a
 recording proxy of pynvml, so every sample holds (a) the raw answer of every NVML call NvmlSource made,

@@ -7,13 +7,14 @@ through nginx as 32 closed-loop clients. The test rule (rules/default.yaml's que
 ITL condition, 2 windows of 5 s; ``tests/support/live_rollout.py``) then raises --max-num-seqs 4 → 8 → 16,
 one rollout after the other; each rollout gets its own client run, so its failed-request count is its own.
 
-Besides its own runs it reads the records the e2e tests leave in ``.cache/rollout-evidence/``
-(tests/e2e/test_rollout_live.py, test_systemd_live.py), so every live rollout done here counts.
+Each rollout's journal records and the client's summary are kept as one JSON file in ``--out``
+(default ``.cache/rollout-bench/``); the summary covers every rollout found there, so runs add up. Only
+this bench writes there: the end-to-end tests assert and print their own figures.
 
-    python bench/rollout_bench.py [--runs 1] [--rollouts 2]        # run, then summarize everything
-    python bench/rollout_bench.py --runs 0                          # only summarize the evidence
-    python bench/rollout_bench.py --runs 0 --markdown               # the table of docs/performance.md
-    python bench/rollout_bench.py --runs 0 --update-docs            # ... written into it
+    python -m bench.rollout_bench [--runs 1] [--rollouts 2]      # run, then summarize every run kept
+    python -m bench.rollout_bench --runs 0                        # only summarize the runs kept
+    python -m bench.rollout_bench --runs 0 --markdown             # the table of docs/performance.md
+    python -m bench.rollout_bench --runs 0 --update-docs          # ... written into it
 
 Definitions (all from the tuner's journal, its own clock):
 - trigger: the ``decision`` record, written in the cycle where the rule had held for its ``for`` windows;
@@ -34,21 +35,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from tests.support import live_rollout as live
 from tests.support import vllm
 
-EVIDENCE = ROOT / ".cache" / "rollout-evidence"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / ".cache" / "rollout-bench"
 NAMES = ("a", "b")
 
 
 # --- measuring ------------------------------------------------------------------------------------------
 
 
-def run_pool(work: Path, model: Path, *, rollouts: int, concurrency: int, keepalive: int) -> list[dict[str, Any]]:
-    """One fresh pool, ``rollouts`` rollouts in a row; one evidence record per rollout."""
+def run_pool(work: Path, model: Path, results: Path, *, rollouts: int, concurrency: int,
+             keepalive: int) -> list[dict[str, Any]]:
+    """One fresh pool, ``rollouts`` rollouts in a row; one record per rollout, kept in ``results``."""
     rule = {**live.QUEUE_RULE, "id": "bench-queue-slot-bound", "cooldown": "30s"}
     out: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -67,12 +67,12 @@ def run_pool(work: Path, model: Path, *, rollouts: int, concurrency: int, keepal
             records = [r for r in pool.records() if r.get("rollout") == rid or r.get("rollout_id") == rid
                        or (r["kind"] == "rollout" and r["rollout"]["id"] == rid)]
             errors = failed_request_errors(load.log_path.read_text(errors="replace"))
-            item = {"test": "bench/rollout_bench.py", "actuator": "process", "at": time.time(), "rollout_id": rid,
+            item = {"actuator": "process", "at": time.time(), "rollout_id": rid,
                     "nginx_client_keepalive_seconds": keepalive, "errors": errors,
                     "load_sending_at": load_at, "records": records, "load": vllm.summarize_benchmark(result)}
             out.append(item)
-            EVIDENCE.mkdir(parents=True, exist_ok=True)
-            (EVIDENCE / f"{int(time.time())}-bench-{rid}.json").write_text(json.dumps(item, indent=1))
+            results.mkdir(parents=True, exist_ok=True)
+            (results / f"{int(time.time())}-{rid}.json").write_text(json.dumps(item, indent=1))
             print("  " + describe(item), flush=True)
             for line in errors:
                 print(f"    {line[:300]}", flush=True)
@@ -120,7 +120,7 @@ def figures(item: Mapping[str, Any]) -> dict[str, Any]:
             stops.append(starting - stopping)
     serving = sorted(r.trigger_to_serving for r in timing.replicas if r.trigger_to_serving is not None)
     f: dict[str, Any] = {
-        "id": rid, "kind": kind_of(item), "actuator": item.get("actuator", "process"), "outcome": timing.outcome,
+        "id": rid, "actuator": item.get("actuator", "process"), "outcome": timing.outcome,
         "change": ", ".join(f"{c['flag']} {c['from']}→{c['to']}" for c in (decision or {}).get("changes", [])),
         "restarts": [r.start_seconds for r in timing.replicas if r.start_seconds is not None],
         "stops": stops,
@@ -133,38 +133,20 @@ def figures(item: Mapping[str, Any]) -> dict[str, Any]:
         "sustain": (t0 - item["load_sending_at"]) if item.get("load_sending_at") else None,
         "keepalive": int(item.get("nginx_client_keepalive_seconds") or 0),
     }
-    if timing.outcome == "rolled_back":
-        bad = next((e for e in events if e["to"] == "rolling_back"), None)
-        launched = next((e["at"] for e in events if e["to"] == "waiting_healthy"), None)
-        back = next((e["at"] for e in events if e["to"] == "rolled_back"), None)
-        f["refused_detected"] = bad["at"] - launched if bad and launched else None
-        f["rolled_back_after_launch"] = back - launched if back and launched else None
-        f["restarts"] = [r for r in [(_at(events, bad["replica"], "confirming_args", "back") or 0)
-                                     - (_at(events, bad["replica"], "waiting_healthy", "back") or 0)] if r > 0] \
-            if bad else []
     return f
-
-
-def kind_of(item: Mapping[str, Any]) -> str:
-    test = str(item.get("test", ""))
-    if "refused" in test:
-        return "refused"
-    if "sigkill" in test:
-        return "sigkill"
-    return "clean"
 
 
 def describe(item: Mapping[str, Any]) -> str:
     f = figures(item)
     fmt = lambda v: "—" if v is None else f"{v:.0f}s"  # noqa: E731
     ka = f", keep-alive {f['keepalive']}s" if f["keepalive"] else ""
-    return (f"{f['id']} [{f['actuator']}, {f['kind']}{ka}] {f['change']}: {f['outcome']}; trigger → first serving "
+    return (f"{f['id']} [{f['actuator']}{ka}] {f['change']}: {f['outcome']}; trigger → first serving "
             f"{fmt(f['first_serving'])}, last {fmt(f['last_serving'])}, done {fmt(f['done'])}; restarts "
             f"{', '.join(fmt(r) for r in f['restarts'])}; stops {', '.join(fmt(s) for s in f['stops'])}; "
             f"load {f['completed']} completed / {f['failed']} failed")
 
 
-def load_evidence(directory: Path) -> list[dict[str, Any]]:
+def load_results(directory: Path) -> list[dict[str, Any]]:
     items = []
     for path in sorted(directory.glob("*.json")):
         try:
@@ -187,21 +169,18 @@ def summary(items: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     everything = [figures(i) for i in items]
     fs = [f for f in everything if not f["keepalive"]]  # nginx as the tests run it: client keep-alive off
     kept_alive = [f for f in everything if f["keepalive"]]
-    clean = [f for f in fs if f["kind"] == "clean" and f["outcome"] == "done"]
-    forward = [f for f in fs if f["kind"] in ("clean", "sigkill") and f["outcome"] == "done"]
-    refused = [f for f in fs if f["kind"] == "refused"]
+    clean = [f for f in fs if f["outcome"] == "done"]
     rows = [
-        ("rollouts measured", f"{len(fs)}: {len(clean)} clean (done), "
-                              f"{sum(1 for f in fs if f['kind'] == 'sigkill')} with the tuner SIGKILLed mid-way, "
-                              f"{len(refused)} refused by the engine (rolled back); "
-                              f"{sum(1 for f in fs if f['actuator'] == 'systemd')} through systemd"),
+        ("rollouts measured", f"{len(fs)}: {len(clean)} done, "
+                              f"{sum(1 for f in fs if f['outcome'] == 'rolled_back')} rolled back, "
+                              f"{sum(1 for f in fs if f['outcome'] not in ('done', 'rolled_back'))} other"),
         ("load start → sustained trigger", _med(f["sustain"] for f in fs)),
         ("trigger → 1st replica serving new flags", _med(f["first_serving"] for f in clean)),
         ("trigger → 2nd (last) replica serving new flags", _med(f["last_serving"] for f in clean)),
         ("trigger → rollout done (incl. 10 s verification)", _med(f["done"] for f in clean)),
-        ("engine restart (launch → healthy), per replica", _med(r for f in forward for r in f["restarts"])),
-        ("engine stop (SIGTERM → exited), per replica", _med(s for f in forward for s in f["stops"])),
-        ("replica out of service (drained → undrained)", _med(o for f in forward for o in f["out_of_service"])),
+        ("engine restart (launch → healthy), per replica", _med(r for f in clean for r in f["restarts"])),
+        ("engine stop (SIGTERM → exited), per replica", _med(s for f in clean for s in f["stops"])),
+        ("replica out of service (drained → undrained)", _med(o for f in clean for o in f["out_of_service"])),
         ("failed requests during a rollout (sum over all)",
          f"{sum(f['failed'] or 0 for f in fs)} of {sum(f['completed'] or 0 for f in fs) + sum(f['failed'] or 0 for f in fs)}"
          f" (per rollout: {', '.join(str(f['failed']) for f in fs)})"),
@@ -211,12 +190,6 @@ def summary(items: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
                      f"{sum(f['failed'] or 0 for f in kept_alive)} of "
                      f"{sum((f['completed'] or 0) + (f['failed'] or 0) for f in kept_alive)} over "
                      f"{len(kept_alive)} rollouts (per rollout: {', '.join(str(f['failed']) for f in kept_alive)})"))
-    if refused:
-        rows += [
-            ("refused start: launch → failure detected", _med(f.get("refused_detected") for f in refused)),
-            ("refused start: launch → rolled back and serving", _med(f.get("rolled_back_after_launch")
-                                                                     for f in refused)),
-        ]
     return rows
 
 
@@ -227,13 +200,14 @@ def markdown(rows: Sequence[tuple[str, str]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=1, help="fresh pools to run (0: only summarize the evidence)")
+    p = argparse.ArgumentParser(prog="python -m bench.rollout_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=1, help="fresh pools to run (0: only summarize the runs kept in --out)")
     p.add_argument("--rollouts", type=int, default=2, help="rollouts per pool (4→8, 8→16, …)")
     p.add_argument("--concurrency", type=int, default=32, help="closed-loop clients of the benchmark")
     p.add_argument("--client-keepalive", type=int, default=0, metavar="SECONDS",
                    help="nginx's client keepalive_timeout (0: off, as in the tests; vLLM's client reuses connections)")
-    p.add_argument("--evidence", type=Path, default=EVIDENCE, help="where runs are recorded and read back")
+    p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR",
+                   help="where this bench keeps one record per rollout and reads them back (default: %(default)s)")
     p.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table")
     p.add_argument("--update-docs", action="store_true",
                    help="also replace the table between the rollout-bench markers in docs/performance.md")
@@ -248,14 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for run in range(args.runs):
             print(f"run {run + 1}/{args.runs}:", flush=True)
             with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
-                run_pool(Path(tmp), model, rollouts=args.rollouts, concurrency=args.concurrency,
+                run_pool(Path(tmp), model, args.out, rollouts=args.rollouts, concurrency=args.concurrency,
                          keepalive=args.client_keepalive)
 
-    items = load_evidence(args.evidence)
+    items = load_results(args.out)
     if not items:
-        print(f"no rollout records in {args.evidence}", file=sys.stderr)
+        print(f"no rollout records in {args.out} (run some: --runs 1)", file=sys.stderr)
         return 1
-    print(f"\n{len(items)} rollouts recorded in {args.evidence}:")
+    print(f"\n{len(items)} rollouts recorded in {args.out}:")
     for item in items:
         print("  " + describe(item))
     rows = summary(items)

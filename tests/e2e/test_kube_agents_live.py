@@ -17,14 +17,12 @@ One scenario, the one rich enough to be worth two real engines (≈ 5-8 minutes 
   timestamps) nor two pods not Ready in the API at once; both pods run the new value, which is the pool's
   verified argument; no request of any agent was refused by the Role.
 
-Figures (printed, and kept in .cache/kube-evidence/ for docs/kubernetes.md): requests completed and failed,
-each relaunch's stop and start seconds (the launcher's), the Lease failover after the SIGKILL.
+Figures (printed): requests completed and failed, each relaunch's stop and start seconds (the launcher's),
+the Lease failover after the SIGKILL.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -42,7 +40,6 @@ from tuner.rollout import machine
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 
-EVIDENCE = vllm.REPO_ROOT / ".cache" / "kube-evidence"
 START = 600.0  # a real engine starting under load on two shared cores (70-300 s measured here)
 
 
@@ -171,13 +168,7 @@ def test_one_pod_at_a_time_under_load_through_a_leader_sigkill(cluster: dict[str
                 "the pool's verified arguments", detail=pool.diagnostics)
     assert not pool.kube.denied(), pool.kube.denied()
     relaunches = {p.name: p.status()["last_relaunch"] for p in pods}
-    figures = {"requests_completed": result["completed"], "requests_failed": result["failed"],
-               "lease_failover_seconds": round(failover, 1) if failover is not None else None,
-               "relaunches": relaunches, "rollout": rid, "new_leader": holder,
-               "spans": {k: [[round(a, 1), round(b, 1)] for a, b in v] for k, v in spans.items()}}
-    EVIDENCE.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        (EVIDENCE / f"{int(time.time())}-kube-live.json").write_text(json.dumps({**figures, "records": records}, indent=1))
-    print(f"\nkube live: {result['completed']} requests, {result['failed']} failed; Lease failover "
-          f"{failover:.1f}s after the leader's SIGKILL; relaunches: " + "; ".join(
-              f"{n}: stop {r['stop_seconds']:.1f}s start {r['start_seconds']:.1f}s" for n, r in relaunches.items()))
+    print(f"\nkube live: rollout {rid}, {result['completed']} requests, {result['failed']} failed; Lease failover "
+          f"{failover:.1f}s after the leader's SIGKILL (new leader {holder}); relaunches: " + "; ".join(
+              f"{n}: stop {r['stop_seconds']:.1f}s start {r['start_seconds']:.1f}s" for n, r in relaunches.items())
+          + "; out of service: " + "; ".join(f"{k} {b - a:.0f}s" for k, v in spans.items() for a, b in v))

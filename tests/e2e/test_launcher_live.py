@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,6 @@ from tests.support.launcher import LauncherProcess, ProbeRecorder
 from tuner.launcher import packaging
 
 STUB = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"
-EVIDENCE = vllm.REPO_ROOT / ".cache" / "launcher-evidence"
 START_TIMEOUT = 600.0  # a real engine starting under load on two shared cores (70-300 s measured here)
 
 
@@ -107,7 +106,6 @@ class Pod:
     recorder: ProbeRecorder
     zipapp: Path
     stub: subprocess.Popen[bytes]
-    figures: dict[str, Any] = field(default_factory=dict)
 
 
 def base_argv(model: Path, port: int, *, extra: Sequence[str] = ()) -> list[str]:
@@ -154,8 +152,6 @@ def pod(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             os.killpg(stub.pid, signal.SIGKILL)
         stub.wait(timeout=10)
         live.kill_engines_on_ports([port])
-        EVIDENCE.mkdir(parents=True, exist_ok=True)
-        (EVIDENCE / "figures.json").write_text(json.dumps(p.figures, indent=1))
 
 
 def agent_relaunch(pod: Pod, overrides: list[tuple[str, str]], *, grace_seconds: float = 2.0,
@@ -205,11 +201,10 @@ def test_relaunch_under_load_fails_no_request(pod: Pod) -> None:
     held, how = pod.recorder.liveness_held()
     assert held, f"liveness must hold through the planned restart: {how}"
     assert pod.recorder.transitions("/readyz")[-3:] == [200, 503, 200]
-    pod.figures["relaunch"] = {**relaunch, "requests_completed": result["completed"], "requests_failed": result["failed"],
-                               "routing_changes": [ready for _, ready in pod.endpoints.changes]}
     print(f"\nrelaunch under load: SIGTERM → all exited {relaunch['stop_seconds']:.1f}s, start → healthy "
           f"{relaunch['start_seconds']:.1f}s, total {relaunch['total_seconds']:.1f}s; "
-          f"{result['completed']} requests, {result['failed']} failed")
+          f"{result['completed']} requests, {result['failed']} failed; routing (ready) "
+          f"{[ready for _, ready in pod.endpoints.changes]}")
 
 
 def test_a_failing_candidate_is_reported_then_the_rollback_serves(pod: Pod) -> None:
@@ -224,7 +219,7 @@ def test_a_failing_candidate_is_reported_then_the_rollback_serves(pod: Pod) -> N
     code, body = lp.probe("/readyz")
     assert code == 503 and "candidate-failed" in body
     assert st["pid"] is None and engine_requests(pod.port) is None  # nothing runs, nothing listens
-    pod.figures["candidate_failure"] = {k: failure[k] for k in ("reason", "exit_code")}
+    print(f"\nfailing candidate: exit code {failure['exit_code']}: {failure['reason']}")
     rollback = lp.request(good, drain=False)  # the agent's rollback: the last good command line
     st = lp.wait(lambda s: s["generation"] == rollback and s["ready"], START_TIMEOUT, "the rollback ready", poll=0.5)
     assert st["argv"][-2:] == ["--max-num-seqs", "8"]
@@ -280,8 +275,8 @@ def test_sigterm_lets_the_inflight_request_finish_and_returns_the_engines_code(p
     assert answer.get("usage", {}).get("completion_tokens") == 600, answer  # every token, after the SIGTERM too
     assert code == lp.status()["last_exit"]["code"] and lp.status()["state"] == "exited"
     assert all(support.proc_state(p) is None for p in group)
-    pod.figures["sigterm"] = {"exit_code": code, "seconds": round(time.monotonic() - t0, 1)}
-    print(f"\nSIGTERM with a request in flight: it finished (600 tokens), launcher exit code {code}")
+    print(f"\nSIGTERM with a request in flight: it finished (600 tokens) in {time.monotonic() - t0:.1f}s, "
+          f"launcher exit code {code}")
 
 
 def test_an_unplanned_engine_exit_ends_the_launcher_with_its_code(pod: Pod) -> None:

@@ -14,7 +14,7 @@ rollout must carry the token (``scrape.bearer_token_file``), as the load does:
    client's own output (with a CPU hog spinning beside it all along); 8 live in both processes' argv, the tuner's state and /status; the journal
    holds the decision and every transition of both replicas, nothing lost across the kill; never two
    replicas out of service at once (journal timestamps). (One rollout proves both the raise and the
-   recovery: a clean rollout runs in tests/e2e/test_systemd_live.py and bench/rollout_bench.py.)
+   recovery: a clean rollout runs in tests/e2e/test_systemd_live.py and ``python -m bench.rollout_bench``.)
    The key never shows: not on /metrics, /status or /recommendations, not in the tuner's log, the
    journal, state.json or the pid files — while the engines, relaunched by a tuner that was SIGKILLed,
    run with it (their /proc cmdline) and answer requests that carry it, and only those.
@@ -23,15 +23,12 @@ rollout must carry the token (``scrape.bearer_token_file``), as the load does:
    the tuner's validator lets it through. The first replica is rolled back automatically, the other
    is never touched, 0 failed requests, and the flag set is remembered as bad.
 
-Timings are the test's own (5 s cycles, 10 s verification; see ``live_rollout.Timing``). Each act
-leaves its journal and the client's result under ``.cache/rollout-evidence/`` for
-``bench/rollout_bench.py``.
+Timings are the test's own (5 s cycles, 10 s verification; see ``live_rollout.Timing``). The acts assert
+and print their figures; they write nothing for the benchmarks (``bench.rollout_bench`` runs its own).
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +44,6 @@ from tuner.rollout import journal as journaling
 NAMES = ("a", "b")
 API_KEY = "e2e-engine-token-6f1c"
 TIMING = live.Timing()
-EVIDENCE = vllm.REPO_ROOT / ".cache" / "rollout-evidence"
 FORWARD_PATH = ["draining", "waiting_idle", "stopping", "starting", "waiting_healthy", "confirming_args",
                 "warming", "undraining", "verifying", "done"]
 
@@ -59,17 +55,6 @@ def pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     # The tuner launches both engines (process actuator) at --max-num-seqs 4.
     with live.ProcessPool(work, vllm_ready, NAMES, rules=[live.QUEUE_RULE], timing=TIMING, api_key=API_KEY) as p:
         yield p
-
-
-def save_evidence(pool: live.ProcessPool, act: str, rollout_id: str, result: dict[str, Any],
-                  load: live.LiveLoad) -> None:
-    """The act's journal records and the client's summary, for bench/rollout_bench.py --evidence."""
-    EVIDENCE.mkdir(parents=True, exist_ok=True)
-    records = [r for r in pool.records() if r.get("rollout") == rollout_id or r.get("rollout_id") == rollout_id
-               or (r["kind"] == "rollout" and r["rollout"]["id"] == rollout_id)]
-    out = {"test": f"test_rollout_live::{act}", "actuator": "process", "at": time.time(), "rollout_id": rollout_id,
-           "load_sending_at": load.sending_at, "records": records, "load": vllm.summarize_benchmark(result)}
-    (EVIDENCE / f"{int(time.time())}-process-{act}.json").write_text(json.dumps(out, indent=1))
 
 
 def assert_one_at_a_time(records: list[dict[str, Any]], rid: str) -> None:
@@ -139,7 +124,6 @@ def test_the_tuner_raises_max_num_seqs_one_replica_at_a_time_and_survives_a_sigk
     with live.cpu_hog() as hog:  # a busy neighbour: every wait of the rollout stretches, none may lose a request
         rid, result = under_load(pool, load, rollout)
     records = pool.records()
-    save_evidence(pool, "raise-sigkill", rid, result, load)
     assert_no_failures(result, load, pool)
     assert hog.cpu_seconds > 10, hog.cpu_seconds  # it did compete for the cores
 
@@ -206,7 +190,6 @@ def test_a_flag_set_the_engine_refuses_is_rolled_back_while_the_other_replica_se
     load = pool.load(concurrency=16, name="load-refused", seed=2)
     rid, result = under_load(pool, load, rollout)
     records = pool.records()
-    save_evidence(pool, "refused", rid, result, load)
     assert_no_failures(result, load, pool)
 
     begun = next(r["rollout"] for r in records if r["kind"] == "rollout" and r["rollout"]["id"] == rid)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,6 @@ from tuner.rollout import journal as journaling
 UNIT = vllm.REPO_ROOT / "deploy" / "systemd" / "vllm@.service"
 NAMES = ("sa", "sb")
 TIMING = live.Timing()
-EVIDENCE = vllm.REPO_ROOT / ".cache" / "rollout-evidence"
 FORWARD_PATH = ["draining", "waiting_idle", "stopping", "starting", "waiting_healthy", "confirming_args",
                 "warming", "undraining", "verifying", "done"]
 
@@ -177,11 +175,6 @@ def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time(sd_poo
     finally:
         result = load.stop()
     records = pool.records()
-    EVIDENCE.mkdir(parents=True, exist_ok=True)
-    (EVIDENCE / f"{int(time.time())}-systemd-raise.json").write_text(json.dumps(
-        {"test": "test_systemd_live", "actuator": "systemd", "at": time.time(), "rollout_id": rid,
-         "load_sending_at": load.sending_at,
-         "records": records, "load": vllm.summarize_benchmark(result)}, indent=1))
 
     assert result["failed"] == 0, (vllm.summarize_benchmark(result), load.log_tail(60), pool.diagnostics())
     assert result["completed"] >= 50, vllm.summarize_benchmark(result)

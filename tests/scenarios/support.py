@@ -25,7 +25,7 @@ DEFAULT_RULES = loading.load(loading.default_rules_path())
 def scenario_dir(name: str) -> Path:
     d = FIXTURES / name
     if not (d / "meta.json").exists():
-        pytest.fail(f"fixture {d} is missing (bench/capture_scenarios.py --scenario {name} records it)")
+        pytest.fail(f"fixture {d} is missing (python -m bench.capture_scenarios --scenario {name} records it)")
     return d
 
 

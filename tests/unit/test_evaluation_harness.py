@@ -168,7 +168,7 @@ def results_dir(tmp: Path) -> Path:
     (out / "arms").mkdir(parents=True)
     (out / "trace.json").write_text(json.dumps(trace))
     (out / "run.json").write_text(json.dumps({
-        "profile": "unit", "replicas": 2, "slo": SLO, "engine_args": ["--x"], "commands": ["python bench/evaluate.py"],
+        "profile": "unit", "replicas": 2, "slo": SLO, "engine_args": ["--x"], "commands": ["python -m bench.evaluate"],
         "timings": {"bin_seconds": 5, "converge_quiet_seconds": 5}}))
     t0 = 100.0
     for arm, kind, ttft in (("bad", "static", 3.0), ("sweep-8", "static", 0.2), ("tuner", "tuner", 0.4)):
@@ -202,8 +202,8 @@ def test_the_report_renders_from_raw_data_and_report_only_rerenders_it(tmp_path:
     assert goals["goodput vs the oracle"]["met"] is True and goals["goodput vs the bad start"]["met"] is True
     assert "| tuner |" in text and "SLO: TTFT ≤ 1 s and mean ITL ≤ 0.1 s" in text
     (out / "report.md").unlink()
-    rc = subprocess.run([sys.executable, str(ROOT / "bench" / "evaluate.py"), "--report-only", str(out), "--no-plots"],
-                        capture_output=True, text=True, timeout=120, check=False)
+    rc = subprocess.run([sys.executable, "-m", "bench.evaluate", "--report-only", str(out), "--no-plots"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert rc.returncode == 0, rc.stderr
     assert (out / "report.md").read_text().split("## Plots")[0] == text.split("## Plots")[0]
     # The committed form: gzip'd records, the same report from them.
@@ -220,7 +220,7 @@ def test_the_report_renders_from_raw_data_and_report_only_rerenders_it(tmp_path:
 
 def test_the_command_line_says_what_is_wrong_in_one_line(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(ROOT / "bench" / "evaluate.py"), *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "bench.evaluate", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=120, check=False)
 
     r = run("--report-only", str(tmp_path))
