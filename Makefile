@@ -62,9 +62,12 @@ unit: venv
 e2e: venv vllm-env
 	$(PY) -m pytest -q -m e2e
 
-# The whole suite, real-vLLM end-to-end tests included.
+# The whole suite, real-vLLM end-to-end tests included. The tiers without a real engine run three at a
+# time (their tests mostly wait on subprocesses and simulated engines; a file's tests stay together), the
+# end-to-end tests one at a time (a real engine each, ~3 GB and most of two cores).
 test: venv vllm-env system-deps lint typecheck
-	VLLM_TUNER_REQUIRE_E2E=1 $(PY) -m pytest -q
+	VLLM_TUNER_REQUIRE_E2E=1 $(PY) -m pytest -q -m "not e2e" -n 3 --dist loadfile --durations=15
+	VLLM_TUNER_REQUIRE_E2E=1 $(PY) -m pytest -q -m e2e --durations=30
 
 # The in-pod launcher as one file (what the agent sidecar copies into the pod's emptyDir).
 launcher-zipapp: venv
