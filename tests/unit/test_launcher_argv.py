@@ -65,8 +65,9 @@ def test_agreement_on_generated_command_lines(base, flag, value):
     assert argvs.apply(base, [(flag, value)]) == knobs.EngineArgs.parse(base).with_value(flag, value).argv()
 
 
-def test_the_boolean_flag_lists_are_the_same():
-    assert argvs.BOOLEAN_FLAGS == knobs.BOOLEAN_FLAGS
+@given(st.lists(tokens, max_size=10))
+def test_the_tuner_reads_a_command_line_with_the_launchers_reader(argv):
+    assert knobs.EngineArgs.parse(argv).items == tuple(argvs.parse(argv))  # one reader, not two copies
 
 
 def test_base_hash_is_of_the_exact_argv():

@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from tuner import config
@@ -134,36 +135,43 @@ def _listen(settings: config.TunerSettings) -> list[Problem]:
     return []
 
 
-def _state(settings: config.TunerSettings, config_dir: Path) -> list[Problem]:
-    path = resolve(settings.daemon.state_file, config_dir)
+def _kept(where: str, path: Path, example: str, read: Callable[[Path], list[Problem]]) -> list[Problem]:
+    """A file the tuner keeps (state, journal): a file path, not a directory, in a directory it can
+    write, and what ``read`` finds wrong with what is there."""
     if path.is_dir():
-        return [("daemon.state_file", f"{path} is a directory; expected a file path, e.g. "
-                 "/var/lib/vllm-tuner/state.json")]
-    problems = _writable("daemon.state_file", path.parent)
-    try:
-        TunerState.load(path, settings.targets, redactor=settings.redactor())
-    except ConfigError as exc:
-        problems += [("daemon.state_file", what) for _, what in exc.problems]
-    return problems
+        return [(where, f"{path} is a directory; expected a file path, e.g. {example}")]
+    return _writable(where, path.parent) + read(path)
+
+
+def _state(settings: config.TunerSettings, config_dir: Path) -> list[Problem]:
+    def read(path: Path) -> list[Problem]:
+        try:
+            TunerState.load(path, settings.targets, redactor=settings.redactor())
+        except ConfigError as exc:
+            return [("daemon.state_file", what) for _, what in exc.problems]
+        return []
+
+    return _kept("daemon.state_file", resolve(settings.daemon.state_file, config_dir),
+                 "/var/lib/vllm-tuner/state.json", read)
 
 
 def _journal(settings: config.TunerSettings, config_dir: Path) -> list[Problem]:
-    path = resolve(settings.rollout.journal_file, config_dir)
-    if path.is_dir():
-        return [("rollout.journal_file", f"{path} is a directory; expected a file path, e.g. "
-                 "/var/lib/vllm-tuner/journal.jsonl")]
-    problems = _writable("rollout.journal_file", path.parent)
-    try:
-        journaling.unfinished(journaling.read_records(path))
-    except (OSError, TunerError) as exc:
-        problems.append(("rollout.journal_file", str(exc)))
-    except (KeyError, TypeError, ValueError) as exc:  # readable lines that do not replay
-        problems.append(("rollout.journal_file", f"{path}: a record does not replay ({type(exc).__name__}: {exc}); "
-                         "move the file aside to start from an empty history"))
-    holder = _lock_holder(locks.lock_path(path))
-    if holder is not None:
-        problems.append(("rollout.journal_file", str(locks.LockedError(str(locks.lock_path(path)), holder or None))))
-    return problems
+    def read(path: Path) -> list[Problem]:
+        problems: list[Problem] = []
+        try:
+            journaling.unfinished(journaling.read_records(path))
+        except (OSError, TunerError) as exc:
+            problems.append(("rollout.journal_file", str(exc)))
+        except (KeyError, TypeError, ValueError) as exc:  # readable lines that do not replay
+            problems.append(("rollout.journal_file", f"{path}: a record does not replay "
+                             f"({type(exc).__name__}: {exc}); move the file aside to start from an empty history"))
+        holder = _lock_holder(locks.lock_path(path))
+        if holder is not None:
+            problems.append(("rollout.journal_file", str(locks.LockedError(str(locks.lock_path(path)), holder or None))))
+        return problems
+
+    return _kept("rollout.journal_file", resolve(settings.rollout.journal_file, config_dir),
+                 "/var/lib/vllm-tuner/journal.jsonl", read)
 
 
 def _lock_holder(path: Path) -> int | None:

@@ -53,21 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "kubelet can reach them on the pod IP)")
     p.add_argument("--probe-port", type=_port, default=8081, help="default 8081")
     p.add_argument("--health-url", help="the engine's health URL (default http://127.0.0.1:<its --port>/health)")
-    p.add_argument("--start-timeout", type=_positive, default=1200.0, metavar="SECONDS",
-                   help="an engine not healthy by then failed (default 1200)")
-    p.add_argument("--stop-timeout", type=_positive, default=60.0, metavar="SECONDS",
-                   help="SIGTERM → SIGKILL for the engine's process group (default 60; above its --shutdown-timeout)")
-    p.add_argument("--kill-timeout", type=_positive, default=15.0, metavar="SECONDS",
-                   help="how long processes may outlive SIGKILL before liveness says so (default 15)")
-    p.add_argument("--force-after", type=_non_negative, default=10.0, metavar="SECONDS",
-                   help="a planned relaunch: SIGINT to the engine this long after its SIGTERM, so vLLM stops waiting "
-                        "for attached keep-alive connections (default 10; 0: never; never for the kubelet's SIGTERM)")
-    p.add_argument("--poll", type=_positive, default=0.5, metavar="SECONDS",
-                   help="how often desired.json and the engine's /health are read (default 0.5)")
-    p.add_argument("--health-period", type=_positive, default=2.0, metavar="SECONDS",
-                   help="how often the engine's /health is read once it serves (default 2; while it starts: --poll)")
-    p.add_argument("--wedge-seconds", type=_positive, default=30.0, metavar="SECONDS",
-                   help="/livez fails when the launcher's loop stalls this long (default 30)")
+    # the durations, in seconds: (flag, default, what it bounds; "0" allowed where 0 means never)
+    durations = (
+        ("--start-timeout", 1200.0, "an engine not healthy by then failed (default 1200)"),
+        ("--stop-timeout", 60.0, "SIGTERM → SIGKILL for the engine's process group (default 60; above its "
+                                 "--shutdown-timeout)"),
+        ("--kill-timeout", 15.0, "how long processes may outlive SIGKILL before liveness says so (default 15)"),
+        ("--force-after", 10.0, "a planned relaunch: SIGINT to the engine this long after its SIGTERM, so vLLM "
+                                "stops waiting for attached keep-alive connections (default 10; 0: never; never for "
+                                "the kubelet's SIGTERM)"),
+        ("--poll", 0.5, "how often desired.json and the engine's /health are read (default 0.5)"),
+        ("--health-period", 2.0, "how often the engine's /health is read once it serves (default 2; while it "
+                                 "starts: --poll)"),
+        ("--wedge-seconds", 30.0, "/livez fails when the launcher's loop stalls this long (default 30)"),
+    )
+    for flag, default, what in durations:
+        p.add_argument(flag, type=_non_negative if flag == "--force-after" else _positive, default=default,
+                       metavar="SECONDS", help=what)
     p.add_argument("--build-zipapp", metavar="OUT.pyz",
                    help="write the launcher as a zipapp to OUT.pyz and exit (no engine command needed)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the engine's command line")

@@ -13,12 +13,13 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 Value = str | bool | None
 
-# A copy of tuner.model.knobs.BOOLEAN_FLAGS (a test keeps the two equal): a bare boolean flag followed
-# by a non-flag token is a flag and a positional, not a flag and its value.
+# vLLM's flags that take no value — the one table, which tuner.model.knobs reads too (the launcher imports
+# nothing of the tuner): a bare boolean flag followed by a non-flag token is a flag and a positional, not a
+# flag and its value.
 BOOLEAN_FLAGS: frozenset[str] = frozenset({
     "--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager", "--trust-remote-code",
     "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
@@ -36,10 +37,15 @@ _SECRET = re.compile(r"(?:^--|[-_])(?:key|token|secret|password|passwd|credentia
 REDACTED = "<redacted>"
 
 
+Form = Literal["space", "equals", "bare", "positional"]
+
+
 class Item(NamedTuple):
+    """One argv item: a positional, ``--flag``, ``--flag value`` or ``--flag=value``."""
+
     flag: str | None  # as written; None for a positional
     value: str | None
-    form: str  # "positional" | "bare" | "space" | "equals"
+    form: Form
 
     @property
     def key(self) -> str | None:
@@ -61,13 +67,15 @@ def normalize(flag: str) -> str:
     return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
 
 
-def _is_flag_token(token: str) -> bool:
+def is_flag_token(token: str) -> bool:
+    """An option, not a value: ``--x``, ``-x`` (``-tp 2``, ``-O3``); not ``-1`` or ``-0.5`` (argparse's view)."""
     if token.startswith("--") and len(token) > 2:
         return True
     return token.startswith("-") and len(token) > 1 and not re.match(r"^-\.?\d", token)
 
 
-def _is_boolean(key: str) -> bool:
+def is_boolean(key: str) -> bool:
+    """A flag that takes no value (``--no-`` forms of them too)."""
     return key in BOOLEAN_FLAGS or (key.startswith("--no-") and "--" + key[5:] in BOOLEAN_FLAGS)
 
 
@@ -80,7 +88,7 @@ def parse(argv: Sequence[str]) -> list[Item]:
         if token == "--":  # everything after is positional
             items.extend(Item(None, t, "positional") for t in tokens[i:])
             break
-        if not _is_flag_token(token):
+        if not is_flag_token(token):
             items.append(Item(None, token, "positional"))
             i += 1
         elif token.startswith("--") and "=" in token:
@@ -89,7 +97,7 @@ def parse(argv: Sequence[str]) -> list[Item]:
             i += 1
         else:
             nxt = tokens[i + 1] if i + 1 < len(tokens) else None
-            if nxt is None or _is_flag_token(nxt) or _is_boolean(normalize(token)):
+            if nxt is None or is_flag_token(nxt) or is_boolean(normalize(token)):
                 items.append(Item(token, None, "bare"))
                 i += 1
             else:
@@ -125,7 +133,7 @@ def with_value(items: Sequence[Item], flag: str, value: Value) -> list[Item]:
     key = normalize(flag)
     if value is None:
         return [it for it in items if not _same(it, key)]
-    boolean = isinstance(value, bool) and (_is_boolean(key) or key.startswith("--enable-"))
+    boolean = isinstance(value, bool) and (is_boolean(key) or key.startswith("--enable-"))
     new = Item(key if value else "--no-" + key[2:], None, "bare") if boolean else Item(key, _text(value), "space")
     out = list(items)
     at = _find(out, key)

@@ -42,10 +42,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
+from tuner.launcher import argv as syntax
+from tuner.launcher.argv import Item
+
+# One reader of command lines for the tuner and the in-pod launcher (stdlib only, so it lives there).
+normalize_flag = syntax.normalize
+
 EngineKind = Literal["vllm", "sglang"]
 Value = int | float | bool
 ValueType = Literal["int", "float", "bool"]
-Form = Literal["space", "equals", "bare", "positional"]
 
 
 # --- the knob table -------------------------------------------------------------------------------
@@ -182,32 +187,10 @@ def known_flags() -> list[str]:
     return sorted({f for table in FLAGS.values() for f in table})
 
 
-# vLLM flags that take no value (argparse store_true / BooleanOptionalAction). A bare token after one of
-# these is a positional, not its value. Unknown flags followed by a non-flag token are read as
-# ``--flag value``, which is what argparse does for every flag that takes a value.
-BOOLEAN_FLAGS: frozenset[str] = frozenset({
-    "--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager", "--trust-remote-code",
-    "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
-    "--async-scheduling", "--enable-lora", "--enable-prompt-tokens-details",
-    "--enable-server-load-tracking", "--disable-custom-all-reduce", "--enable-expert-parallel",
-    "--disable-frontend-multiprocessing", "--enable-auto-tool-choice", "--disable-fastapi-docs",
-    "--skip-tokenizer-init", "--disable-sliding-window", "--disable-cascade-attn",
-    "--enable-metrics", "--disable-radix-cache", "--enable-mixed-chunk", "--enable-torch-compile",
-    "--disable-cuda-graph", "--enable-dp-attention", "--collect-tokens-histogram",
-})
-
-
-def normalize_flag(flag: str) -> str:
-    """``--max_num_seqs`` → ``--max-num-seqs`` (vLLM's parser accepts both spellings)."""
-    if flag.startswith("--"):
-        return "--" + flag[2:].replace("_", "-")
-    return flag
-
-
-def _is_boolean(flag: str) -> bool:
-    if flag in BOOLEAN_FLAGS:
-        return True
-    return flag.startswith("--no-") and "--" + flag[5:] in BOOLEAN_FLAGS
+# vLLM flags that take no value (argparse store_true / BooleanOptionalAction): BOOLEAN_FLAGS, one table
+# shared with the in-pod launcher (stdlib only, so it lives there). A bare token after one of these is a
+# positional, not its value. Unknown flags followed by a non-flag token are read as ``--flag value``, which
+# is what argparse does for every flag that takes a value.
 
 
 # --- human-readable integers -------------------------------------------------------------------------
@@ -276,36 +259,6 @@ def _parse_value(knob: Knob, text: str) -> Value:
 
 
 @dataclass(frozen=True, slots=True)
-class Item:
-    """One argv item: a positional, ``--flag``, ``--flag value`` or ``--flag=value``."""
-
-    flag: str | None  # as written; None for a positional
-    value: str | None
-    form: Form
-
-    def tokens(self) -> list[str]:
-        if self.form == "positional":
-            return [self.value or ""]
-        assert self.flag is not None
-        if self.form == "bare":
-            return [self.flag]
-        if self.form == "equals":
-            return [f"{self.flag}={self.value}"]
-        return [self.flag, self.value or ""]
-
-    @property
-    def key(self) -> str | None:
-        return normalize_flag(self.flag) if self.flag is not None else None
-
-
-def _is_flag_token(token: str) -> bool:
-    if token.startswith("--") and len(token) > 2:
-        return True
-    # -tp 2, -O3; but not -1 or -0.5 (negative values)
-    return token.startswith("-") and len(token) > 1 and not re.match(r"^-\.?\d", token)
-
-
-@dataclass(frozen=True, slots=True)
 class EngineArgs:
     """An engine command line. Immutable: every change returns a new value."""
 
@@ -314,31 +267,8 @@ class EngineArgs:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def parse(cls, argv: Sequence[str]) -> EngineArgs:
-        items: list[Item] = []
-        i = 0
-        tokens = list(argv)
-        while i < len(tokens):
-            token = tokens[i]
-            if token == "--":  # everything after is positional
-                items.extend(Item(None, t, "positional") for t in tokens[i:])
-                break
-            if not _is_flag_token(token):
-                items.append(Item(None, token, "positional"))
-                i += 1
-                continue
-            if token.startswith("--") and "=" in token:
-                flag, _, value = token.partition("=")
-                items.append(Item(flag, value, "equals"))
-                i += 1
-                continue
-            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
-            if nxt is None or _is_flag_token(nxt) or _is_boolean(normalize_flag(token)):
-                items.append(Item(token, None, "bare"))
-                i += 1
-            else:
-                items.append(Item(token, nxt, "space"))
-                i += 2
-        return cls(tuple(items))
+        """Read like argparse (the launcher's reader: one for both)."""
+        return cls(tuple(syntax.parse(argv)))
 
     @classmethod
     def from_string(cls, text: str) -> EngineArgs:
@@ -397,7 +327,7 @@ class EngineArgs:
         if value is None:
             return self.without(flag)
         key = normalize_flag(flag)
-        boolean = isinstance(value, bool) and (_is_boolean(key) or key.startswith("--enable-"))
+        boolean = isinstance(value, bool) and (syntax.is_boolean(key) or key.startswith("--enable-"))
         if boolean:
             new = Item(key if value else "--no-" + key[2:], None, "bare")
         else:

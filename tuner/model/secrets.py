@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tuner.launcher import argv as syntax
+
 MASK = "***"  # what vLLM's own log shows for a redacted argument
 MIN_TEXT_LENGTH = 6
 
@@ -66,19 +68,11 @@ _KEY_WORDS = ("key", "token", "passw", "secret")
 _KEY_VALUE = re.compile(rf"""(?i)(["']?\b(?:{_KEYS})["']?\s*[:=]\s*\[?\s*(["'])){_NOT_MASKED}[^"']*(?=\2)""")
 _KEY_ASSIGN = re.compile(rf"(?i)(\b(?:{_KEYS})=){_NOT_MASKED}[^\s&'\",;]+")  # token=…, ?api_key=…
 _ENV_ASSIGN = re.compile(rf"(\b([A-Z_][A-Z0-9_]*)=){_NOT_MASKED}[^\s'\",;]+")  # HF_TOKEN=…
-_NUMBER = re.compile(r"^-\.?\d")
 
 
-def normalize_flag(flag: str) -> str:
-    """``--api_key`` → ``--api-key`` (vLLM's parser accepts both spellings)."""
-    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
-
-
-def _is_flag_token(token: str) -> bool:
-    """An option, not a value: ``--x``, ``-x``; not ``-1`` or ``-0.5`` (argparse's view)."""
-    if token.startswith("--") and len(token) > 2:
-        return True
-    return token.startswith("-") and len(token) > 1 and not _NUMBER.match(token)
+# the launcher's reader of command lines (stdlib only): one for the tuner and the pod
+normalize_flag = syntax.normalize
+_is_flag_token = syntax.is_flag_token
 
 
 def digest(argv: Sequence[str]) -> str:
