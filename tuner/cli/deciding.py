@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner import config
-from tuner.cli import inputs
+from tuner.cli import inputs, stackvalues
 from tuner.model import dialects, knobs, secrets, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.planning import planner, stepping
@@ -119,6 +119,7 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
         window = dataclasses.replace(window, min_snapshots=ns.min_snapshots)
     spacing = ns.window_seconds or 10.0
     results: dict[str, Any] = {}
+    lasts: dict[str, stepping.Decision] = {}
     lines: list[str] = []
     http = collecting.http_settings(settings.scrape, config_dir=config_dir)
     with engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds) as client:
@@ -136,10 +137,15 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
                                            settings=decisions, window=window, info=c.engine_info(),
                                            gpus=c.read_gpus()))
             last = decisions_seen[-1]
+            lasts[t.name] = last
             results[t.name] = recommendation_json(last)
             lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; "
                          f"args: {_shown(args, redactor)}")
             lines += _decision_text(last)
+    if ns.format == "production-stack":  # one modelSpec serves the pool: the first target's change
+        t = settings.targets[0]
+        print(redactor.text("\n".join(_stack_diff(lasts[t.name], knobs.EngineArgs.parse(t.args or []), ns.model_name))))
+        return 0
     if ns.format == "json":
         print(json.dumps(redactor.data(results[next(iter(results))] if len(results) == 1 else {"targets": results}),
                          indent=2))
@@ -157,6 +163,14 @@ def _shown(args: knobs.EngineArgs, redactor: secrets.Redactor = secrets.DEFAULT)
     return " ".join(word(a) for a in redactor.argv(args.argv()))
 
 
+def _stack_diff(decision: stepping.Decision, args: knobs.EngineArgs, model: str) -> list[str]:
+    plan = decision.plan
+    if plan is None:
+        return [f"# servingEngineSpec.modelSpec[name={model}]: no plan ({decision.skipped or 'no decision'})"]
+    return stackvalues.values_diff([(c.flag, c.from_value, c.to_value) for c in plan.changes], model=model,
+                                   before=args, after=plan.args_after)
+
+
 def cmd_recommend(ns: argparse.Namespace) -> int:
     if ns.config:
         return cmd_recommend_live(ns)
@@ -169,6 +183,9 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
     args = inputs.engine_args(ns.args, meta)
     decisions = recorded_timeline(ns, snaps, args=args, apply=False)
     last = decisions[-1]
+    if ns.format == "production-stack":
+        print("\n".join(_stack_diff(last, args, ns.model_name)))
+        return 0
     if ns.format == "json":
         print(json.dumps(secrets.DEFAULT.data(recommendation_json(last)), indent=2))
         return 0
@@ -244,7 +261,10 @@ def add_decision_options(p: argparse.ArgumentParser) -> None:
                    help="a known value of a flag absent from --args (repeatable), e.g. --default=--max-num-seqs=1024 "
                         "or --default max_num_seqs=1024")
     p.add_argument("--decisions", metavar="FILE", help="YAML with guard/planner settings (the decisions: section)")
-    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--format", choices=["table", "json", "production-stack"], default="table",
+                   help="production-stack (recommend only): the change as a diff of vLLM production-stack's Helm "
+                        "values, servingEngineSpec.modelSpec[].vllmConfig, for a GitOps review")
+    p.add_argument("--model-name", default="MODEL", help="with --format production-stack: the modelSpec's name")
 
 
 def register(subparsers: Any) -> None:
