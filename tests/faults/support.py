@@ -20,6 +20,7 @@ Every wait has a deadline; nothing asserts on wall-clock time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,6 +39,7 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.support import waiting
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 
@@ -69,17 +71,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, *, poll: float = 0.05,
-             detail: Callable[[], str] | None = None) -> Any:
-    """Poll ``predicate`` until truthy; ``AssertionError`` naming ``what`` (and ``detail()``) at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:g}s for {what}" + (f"\n{detail()}" if detail else ""))
-        time.sleep(poll)
+# the harness's one wait, failing as an assertion here, polled often (simulated engines are quick)
+wait_for = functools.partial(waiting.wait_for, poll=0.05, error=AssertionError)
 
 
 def healthy(url: str) -> bool:

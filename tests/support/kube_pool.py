@@ -16,6 +16,7 @@ SIGTERM to the launcher as the kubelet sends it, then the object goes).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ import httpx
 import yaml
 
 from tests.support import fake_kube as fk
+from tests.support import waiting
 from tests.support.launcher import LauncherProcess
 from tuner.launcher import protocol
 
@@ -45,16 +47,7 @@ PROBE_PORT = 8081
 ON_POD_IP = Path(__file__).resolve().parent / "on_pod_ip.py"
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, *, poll: float = 0.2,
-             detail: Callable[[], str] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:g}s for {what}" + (f"\n{detail()}" if detail else ""))
-        time.sleep(poll)
+wait_for = functools.partial(waiting.wait_for, poll=0.2)
 
 
 class AgentProcess:

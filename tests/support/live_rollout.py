@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import httpx
 import yaml
 
 from tests.support import required, vllm
+from tests.support.waiting import wait_for
 
 REPO_ROOT = vllm.REPO_ROOT
 SERVED_NAME = "tiny-llama"
@@ -386,20 +387,6 @@ def require_nginx() -> None:
 
 
 # --- waiting, processes --------------------------------------------------------------------------------
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, *, poll: float = 1.0,
-             detail: Callable[[], str] | None = None) -> Any:
-    """Poll ``predicate`` until truthy; raise ``TimeoutError`` naming ``what`` (and ``detail()``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = f"\n{detail()}" if detail is not None else ""
-            raise TimeoutError(f"waited {timeout:g}s for {what}{extra}")
-        time.sleep(poll)
 
 
 def metric(base_url: str, name: str) -> float | None:

@@ -40,10 +40,11 @@ import resource
 import shutil
 import subprocess
 import tarfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tests.support import waiting
 
 ROOT = Path("/var/tmp/vllm-tuner-podman")
 RUNROOT = Path("/run/vllm-tuner-podman")
@@ -200,14 +201,7 @@ class Podman:
         return out.stdout.split()
 
     def wait(self, predicate: Any, timeout: float, what: str, *, poll: float = 2.0, detail: Any = None) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout:g}s for {what}" + (f"\n{detail()}" if detail else ""))
-            time.sleep(poll)
+        return waiting.wait_for(predicate, timeout, what, poll=poll, detail=detail)
 
 
 # --- the example pool, as a pod podman can play -------------------------------------------------------
