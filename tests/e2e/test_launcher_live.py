@@ -225,7 +225,7 @@ def test_a_failing_candidate_is_reported_then_the_rollback_serves(pod: Pod) -> N
     assert st["argv"][-2:] == ["--max-num-seqs", "8"]
     pod.endpoints.wait(True, 30)
     r = httpx.post(pod.lb.url + "/v1/completions", json={"model": live.SERVED_NAME, "prompt": "the queue",
-                                                          "max_tokens": 8}, timeout=120)
+                                                          "max_tokens": 8, "ignore_eos": True}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     held, how = pod.recorder.liveness_held()
     assert held, how
