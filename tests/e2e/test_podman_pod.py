@@ -17,7 +17,7 @@ import pytest
 
 from tests.support import live_rollout as live
 from tests.support import podman as pm
-from tests.support import vllm
+from tests.support import required, vllm
 from tuner.launcher import packaging
 
 START_TIMEOUT = 600.0
@@ -25,17 +25,9 @@ ENGINE = "http://127.0.0.1:8000"
 PROBES = "http://127.0.0.1:8081"
 
 
-def require_podman() -> None:
-    why = pm.skip_reason()
-    if why:
-        if os.environ.get("VLLM_TUNER_REQUIRE_E2E") == "1":
-            pytest.fail(f"the podman tests are required here, but: {why}")
-        pytest.skip(why)
-
-
 @pytest.fixture(scope="module")
 def played(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod, str]]:
-    require_podman()
+    required.need(pm.skip_reason(), "podman (kube play)")
     work = tmp_path_factory.mktemp("podman-vllm")
     packaging.build_zipapp(work / "zipapp" / "launcher.pyz")
     podman = pm.Podman().prepare()

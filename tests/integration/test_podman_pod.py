@@ -7,26 +7,18 @@ here."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support import podman as pm
+from tests.support import required
 from tuner.launcher import packaging
-
-
-def require_podman() -> None:
-    why = pm.skip_reason()
-    if why:
-        if os.environ.get("VLLM_TUNER_REQUIRE_E2E") == "1":
-            pytest.fail(f"the podman tests are required here, but: {why}")
-        pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod, pm.ApiLeader]]:
-    require_podman()
+    required.need(pm.skip_reason(), "podman (kube play)")
     work = tmp_path_factory.mktemp("podman-fast")
     packaging.build_zipapp(work / "zipapp" / "launcher.pyz")
     podman = pm.Podman().prepare()
