@@ -19,6 +19,7 @@ import pytest
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
 from tests.support.nginx import free_port
+from tests.support.waiting import wait_for
 from tuner.launcher import packaging, protocol
 
 
@@ -290,3 +291,40 @@ def test_the_zipapp_runs_isolated_from_site_packages(state, tmp_path):
     with lp:
         lp.wait_state("serving", 30)
         assert lp.probe("/readyz")[0] == 200
+
+
+def test_signal_all_reaches_each_process_of_the_group_once(tmp_path, monkeypatch):
+    """A second SIGTERM lands in the middle of a handler (CI saw a child print its SIGTERM line twice when
+    the group signal was followed by one to each member); a descendant that left the group still gets it."""
+    from tuner.launcher import processes
+
+    counting = ("import os, signal, subprocess, sys, time\n"
+                "def on(signum, frame):\n"
+                "    open(sys.argv[1], 'a').write('x\\n')\n"
+                "signal.signal(signal.SIGTERM, on)\n"
+                "if sys.argv[2] == 'away': os.setsid()\n"
+                "if sys.argv[2] == 'leader':\n"
+                "    for name in ('member', 'away'):\n"
+                "        subprocess.Popen([sys.executable, '-c', sys.argv[3], sys.argv[1][:-6] + name, name])\n"
+                "open(sys.argv[1] + '.ready', 'w').close()\n"
+                "while True: time.sleep(0.1)\n")
+    names = ("leader", "member", "away")
+    leader = subprocess.Popen([sys.executable, "-c", counting, str(tmp_path / "leader"), "leader", counting],
+                              start_new_session=True)
+    try:
+        wait_for(lambda: all((tmp_path / f"{n}.ready").exists() for n in names), 30, "the three are ready")
+        direct: list[int] = []
+        real_kill = os.kill
+        monkeypatch.setattr(processes.os, "kill", lambda pid, sig: (direct.append(pid), real_kill(pid, sig)))
+        got = processes.signal_all(leader.pid, signal.SIGTERM, root=leader.pid)
+        monkeypatch.undo()
+        assert len(got) == 2  # member and away: the root itself is never listed
+        away = [pid for pid in got if processes._stat(pid).pgid != leader.pid]
+        assert len(away) == 1 and direct == away  # the group had its signal from killpg, once
+        wait_for(lambda: all((tmp_path / n).exists() for n in names), 30, "every handler ran")
+        time.sleep(1.0)  # a duplicate would have arrived with the first
+        assert {n: (tmp_path / n).read_text().count("x") for n in names} == dict.fromkeys(names, 1)
+    finally:
+        processes.signal_all(leader.pid, signal.SIGKILL, root=leader.pid)
+        leader.kill()
+        leader.wait()

@@ -161,6 +161,10 @@ def processes() -> list[Proc]:
 def remaining(pgid: int, *, root: int | None = None) -> list[int]:
     """Live (not zombie) processes of group ``pgid`` plus every descendant of ``root`` (the launcher:
     it also catches an engine child that left the group with setsid and was re-parented to us)."""
+    return sorted(p.pid for p in _remaining(pgid, root=root))
+
+
+def _remaining(pgid: int, *, root: int | None) -> list[Proc]:
     procs = processes()
     me = root if root is not None else os.getpid()
     children: dict[int, list[int]] = collections.defaultdict(list)
@@ -173,19 +177,25 @@ def remaining(pgid: int, *, root: int | None = None) -> list[int]:
             if c not in found:
                 found.add(c)
             stack.append(c)
-    live = {p.pid: p for p in procs}
-    return sorted(pid for pid in found if pid != me and pid in live and live[pid].state not in ("Z", "X"))
+    return [p for p in procs if p.pid in found and p.pid != me and p.state not in ("Z", "X")]
 
 
 def signal_all(pgid: int, sig: int, *, root: int | None = None) -> list[int]:
-    """Send ``sig`` to the group and to every other process ``remaining`` lists; returns who got it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    """Send ``sig`` to the group, and once to every other process ``remaining`` lists (a descendant that
+    left the group); returns who was alive to get it. A member of the group gets it once: a second SIGTERM
+    lands in the middle of a handler (measured: a child's handler ran twice)."""
+    try:
         os.killpg(pgid, sig)
-    targets = remaining(pgid, root=root)
-    for pid in targets:
+        grouped = True
+    except (ProcessLookupError, PermissionError):
+        grouped = False
+    targets = _remaining(pgid, root=root)
+    for p in targets:
+        if grouped and p.pgid == pgid:
+            continue
         try:
-            os.kill(pid, sig)
+            os.kill(p.pid, sig)
         except OSError as exc:
             if exc.errno not in (errno.ESRCH, errno.EPERM):
                 raise
-    return targets
+    return sorted(p.pid for p in targets)
