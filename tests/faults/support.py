@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -511,9 +512,11 @@ def check_invariants(pool: SimPool, *, before_kill: bytes = b"") -> machine.Roll
 
 
 def mount_reason() -> str | None:
-    """Why this test cannot mount a tmpfs here (None: it can)."""
+    """Why this test cannot mount a tmpfs and a small ext2 image here (None: it can)."""
     if os.geteuid() != 0:
         return "mounting a small tmpfs needs root"
+    if shutil.which("mkfs.ext2") is None:
+        return "mkfs.ext2 is missing (apt-get install e2fsprogs)"
     probe = Path(f"/tmp/vllm-tuner-faults-probe-{os.getpid()}")
     probe.mkdir(exist_ok=True)
     try:
@@ -538,6 +541,25 @@ def small_fs(path: Path, *, size_kib: int) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def small_block_fs(path: Path, *, size_kib: int) -> Iterator[Path]:
+    """An ext2 file system of ``size_kib`` with 1 KiB blocks on a loop device, mounted at ``path``. A file's
+    last block then has less than 1 KiB left, so on a full disk an append of more than that fails for
+    sure (a tmpfs allocates 4 KiB pages: a whole rollout's records can fit in one page's slack)."""
+    path.mkdir(parents=True, exist_ok=True)
+    image = path.parent / f"{path.name}.ext2"
+    with open(image, "wb") as f:
+        f.truncate(size_kib * 1024)
+    subprocess.run(["mkfs.ext2", "-q", "-F", "-b", "1024", "-m", "0", str(image)], check=True, capture_output=True,
+                   timeout=60)
+    subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, capture_output=True, timeout=60)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
+        image.unlink(missing_ok=True)
 
 
 def remount(path: Path, *, read_only: bool) -> None:

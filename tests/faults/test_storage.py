@@ -1,6 +1,7 @@
 """A full disk and a read-only state directory, at start, mid-rollout and mid-cycle, on simulated replicas.
 
-The journal and the state file live on a small tmpfs this test mounts (it needs root; without it the
+The journal and the state file live on a small file system this test mounts (a tmpfs; for the full
+journal an ext2 image with 1 KiB blocks on a loop device — it needs root; without it the
 tests skip, or fail under VLLM_TUNER_REQUIRE_E2E=1). The tuner is frozen (SIGSTOP, by the test hook) the
 moment a chosen journal record is durable, the disk is filled (or made read-only) while it is frozen,
 and it is let go (SIGCONT): the very next write fails.
@@ -35,7 +36,7 @@ from tuner.rollout import machine
 
 @pytest.fixture(scope="module", autouse=True)
 def can_mount() -> None:
-    required.need(support.mount_reason(), "a small tmpfs for the tuner's state (root, mount)")
+    required.need(support.mount_reason(), "small file systems for the tuner's state (root, mount)")
 
 
 def stopped_at(pool: support.SimPool, k: int) -> tuple[support.Tuner, bytes]:
@@ -71,10 +72,12 @@ def nothing_left_drained_that_serves(pool: support.SimPool) -> None:
 @pytest.mark.parametrize("fault", ["full", "read-only"])
 def test_a_journal_append_that_fails_mid_rollout_stops_it_safely_and_it_resumes_once_writes_work(
         tmp_path: Path, fault: str) -> None:
-    """Full: filled while sim-a waits for idle; the journal's last page still has room for a few records
-    (a tmpfs, like any file system, allocates whole pages), so the append that fails is the first that
-    does not fit — a real short write, cut back. Read-only: exactly the next append (sim-a's stop) fails."""
-    with support.small_fs(tmp_path / "state", size_kib=512) as state_dir, \
+    """Full: filled while sim-a waits for idle; the journal's last block still has room for a few records
+    (every file system allocates whole blocks; this one 1 KiB blocks, less than the rest of the rollout
+    needs), so the append that fails is the first that does not fit — a real short write, cut back.
+    Read-only: exactly the next append (sim-a's stop) fails."""
+    mounted = support.small_block_fs if fault == "full" else support.small_fs
+    with mounted(tmp_path / "state", size_kib=512) as state_dir, \
             support.sim_pool(tmp_path / "work", state_dir=state_dir) as pool:
         tuner, at_stop = stopped_at(pool, 4)  # record 4: sim-a drained, waiting for idle
         filler = support.fill(state_dir) if fault == "full" else None
