@@ -41,6 +41,7 @@ import httpx
 import yaml
 
 from tests.support import waiting
+from tests.support.ports import free_port
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 
@@ -62,14 +63,6 @@ QUEUE_RULE: dict[str, Any] = {
     ]},
     "then": {"flag": "--max-num-seqs", "op": "scale", "factor": 2, "max": 16},
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # the harness's one wait, failing as an assertion here, polled often (simulated engines are quick)

@@ -23,7 +23,7 @@ import pytest
 
 from tests.support import kube_pool as kp
 from tests.support import live_rollout as live
-from tests.support.nginx import free_port
+from tests.support.ports import free_port
 from tuner.launcher import packaging, protocol
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
-from tests.support.nginx import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 from tuner.launcher import packaging, protocol
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.nginx import free_port
+from tests.support.ports import free_port
 from tuner.cli import demo
 from tuner.sources import live_knobs
 

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from tests.support.ports import free_port
 from tuner.actuators import draining
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -42,12 +43,6 @@ def skip_reason() -> str | None:
     if not Path(NGINX).exists():
         return "nginx is not installed: `apt-get install -y nginx` (Debian's package; its service is not used)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 CONFIG = """\

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.support.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -175,13 +176,6 @@ def build_tiny_model(model_dir: str | os.PathLike[str] = DEFAULT_MODEL_DIR, *, t
 # --------------------------------------------------------------------------------------------------
 # Server
 # --------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class VllmServerError(RuntimeError):

@@ -303,5 +303,18 @@ def test_whatever_happens_no_more_than_max_unavailable_are_out_of_the_pool(
             continue
         out = {p.name for p in r.progress if p.state in machine.IN_FLIGHT or p.state is State.FAILED}
         assert len(out) <= max_unavailable
-        # Out-of-pool replicas that were unhealthy before admission still count against the budget.
-        assert len(out | (set(names) - healthy)) <= max(max_unavailable, len(set(names) - healthy))
+        # Out-of-pool replicas that were unhealthy before admission still count against the budget; one
+        # that left for good (Rule 4: its pod deleted) is no longer in the pool and counts for nothing.
+        present = set(names) - {p.name for p in r.progress if p.state is State.LEFT}
+        down = present - healthy
+        assert len(out | down) <= max(max_unavailable, len(down))
+
+
+def test_a_replica_that_left_counts_no_more_for_availability() -> None:
+    """The case Hypothesis found once the pool could lose a pod (Rule 4): b, unhealthy, leaves; a may go
+    (c serves) — b's unavailability no longer holds the rollout up."""
+    r = make(("a", "b", "c"), max_unavailable=1)
+    healthy = frozenset({"a", "c"})
+    assert [a.step for a in machine.next_actions(r, now=0, healthy=healthy)] == [Step.HOLD]
+    r = machine.handle(r, "b", E.LEFT, now=1)
+    assert [(a.step, a.replica) for a in machine.next_actions(r, now=1, healthy=healthy)] == [(Step.ADMIT, "a")]
