@@ -225,7 +225,8 @@ def test_a_sigint_after_the_sigterm_ends_the_wait_without_sigkill(world: World) 
         world.live_argv(name)
     stopped = world.actuator.stop(name, timeout_seconds=60, force_after_seconds=1)
     assert stopped.state is base.State.STOPPED
-    assert "SIGINT after 1s" in stopped.detail and "SIGKILL" not in stopped.detail, stopped.detail
+    log = world.actuator.log_path(name).read_text()[-2000:] if world.kind == "process" else ""
+    assert "SIGINT after 1s" in stopped.detail and "SIGKILL" not in stopped.detail, (stopped.detail, log)
     assert world.actuator.status(name).state is base.State.STOPPED
 
 

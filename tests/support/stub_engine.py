@@ -16,7 +16,7 @@ Behaviours the rollout tests need, chosen by flags:
 - ``--stub-crash-after-requests N``  exits with status 3 while serving request number N (dies at its first requests)
 - ``--shutdown-timeout N``        on SIGTERM, stop admitting and finish in-flight requests for up to N s, then exit
   (vLLM 0.32 semantics; with 0 the in-flight requests are aborted)
-- ``--stub-ignore-sigterm``       never exit on SIGTERM (vLLM with clients connected): only SIGKILL ends it
+- ``--stub-ignore-sigterm``       never exit on SIGTERM (vLLM with clients connected): a SIGINT or SIGKILL ends it
 - ``--stub-kind sglang``          speak SGLang instead: ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs``,
   ``GET /get_model_info`` and ``/get_server_info``, ``POST /generate`` (and ``/v1/completions``)
 - ``--api-key KEY``               like vLLM's: every ``/v1/*`` route answers 401 without ``Authorization: Bearer KEY``
@@ -227,7 +227,15 @@ def main(argv: list[str]) -> int:
                 engine.idle.wait(deadline - time.monotonic())
         server.shutdown()
 
+    def on_int(signum: int, frame: Any) -> None:
+        # uvicorn's answer to a SIGINT while a graceful stop waits: exit now. Explicit (not Python's
+        # KeyboardInterrupt unwinding through the server loop and interpreter shutdown) — CI once saw a
+        # stub outlive its SIGINT by a minute.
+        print("stub: SIGINT received: exiting now", flush=True)
+        os._exit(0)
+
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_int)
     print(f"stub: serving on http://{engine.host}:{engine.port}", flush=True)
     server.serve_forever(poll_interval=0.1)
     server.server_close()
