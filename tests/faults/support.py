@@ -525,29 +525,22 @@ def mount_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def small_fs(path: Path, *, size_kib: int) -> Iterator[Path]:
-    """A tmpfs of ``size_kib`` mounted at ``path`` (a directory this test owns), unmounted on the way out."""
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0755", "tmpfs", str(path)], check=True,
-                   capture_output=True, timeout=30)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
-
-
-@contextlib.contextmanager
-def small_block_fs(path: Path, *, size_kib: int) -> Iterator[Path]:
-    """An ext2 file system of ``size_kib`` with 1 KiB blocks on a loop device, mounted at ``path``. A file's
-    last block then has less than 1 KiB left, so on a full disk an append of more than that fails for
-    sure (a tmpfs allocates 4 KiB pages: a whole rollout's records can fit in one page's slack)."""
+def small_fs(path: Path, *, size_kib: int, block_kib: int | None = None) -> Iterator[Path]:
+    """A file system of ``size_kib`` mounted at ``path`` (a directory this test owns), unmounted on the way
+    out: a tmpfs, or with ``block_kib`` an ext2 image with blocks that small on a loop device. A file's last
+    block is where a full disk still takes appends: a tmpfs's 4 KiB page can hold a whole rollout's
+    remaining records, a 1 KiB block cannot."""
     path.mkdir(parents=True, exist_ok=True)
     image = path.parent / f"{path.name}.ext2"
-    with open(image, "wb") as f:
-        f.truncate(size_kib * 1024)
-    subprocess.run(["mkfs.ext2", "-q", "-F", "-b", "1024", "-m", "0", str(image)], check=True, capture_output=True,
-                   timeout=60)
-    subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, capture_output=True, timeout=60)
+    if block_kib is None:
+        mount = ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0755", "tmpfs", str(path)]
+    else:
+        with open(image, "wb") as f:
+            f.truncate(size_kib * 1024)
+        subprocess.run(["mkfs.ext2", "-q", "-F", "-b", str(block_kib * 1024), "-m", "0", str(image)], check=True,
+                       capture_output=True, timeout=60)
+        mount = ["mount", "-o", "loop", str(image), str(path)]
+    subprocess.run(mount, check=True, capture_output=True, timeout=60)
     try:
         yield path
     finally:

@@ -76,8 +76,7 @@ def test_a_journal_append_that_fails_mid_rollout_stops_it_safely_and_it_resumes_
     (every file system allocates whole blocks; this one 1 KiB blocks, less than the rest of the rollout
     needs), so the append that fails is the first that does not fit — a real short write, cut back.
     Read-only: exactly the next append (sim-a's stop) fails."""
-    mounted = support.small_block_fs if fault == "full" else support.small_fs
-    with mounted(tmp_path / "state", size_kib=512) as state_dir, \
+    with support.small_fs(tmp_path / "state", size_kib=512, block_kib=1 if fault == "full" else None) as state_dir, \
             support.sim_pool(tmp_path / "work", state_dir=state_dir) as pool:
         tuner, at_stop = stopped_at(pool, 4)  # record 4: sim-a drained, waiting for idle
         filler = support.fill(state_dir) if fault == "full" else None
