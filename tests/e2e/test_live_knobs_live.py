@@ -265,7 +265,14 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
 
     assert "error" not in result, result.get("error")
     bench_result = result["bench"]
-    assert bench_result["completed"] == PROMPTS and bench_result.get("failed", 0) == 0
+    if bench_result["completed"] != PROMPTS or bench_result.get("failed", 0):
+        try:
+            counters = f"before {before}, after {engine.metrics()}"
+        except Exception as exc:  # a dead engine is part of the answer
+            counters = f"not readable: {exc!r}"
+        pytest.fail(f"{bench_result['completed']} of {PROMPTS} completed, {bench_result.get('failed')} failed:"
+                    f"{vllm.failures(bench_result)}\nengine alive: {engine.server.alive()}; its counters {counters}"
+                    f"\n{engine.server.log_problems()}")
     after = engine.metrics()
 
     report, reached = [], []
@@ -309,7 +316,8 @@ def test_the_token_budget_is_lowered_and_restored_live(engine):
     ack = engine.ack(seq, deadline_s=5)
     time.sleep(1.0)
     steps = engine.iterations(log0, engine.log_offset())
-    assert result["completed"] == 48 and result.get("failed", 0) == 0
+    assert result["completed"] == 48 and result.get("failed", 0) == 0, (
+        f"{result.get('failed')} failed:{vllm.failures(result)}\n{engine.server.log_problems()}")
     assert ack.is_applied and ack.effective["max_num_batched_tokens"] == 64
     assert ack.effective["max_num_active_seqs"] == MAX_NUM_SEQS
     tokens = [s[2] + s[4] for s in steps]

@@ -55,7 +55,8 @@ def test_live_signals_match_the_benchmark(server, vllm_ready):
         after = scrape()
         info = client.info(server.base_url, "vllm")
 
-    assert result["completed"] == PROMPTS and result.get("failed", 0) == 0
+    assert result["completed"] == PROMPTS and result.get("failed", 0) == 0, (
+        f"{result.get('failed')} failed:{vllm.failures(result)}\n{server.log_problems()}")
     signals = engine_signals.compute([before, *during, after], info=info)
     span = after.scraped_at - before.scraped_at
 

@@ -8,7 +8,7 @@ torch, tokenizers or transformers runs in a subprocess with ``.venv-vllm``'s pyt
 - ``VllmServer``: a context manager around ``python -m vllm.entrypoints.openai.api_server`` on a free
   127.0.0.1 port.
 - ``run_benchmark(...)``: vLLM's own benchmark client (``vllm.benchmarks.serve``) in a subprocess; returns
-  its saved JSON.
+  its saved JSON (``summarised``: the failed requests' errors kept, the other per-request fields not).
 
 Nothing here talks to any host but 127.0.0.1.
 """
@@ -367,6 +367,15 @@ class VllmServer:
             lines = collections.deque(f, maxlen=n)
         return b"".join(lines).decode("utf-8", "replace")
 
+    def log_problems(self, n: int = 40) -> str:
+        """The log's last ``n`` lines that are not INFO/DEBUG (warnings, errors, tracebacks)."""
+        if self.log_path is None or not self.log_path.exists():
+            return "<no log>"
+        with open(self.log_path, "rb") as f:
+            lines = collections.deque((line for line in f if b" INFO " not in line and b" DEBUG " not in line),
+                                      maxlen=n)
+        return b"".join(lines).decode("utf-8", "replace") or "<no warnings or errors logged>"
+
     def get(self, path: str, timeout: float = 10.0) -> httpx.Response:
         return httpx.get(f"{self.base_url}{path}", timeout=timeout)
 
@@ -516,6 +525,7 @@ def benchmark_argv(
         str(seed),
         "--disable-tqdm",
         "--save-result",
+        "--save-detailed",  # for the failed requests' errors; run_benchmark drops the per-request rest
         "--result-filename",
         str(result_file),
     ]
@@ -543,7 +553,8 @@ def run_benchmark(
     log_path: str | os.PathLike[str] | None = None,
     stop_event: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Run ``vllm.benchmarks.serve`` (random dataset, --ignore-eos) against ``base_url``; return its JSON.
+    """Run ``vllm.benchmarks.serve`` (random dataset, --ignore-eos) against ``base_url``; return its JSON,
+    ``summarised`` (its ``errors`` say why each failed request failed).
 
     ``model`` is the served model name; ``tokenizer`` is the local model dir (needed when the served
     name is not a path). Raises ``BenchmarkError`` with the tail of its output on a non-zero exit or a
@@ -605,4 +616,21 @@ def run_benchmark(
                 tail = b"".join(collections.deque(f, maxlen=40)).decode("utf-8", "replace")
             raise BenchmarkError(f"benchmark failed (rc={proc.returncode}):\n{tail}")
         result: dict[str, Any] = json.loads(result_file.read_text())
-        return result
+    return summarised(result)
+
+
+# What ``--save-detailed`` adds per request; the benchmark drops the same fields without it.
+_PER_REQUEST_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts")
+
+
+def summarised(result: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's JSON without its per-request fields, its ``errors`` reduced to the failed
+    requests' messages and how often each came (``{message: count}``, empty when none failed)."""
+    out = {k: v for k, v in result.items() if k not in _PER_REQUEST_FIELDS}
+    out["errors"] = dict(collections.Counter(e.strip()[-500:] for e in result.get("errors") or () if e))
+    return out
+
+
+def failures(result: Mapping[str, Any]) -> str:
+    """A line per distinct error of a benchmark's failed requests (for an assertion's message)."""
+    return "".join(f"\n  {n} x {e}" for e, n in (result.get("errors") or {}).items()) or " (no error text)"
