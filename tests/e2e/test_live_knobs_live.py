@@ -131,18 +131,23 @@ def engine(vllm_ready, tmp_path_factory):
 
 
 class Sampler:
-    """Scrapes /metrics every 0.2 s in a thread; ``window(t0, t1)`` gives the samples in between."""
+    """Scrapes /metrics every 0.2 s in a thread; ``window(t0, t1)`` gives the samples taken in between.
+
+    A scrape can take seconds on a loaded box, and what it reads is the engine's state at some instant
+    inside it: a sample belongs to a window only if the whole scrape does (its start and its end)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.samples: list[tuple[float, float, dict[str, float]]] = []  # (scrape began, ended, figures)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
             with contextlib.suppress(httpx.HTTPError):
-                self.samples.append((time.monotonic(), self.engine.metrics()))
+                began = time.monotonic()
+                figures = self.engine.metrics()
+                self.samples.append((began, time.monotonic(), figures))
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -155,7 +160,7 @@ class Sampler:
     def latest(self) -> dict[str, float]:
         while not self.samples:
             time.sleep(0.05)
-        return self.samples[-1][1]
+        return self.samples[-1][2]
 
     def wait(self, what: str, predicate, *, deadline_s: float = DEADLINE_S) -> None:
         deadline = time.monotonic() + deadline_s
@@ -165,7 +170,7 @@ class Sampler:
             time.sleep(0.1)
 
     def window(self, t0: float, t1: float) -> list[dict[str, float]]:
-        return [m for t, m in self.samples if t0 <= t <= t1]
+        return [m for began, ended, m in self.samples if t0 <= began and ended <= t1]
 
 
 @dataclass
