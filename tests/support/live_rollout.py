@@ -297,14 +297,15 @@ class LoadError(RuntimeError):
 class LiveLoad:
     """``concurrency`` closed-loop clients of vLLM's benchmark client against ``base_url`` until ``stop()``.
 
-    ``stop()`` returns the client's own result JSON (``completed``, ``failed``, latencies, ...); a
-    client that dies raises ``LoadError`` with its output's tail.
+    ``stop()`` returns the client's own result JSON, ``vllm.summarised`` (``completed``, ``failed``,
+    ``errors``, ...); a client that dies raises ``LoadError`` with its output's tail.
     """
 
     def __init__(self, base_url: str, model_dir: str | os.PathLike[str], work: Path, *, concurrency: int = 16,
                  input_len: int = 64, output_len: int = 32, max_prompts: int = 20000, seed: int = 0,
-                 name: str = "load", api_key: str | None = None) -> None:
+                 name: str = "load", api_key: str | None = None, reuse_connections: bool = False) -> None:
         self.work = work
+        self.reuse_connections = reuse_connections  # keep the client's connection pool (bench_client_fix.py)
         self.api_key = api_key  # sent as Authorization: Bearer (vLLM's benchmark client reads OPENAI_API_KEY)
         self.stop_file = work / f"{name}.stop"
         self.result_file = work / f"{name}.json"
@@ -326,6 +327,8 @@ class LiveLoad:
             "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")}}
         if self.api_key:
             env["OPENAI_API_KEY"] = self.api_key
+        if self.reuse_connections:
+            env["VLLM_TUNER_BENCH_KEEP_CONNECTIONS"] = "1"
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          env=env, cwd=str(self.work), start_new_session=True)
@@ -359,8 +362,7 @@ class LiveLoad:
             raise LoadError(f"the benchmark client did not finish within {timeout:g}s:\n{self.log_tail()}") from None
         if self.proc.returncode != 0 or not self.result_file.exists():
             raise LoadError(f"the benchmark client failed (rc={self.proc.returncode}):\n{self.log_tail()}")
-        result: dict[str, Any] = json.loads(self.result_file.read_text())
-        return result
+        return vllm.summarised(json.loads(self.result_file.read_text()))
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -773,8 +775,9 @@ class ProcessPool:
                  detail=self.diagnostics)
 
     def load(self, *, concurrency: int, name: str, seed: int = 0) -> LiveLoad:
+        # With nginx's client keep-alive on, the point is to measure clients that keep their connections.
         return LiveLoad(self.lb.url, self.model, self.work, concurrency=concurrency, name=name, seed=seed,
-                        api_key=self.api_key)
+                        api_key=self.api_key, reuse_connections=self.client_keepalive_seconds > 0)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def __enter__(self) -> ProcessPool:

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -368,12 +369,12 @@ class VllmServer:
         return b"".join(lines).decode("utf-8", "replace")
 
     def log_problems(self, n: int = 40) -> str:
-        """The log's last ``n`` lines that are not INFO/DEBUG (warnings, errors, tracebacks)."""
+        """The log's last ``n`` lines that are not INFO/DEBUG (warnings, errors, tracebacks): vLLM's own
+        (``(APIServer pid=1) INFO 12-01 …``) and uvicorn's (``INFO:     127.0.0.1:…``) left out."""
         if self.log_path is None or not self.log_path.exists():
             return "<no log>"
         with open(self.log_path, "rb") as f:
-            lines = collections.deque((line for line in f if b" INFO " not in line and b" DEBUG " not in line),
-                                      maxlen=n)
+            lines = collections.deque((line for line in f if not _ROUTINE_LOG_LINE.search(line)), maxlen=n)
         return b"".join(lines).decode("utf-8", "replace") or "<no warnings or errors logged>"
 
     def get(self, path: str, timeout: float = 10.0) -> httpx.Response:
@@ -452,6 +453,7 @@ BENCHMARK_SUMMARY_FIELDS = (
     "duration",
     "completed",
     "failed",
+    "errors",
     "total_input_tokens",
     "total_output_tokens",
     "request_throughput",
@@ -472,6 +474,9 @@ BENCHMARK_SUMMARY_FIELDS = (
 
 def summarize_benchmark(result: Mapping[str, Any]) -> dict[str, Any]:
     return {k: result[k] for k in BENCHMARK_SUMMARY_FIELDS if k in result}
+
+
+_ROUTINE_LOG_LINE = re.compile(rb"^(?:\([^)]*\) )?(?:INFO|DEBUG)\b")
 
 
 class BenchmarkError(RuntimeError):
