@@ -20,8 +20,18 @@ from tests.support import vllm
 
 FIX = Path(vllm.__file__).with_name("bench_client_fix.py")
 
-SCRIPT = r'''
-import asyncio, importlib.util, json, sys
+# Both scripts take "shipped" or "fixed" and the fix's path; "fixed" loads the fix before anything runs.
+LOAD_FIX = r"""
+import importlib.util, sys
+if sys.argv[1] == "fixed":
+    _spec = importlib.util.spec_from_file_location("bench_client_fix", sys.argv[2])
+    _fix = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_fix)
+    _fix.install()
+"""
+
+SCRIPT = LOAD_FIX + r'''
+import asyncio, json
 import aiohttp
 from aiohttp import web
 from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
@@ -48,11 +58,6 @@ async def handler(request):
     return resp
 
 async def main():
-    if sys.argv[1] == "fixed":
-        spec = importlib.util.spec_from_file_location("bench_client_fix", sys.argv[2])
-        fix = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fix)
-        fix.install()
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
     runner = web.AppRunner(app)
@@ -96,8 +101,8 @@ def test_the_benchmark_client_fails_a_split_event_and_the_fix_reads_it() -> None
 # (vLLM's request function, on a session whose connector is built the way vllm.benchmarks.serve builds it)
 # sends one request, then its event loop is busy for 1 s — a CPU-starved benchmark client — and sends the
 # next: the server's FIN has arrived but the client has not read it yet.
-KEEP_ALIVE_SCRIPT = r"""
-import asyncio, importlib.util, json, socket, sys, threading, time
+KEEP_ALIVE_SCRIPT = LOAD_FIX + r"""
+import asyncio, json, socket, threading, time
 import aiohttp, uvicorn
 from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
 
@@ -114,11 +119,6 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": BODY})
 
 async def main():
-    if sys.argv[1] == "fixed":
-        spec = importlib.util.spec_from_file_location("bench_client_fix", sys.argv[2])
-        fix = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fix)
-        fix.install()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
