@@ -361,21 +361,19 @@ class VllmServer:
         self.stop()
 
     # -- helpers ----------------------------------------------------------------------------------
-    def log_tail(self, n: int = 50) -> str:
+    def log_tail(self, n: int = 50, *, skip: re.Pattern[bytes] | None = None) -> str:
+        """The log's last ``n`` lines (of those ``skip`` does not match)."""
         if self.log_path is None or not self.log_path.exists():
             return "<no log>"
         with open(self.log_path, "rb") as f:
-            lines = collections.deque(f, maxlen=n)
+            lines = collections.deque((line for line in f if skip is None or not skip.search(line)), maxlen=n)
         return b"".join(lines).decode("utf-8", "replace")
 
     def log_problems(self, n: int = 40) -> str:
         """The log's last ``n`` lines that are not INFO/DEBUG (warnings, errors, tracebacks): vLLM's own
         (``(APIServer pid=1) INFO 12-01 …``) and uvicorn's (``INFO:     127.0.0.1:…``) left out."""
-        if self.log_path is None or not self.log_path.exists():
-            return "<no log>"
-        with open(self.log_path, "rb") as f:
-            lines = collections.deque((line for line in f if not _ROUTINE_LOG_LINE.search(line)), maxlen=n)
-        return b"".join(lines).decode("utf-8", "replace") or "<no warnings or errors logged>"
+        tail = self.log_tail(n, skip=_ROUTINE_LOG_LINE)
+        return tail or "<no warnings or errors logged>"
 
     def get(self, path: str, timeout: float = 10.0) -> httpx.Response:
         return httpx.get(f"{self.base_url}{path}", timeout=timeout)
