@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import vllm
+from tests.support import bench_client_fix, vllm
 
 FIX = Path(vllm.__file__).with_name("bench_client_fix.py")
 
@@ -150,15 +150,15 @@ def test_the_benchmark_client_sends_on_a_connection_the_server_closed_and_the_fi
         pytest.skip("needs .venv-vllm (make vllm-env)")
     runs = {}
     for name, mode, keep in (("shipped", "shipped", ""), ("fixed", "fixed", ""), ("kept", "fixed", "1")):
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_TUNER_BENCH_KEEP_CONNECTIONS"}
+        env = {k: v for k, v in os.environ.items() if k != bench_client_fix.KEEP_CONNECTIONS}
         if keep:
-            env["VLLM_TUNER_BENCH_KEEP_CONNECTIONS"] = keep
+            env[bench_client_fix.KEEP_CONNECTIONS] = keep
         proc = subprocess.run([str(python), "-c", KEEP_ALIVE_SCRIPT, mode, str(FIX)], capture_output=True,
                               text=True, timeout=300, check=False, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     # As shipped: the second request goes out on the pooled connection and never reaches the server.
-    # The harness can ask for that pool (VLLM_TUNER_BENCH_KEEP_CONNECTIONS=1) to measure keep-alive clients.
+    # The harness can ask for that pool (KEEP_CONNECTIONS=1) to measure keep-alive clients.
     for name in ("shipped", "kept"):
         run = runs[name]
         assert run["success"] == [True, False] and run["requests_seen"] == 1, (name, run)

@@ -20,8 +20,8 @@ client having seen it yet: the next request goes out on it and fails with ``Serv
 beside it: 5 of 224 requests in one run, the engine's own counters showing the other 219 completed and
 nothing errored or aborted; reproduced without an engine in ``tests/integration/test_bench_client.py``. The
 fix gives every request a fresh connection (``force_close``), so no request rides on a connection the server
-may already have closed; ``VLLM_TUNER_BENCH_KEEP_CONNECTIONS=1`` in the environment leaves the pool as shipped (for measuring
-what keep-alive clients meet, e.g. ``bench.rollout_bench --client-keepalive``).
+may already have closed; ``KEEP_CONNECTIONS=1`` in the environment leaves the pool as shipped (for
+measuring what keep-alive clients meet, e.g. ``bench.rollout_bench --client-keepalive``).
 
 Standard library and the client's own aiohttp only (it runs in vLLM's venv).
 """
@@ -47,7 +47,7 @@ def normalised(text: str) -> str:
     return "".join(out)
 
 
-KEEP_CONNECTIONS = "VLLM_TUNER_BENCH_KEEP_CONNECTIONS"
+KEEP_CONNECTIONS = "VLLM_TUNER_BENCH_KEEP_CONNECTIONS"  # "1": keep the client's connection pool
 
 
 def install() -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support import required, vllm
+from tests.support import bench_client_fix, required, vllm
 from tests.support.waiting import wait_for
 
 REPO_ROOT = vllm.REPO_ROOT
@@ -328,7 +328,7 @@ class LiveLoad:
         if self.api_key:
             env["OPENAI_API_KEY"] = self.api_key
         if self.reuse_connections:
-            env["VLLM_TUNER_BENCH_KEEP_CONNECTIONS"] = "1"
+            env[bench_client_fix.KEEP_CONNECTIONS] = "1"
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          env=env, cwd=str(self.work), start_new_session=True)
