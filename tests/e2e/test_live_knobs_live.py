@@ -221,8 +221,13 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
             return phases[-1]
 
         def hold(phase: Phase, completions: int) -> None:
+            # A phase lasts until both hold: ``completions`` more requests finished, and one whole scrape
+            # of the gauge fell inside it (a scrape can take seconds on a loaded box: wait for it, never
+            # count on it having happened in time).
             target = sampler.latest()["completed"] + completions
             sampler.wait(f"phase {phase.name}: {completions} completions", lambda m: m["completed"] >= target)
+            sampler.wait(f"phase {phase.name}: a whole scrape",
+                         lambda m: sampler.window(phase.t0, time.monotonic()))
             phase.log1, phase.t1 = engine.log_offset(), time.monotonic()  # before the next request
 
         ack = engine.ack(seq)
@@ -282,8 +287,9 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
 
     report, reached = [], []
     for phase in phases:
-        # The gauge is sampled every 0.2 s by a scrape that can take seconds on a loaded box, so a short
-        # phase may hold no sample: the step log (every step, from the engine) says what was reached.
+        # The gauge is sampled every 0.2 s by a scrape that can take seconds on a loaded box; every phase
+        # held until one scrape fell inside it, but the scrape may catch the phase's start or end: the
+        # step log (every step, from the engine) says what was reached, the gauge must never exceed it.
         gauge = max((m["running"] for m in sampler.window(phase.t0, phase.t1)), default=None)
         steps = engine.iterations(phase.log0, phase.log1)
         assert steps, f"no vLLM iteration lines in phase {phase.name}"
@@ -292,11 +298,11 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
         reached.append(per_step)
         report.append(f"{phase.name}: running max {gauge if gauge is None else f'{gauge:.0f}'}, scheduled max "
                       f"{per_step} over {len(steps)} steps, tokens/step max {tokens}")
+        assert gauge is not None or phase is phases[-1], report[-1]  # held phases waited for a scrape
         assert (gauge is None or gauge <= phase.cap) and per_step <= phase.cap, report[-1]
     print("\n".join(report), f"\ndrain 16 -> 8 took {drained_s:.2f}s (no preemption)")
     assert reached[:4] == [4, 16, 8, 8], report  # each cap was reached (and, above, never exceeded)
     assert reached[4] > 16, report  # restored: full concurrency again
-    assert sum(1 for p in phases if sampler.window(p.t0, p.t1)) >= 3, report  # the gauge was seen under load
     steps = engine.iterations(phases[-1].log0, phases[-1].log1)
     assert max(s[2] + s[4] for s in steps) > 64  # baseline for the token-budget test below
 
