@@ -188,7 +188,7 @@ def test_relaunch_under_load_fails_no_request(pod: Pod) -> None:
         time.sleep(10)  # and serves under load again
     finally:
         result = load.stop()
-    assert result["failed"] == 0, f"{result['failed']} failed of {result['completed']}"
+    assert result["failed"] == 0, f"{result['failed']} failed of {result['completed']}:{vllm.failures(result)}"
     assert result["completed"] > 0
     after = lp.status()
     assert after["argv"][-2:] == ["--max-num-seqs", "8"] and after["argv"].count("--max-num-seqs") == 1
