@@ -37,9 +37,19 @@ class TlsSettings(_Model):
 
 
 class ScrapeSettings(_Model):
-    interval_seconds: float = Field(30.0, gt=0)
-    """How often one cycle runs (scrape → signals → plan → act). 30 s matches dcgm-exporter's
-    default collect interval, so each cycle sees fresh GPU data."""
+    interval_seconds: float = Field(2.0, gt=0, le=3600)
+    """How often one cycle runs (scrape the engines → signals → plan → act). An engine's /metrics costs tens of
+    milliseconds to read and parse, so the tuner reads it every few seconds and decides on fresh data: with
+    2 s a load rise is seen within one or two scrapes (docs/rules.md#cadence)."""
+    gpu_interval_seconds: float = Field(10.0, gt=0, le=3600)
+    """How often the GPUs' telemetry (dcgm-exporter, NVML) and the engine's model info are read; in between a
+    cycle reuses the last reading. dcgm-exporter samples every 30 s by default, so reading it every cycle
+    would only repeat its numbers."""
+    decision_window_seconds: float | None = Field(20.0, gt=0, le=86400)
+    """The span rules decide on: the last this-many seconds, restarted at the tuner's own change and at a
+    change point of the arrivals (a load rise or fall), so a decision reads only the regime it is for.
+    ``window_seconds`` stays the span of what changes slowly (request sizes, KV sizing, idle time). None:
+    rules read the whole window."""
     connect_timeout_seconds: float = Field(2.0, gt=0)
     """TCP/TLS connect timeout per request."""
     read_timeout_seconds: float = Field(5.0, gt=0)
@@ -47,8 +57,10 @@ class ScrapeSettings(_Model):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     """Largest /metrics body accepted; a larger one marks the window invalid (protects the tuner's
     memory from a runaway exporter). A vLLM body is ~50-150 KB."""
-    window_seconds: float = Field(300.0, gt=0)
-    """Span of history that signals are computed over (rates, means, quantiles)."""
+    window_seconds: float = Field(300.0, gt=0, le=86400)
+    """Span of history the slow signals are computed over (request sizes, what the KV cache holds for them, the
+    length tails the --max-model-len floor keeps, idle time), and every signal when
+    ``decision_window_seconds`` is None."""
     min_snapshots: int = Field(3, ge=2)
     """Fewest valid snapshots a window needs before any rate or quantile is trusted."""
     stale_after_seconds: float | None = Field(None, gt=0)
@@ -63,14 +75,25 @@ class ScrapeSettings(_Model):
     def effective_stale_after(self) -> float:
         return self.stale_after_seconds or 2.5 * self.interval_seconds
 
+    def gpu_stale_after(self) -> float:
+        """GPU readings older than this are not used: 2.5 reads of ``gpu_interval_seconds`` (at least the
+        engines' own limit)."""
+        return max(self.effective_stale_after(), 2.5 * self.gpu_interval_seconds)
+
     def collect_deadline_seconds(self) -> float:
         """The whole gathering of one cycle: scrape, info and GPU reads, each bounded by deadline_seconds."""
         return 3 * self.deadline_seconds + 1.0
 
     def window_settings(self) -> stepping.WindowSettings:
-        keep = max(8, min(100_000, math.ceil(self.window_seconds / self.interval_seconds) * 2 + 8))
+        if self.decision_window_seconds is None:
+            keep = max(8, min(100_000, math.ceil(self.window_seconds / self.interval_seconds) * 2 + 8))
+        else:  # two decision windows in full, the rest thinned (stepping.thinned)
+            recent = math.ceil(2 * self.decision_window_seconds / self.interval_seconds) + 1
+            keep = max(8, min(100_000, recent + stepping.THIN_TO * 2 + 8))
         return stepping.WindowSettings(window_seconds=self.window_seconds, min_snapshots=self.min_snapshots,
-                                       stale_after_seconds=self.effective_stale_after(), max_snapshots=keep)
+                                       stale_after_seconds=self.effective_stale_after(), max_snapshots=keep,
+                                       decision_seconds=self.decision_window_seconds,
+                                       gpu_stale_after_seconds=self.gpu_stale_after())
 
 
 class DcgmSource(_Model):

@@ -90,7 +90,7 @@ def test_check_config_prints_the_effective_config_and_schema(tmp_path):
     cfg = tmp_path / "tuner.yaml"
     cfg.write_text("targets:\n  - name: a\n    metrics_url: http://127.0.0.1:8000/metrics\n")
     out = run("check-config", str(cfg)).stdout
-    assert "interval_seconds: 30.0" in out
+    assert "interval_seconds: 2.0" in out
     schema = json.loads(run("config-schema").stdout)
     assert "targets" in schema["properties"]
     assert "dcgm-exporter" in json.dumps(schema)  # attribute docstrings became descriptions

@@ -18,6 +18,8 @@ def test_recommend_live_on_a_slot_bound_engine(tmp_path):
             "mode": "recommend",
             "targets": [{"name": "sim", "metrics_url": f"{server.base_url}/metrics",
                          "args": ["--max-num-seqs", "8"]}],
+            # 12 s of scrapes: the restart's sustained-evidence guard (60 s by default) is not what this tests
+            "decisions": {"safety": {"restart_evidence_seconds": 0}},
         }))
         # 8 scrapes: 7 windows of ≥ 2 snapshots, more than queue-slot-bound's `for: 3` needs to fire
         proc = subprocess.run([sys.executable, "-m", "tuner", "recommend", "--config", str(cfg), "--samples", "8",

@@ -162,7 +162,8 @@ def tuner_config(
         "decisions": {
             "engine": {"platform": "cpu"},
             # Cooldown per flag comes from each rule (1h): one change per rule per test.
-            "safety": {"cooldown_seconds": 0, "max_restarts_per_hour": 20, "max_restarts_per_day": 50},
+            "safety": {"cooldown_seconds": 0, "max_restarts_per_hour": 20, "max_restarts_per_day": 50,
+                       "restart_evidence_seconds": 0},
             "idle": {"keep_warm_after_seconds": None, "warm_up_after_restart": False},
         },
         "daemon": {"listen_host": "127.0.0.1", "listen_port": listen_port, "state_file": str(work / "state.json")},

@@ -112,7 +112,9 @@ class Harness:
             "targets": [{"name": n, "metrics_url": f"http://127.0.0.1:1/{n}/metrics",
                          "args": ["--max-num-seqs", "8"]} for n in names],
             "scrape": {"interval_seconds": interval, "window_seconds": window, "min_snapshots": 2},
-            "decisions": {"idle": {"min_requests_per_window": 0, "keep_warm_after_seconds": None}},
+            # the cycle's mechanics, not the restart's evidence (tests/unit/test_guards.py has that)
+            "decisions": {"idle": {"min_requests_per_window": 0, "keep_warm_after_seconds": None},
+                          "safety": {"restart_evidence_seconds": 0}},
         })
         self.collectors = [FakeCollector(n, lambda: self.now) for n in names]
         self.state = TunerState.fresh(self.settings.targets)
@@ -258,7 +260,7 @@ def test_actions_without_a_restart_are_not_held_by_windows_nor_drop_a_pending_ch
     for _ in range(4):
         result = h.run(rollout=rollout, maintenance=windows)
     actions = [a for acts, ch in rollout.calls for _, a in acts if ch is None]
-    assert [a.kind for a in actions] == ["keep-warm"]
+    assert [a.kind for a in actions] == ["keep-warm", "keep-warm"]  # idle from cycle 3: at 1m and 2m
     assert result.summary == ("cycle 6: keep-warm ×10 (idle for 2m (keep-warm after 1m)); still pending: "
                               "--max-num-seqs 8→16 (outside the maintenance window; next opens 2026-06-06 02:00Z); "
                               "rollout: engine-0: keep-warm ×10")

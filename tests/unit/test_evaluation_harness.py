@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from bench.evaluation import analysis, packing, profiles, reporting, traces
+from tuner import config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "bench" / "evaluation" / "profiles"
@@ -238,7 +239,6 @@ def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: s
     """The harness writes targets, actuator, drain, daemon endpoint, state and journal around the arm's
     settings; the result is what `vllm-tuner run` accepts (`tuner.config.load`, apply mode)."""
     from bench.evaluation import arms
-    from tuner import config
 
     profile, base = profiles.load(PROFILES / "cpu-ci.yaml")
     ctx = arms.Context(profile=profile, base=base, out=tmp_path, trace={}, trace_path=tmp_path / "trace.json",
@@ -266,6 +266,6 @@ def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: s
     assert settings_obj.rollout.journal_file == str(tmp_path / "work" / "journal.jsonl")
     assert settings_obj.drain.kind == "nginx"
     if settings == "defaults.yaml":  # nothing but the wiring: the shipped defaults
-        assert settings_obj.scrape.interval_seconds == 30 and settings_obj.rule_files is None
+        assert settings_obj.scrape == config.ScrapeSettings() and settings_obj.rule_files is None
     else:
         assert all(Path(f).is_absolute() and Path(f).exists() for f in settings_obj.rule_files or [])

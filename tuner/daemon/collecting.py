@@ -51,16 +51,27 @@ def base_url(target: config.Target) -> str:
 
 
 class Collector:
-    """Reads every source of one target. Owns no state across cycles except the NVML handle."""
+    """Reads every source of one target. Owns no state across cycles except the NVML handle and, with
+    ``slow_every_seconds``, the last GPU readings and engine info: the engine's /metrics is read every cycle,
+    the GPUs' telemetry and ``/v1/models`` at most every ``slow_every_seconds`` (``scrape.gpu_interval_seconds``;
+    a failed read is retried the next cycle). GPU signals judge staleness by each reading's own time."""
 
     def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False,
-                 live_dir: str | None = None) -> None:
+                 live_dir: str | None = None, slow_every_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
         self.base_url = base_url(target)
         self.live_dir = live_dir  # live knobs on: the engine's control directory
         self._nvml: object | None = None
+        self._slow_every = slow_every_seconds
+        self._clock = clock
+        self._gpus: tuple[float, GpuInputs] | None = None
+        self._info: tuple[float, EngineInfo] | None = None
+
+    def _fresh(self, kept: tuple[float, object] | None) -> bool:
+        return kept is not None and self._clock() - kept[0] < self._slow_every
 
     def read_live(self) -> live.LiveState:
         if self.live_dir is None:
@@ -72,9 +83,20 @@ class Collector:
                                   keep_prefixes=dialects.DIALECTS[self.target.kind].parse_prefixes())
 
     def engine_info(self) -> EngineInfo:
-        return self.client.info(self.base_url, self.target.kind, server_load=self.server_load)
+        if self._info is not None and self._fresh(self._info) and not self.server_load:
+            return self._info[1]
+        info = self.client.info(self.base_url, self.target.kind, server_load=self.server_load)
+        self._info = None if info.error else (self._clock(), info)
+        return info
 
     def read_gpus(self) -> GpuInputs:
+        if self._gpus is not None and self._fresh(self._gpus):
+            return self._gpus[1]
+        gpus = self._read_gpus()
+        self._gpus = None if gpus.unavailable else (self._clock(), gpus)
+        return gpus
+
+    def _read_gpus(self) -> GpuInputs:
         source = self.target.gpu
         if isinstance(source, config.DcgmSource):
             snap = self.client.scrape(source.url, keep_prefixes=dcgm.dcgm_keep_prefixes())

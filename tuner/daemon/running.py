@@ -360,7 +360,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         for t in settings.targets:
             live_knobs.prepare_control_dir(settings.live.dir_for(t.name))
     collectors = [collecting.Collector(t, client=client, server_load=sleep_mode,
-                                       live_dir=settings.live.dir_for(t.name) if settings.live.enabled else None)
+                                       live_dir=settings.live.dir_for(t.name) if settings.live.enabled else None,
+                                       slow_every_seconds=settings.scrape.gpu_interval_seconds)
                   for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
     state_path = state_path if state_path.is_absolute() else config_dir / state_path

@@ -82,9 +82,21 @@ class IdleSettings(_Model):
 
 
 class SafetySettings(_Model):
-    live_cooldown_seconds: float = Field(default=120.0, ge=0)
+    live_cooldown_seconds: float = Field(default=30.0, ge=0)
     """A flag changed live (no restart: the admission cap, the step budget) is not changed again within
-    this long — a verification window and a little more. A rule's own cooldown is for restarts."""
+    this long: a decision window (``scrape.decision_window_seconds``, 20 s) of the new regime and a margin.
+    The H200 live path served a new cap 1 s after the decision. A rule's own cooldown is for restarts."""
+    restart_evidence_seconds: float = Field(default=60.0, ge=0)
+    """A change that needs a restart goes out only after its rule's condition held this long without a break
+    (besides the rule's ``for`` windows; the span of the window it was first true on counts): a restart costs
+    a start-up per replica (70-121 s on the H200), a burst shorter than that is not worth one. Live changes
+    need only their ``for_live`` windows."""
+    restart_cost_seconds: float = Field(default=120.0, ge=0)
+    """What one replica's restart costs in serving time: its start-up (H200, 8B: 70-121 s, docs/evaluation.md)."""
+    payback_horizon_seconds: float = Field(default=600.0, gt=0)
+    """The payback test for a restart that adds load (more slots): the unmet demand it serves over this horizon
+    (arrivals − completions, per second × horizon) must exceed what the restart costs (the replica's
+    completions per second × ``restart_cost_seconds``). 600 s: the restart cooldown's order of magnitude."""
     live_hysteresis_seconds: float = Field(default=600.0, ge=0)
     """A flag changed live is not moved the opposite way within this long."""
     cooldown_seconds: float = Field(default=900.0, ge=0)
@@ -172,6 +184,48 @@ def _why(signals: SignalSet, name: str) -> str:
 
 
 # --- window and idle ------------------------------------------------------------------------------
+
+
+def sustained(rule: str, signals: SignalSet, history: History, settings: SafetySettings, *, now: float) -> Verdict:
+    """A restart's evidence: its rule true without a break for ``restart_evidence_seconds``, counting the
+    span of the window it was first found true on (the evidence of one long window is its span)."""
+    since = history.streak_since.get(rule)
+    need = settings.restart_evidence_seconds
+    if need <= 0:
+        return allow("sustained")
+    held = (0.0 if since is None else now - since) + (_v(signals, "window_seconds") or 0.0)
+    if held < need:
+        return deny("sustained", f"a restart needs the evidence sustained {duration(need)}; true for "
+                    f"{duration(held)} so far")
+    return allow("sustained", f"true for {duration(held)}")
+
+
+def payback(signals: SignalSet, settings: SafetySettings, *, knob: str, from_value: float, to_value: float,
+            alpha: float) -> Verdict:
+    """The payback test of ``payback_horizon_seconds`` for a restart that gives the engine more sequence
+    slots: the completions it adds over the horizon against those lost while the replica restarts.
+
+    The gain is the throughput the concurrency model predicts at the new value, N / S(N) with
+    S(N) ∝ N^α (``decisions.model.tpot_exponent``), for the requests there are — at most the requests inside
+    now (a closed loop's demand), at most the arrivals (an open loop's) — over today's completions. Other
+    changes, and unknown rates, are not tested (the rule's own evidence stands; said so)."""
+    if knob != "max_num_seqs" or to_value <= from_value or from_value <= 0:
+        return allow("payback", "not a change this test sizes (only more sequence slots)")
+    arrivals, served = _v(signals, "arrival_rate_per_s"), _v(signals, "request_rate")
+    running, waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
+    if arrivals is None or served is None or running is None or waiting is None:
+        return allow("payback", "arrival or completion rate unknown: not tested")
+    if served <= 0:
+        return allow("payback", "no completions to weigh against: not tested")
+    slots = min(to_value, max(from_value, running + waiting))
+    predicted = served * (slots / from_value) ** (1 - alpha)
+    if arrivals > served * 1.1:  # an open loop: the arrivals bound what more slots can serve
+        predicted = min(predicted, arrivals)
+    gain = max(0.0, predicted - served) * settings.payback_horizon_seconds
+    cost = served * settings.restart_cost_seconds
+    text = (f"{served:.3g} → {predicted:.3g} completions/s predicted over {duration(settings.payback_horizon_seconds)}"
+            f" = {gain:.0f} more, against {cost:.0f} lost to {duration(settings.restart_cost_seconds)} of restart")
+    return allow("payback", text) if gain > cost else deny("payback", f"a restart does not pay back: {text}")
 
 
 def window(signals: SignalSet) -> Verdict:

@@ -74,6 +74,8 @@ class History:
     """Cycles planned so far (the summary line's number)."""
     streaks: Mapping[str, int] = field(default_factory=_frozen)
     """Rule id → consecutive windows its condition has been true."""
+    streak_since: Mapping[str, float] = field(default_factory=_frozen)
+    """Rule id → when its current streak began (a restart needs the evidence sustained this long)."""
     changes: Mapping[str, FlagChange] = field(default_factory=_frozen)
     """Knob name → its last applied change (cooldown, hysteresis)."""
     restarts: tuple[float, ...] = ()
@@ -162,6 +164,7 @@ def to_dict(history: History) -> dict[str, Any]:
     return {
         "cycle": history.cycle,
         "streaks": dict(history.streaks),
+        "streak_since": dict(history.streak_since),
         "changes": {k: {"at": c.at, "direction": c.direction, "rule": c.rule, "from": c.from_value,
                         "to": c.to_value} for k, c in history.changes.items()},
         "restarts": list(history.restarts),
@@ -186,6 +189,7 @@ def from_dict(data: Mapping[str, Any]) -> History:
     return History(
         cycle=int(data.get("cycle", 0)),
         streaks=_frozen({str(k): int(v) for k, v in dict(data.get("streaks", {})).items()}),
+        streak_since=_frozen({str(k): float(v) for k, v in dict(data.get("streak_since", {})).items()}),
         changes=_frozen(changes),
         restarts=tuple(float(t) for t in data.get("restarts", [])),
         bad_args=_frozen(bad),

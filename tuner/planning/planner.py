@@ -290,8 +290,10 @@ def plan(
             actions.append(keep)
             last_keep_warm = now
 
+    streaks = evaluation.next_streaks(outcomes)
+    streak_since = {r: (history.streak_since.get(r, now) if r in history.streaks else now) for r in streaks}
     next_history = replace(
-        history, cycle=cycle, streaks=_frozen(evaluation.next_streaks(outcomes)), idle_since=since,
+        history, cycle=cycle, streaks=_frozen(streaks), streak_since=_frozen(streak_since), idle_since=since,
         last_keep_warm=last_keep_warm, last_restart_seen=last_restart_seen, power_capped=power_capped,
     )
     return Plan(target=target, cycle=cycle, at=now, kind=kind, changes=tuple(accepted), held=tuple(held),
@@ -299,7 +301,7 @@ def plan(
                 history=next_history)
 
 
-def _frozen(d: Mapping[str, int]) -> Mapping[str, int]:
+def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(d))
 
 
@@ -329,6 +331,10 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
     yield guards.crash_memory(candidate, history, now=now)
     if not live:
         yield guards.engine_constraints(candidate, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
+        if p.rule != THERMAL_RULE:  # a restart: evidence proportional to its cost
+            yield guards.sustained(p.rule, signals, history, settings.safety, now=now)
+            yield guards.payback(signals, settings.safety, knob=p.knob, from_value=float(p.from_value),
+                                 to_value=float(p.to_value), alpha=settings.model.tpot_exponent)
 
 
 def _choose(

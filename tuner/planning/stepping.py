@@ -7,13 +7,22 @@ recorded scenario that passes here passes in the daemon::
 
     TargetState ─┐
     snapshot ────┼─▶ window (last window_seconds) ─▶ restart seen? ─▶ signals ─▶ planner.plan ─▶ Decision
-    info, gpus ──┘                                                     (engine + GPU)
+    info, gpus ──┘   └▶ decision window (since the last change) ─┘ (engine + GPU)
 
 Rules of the step:
 
 1. The window is the snapshots of the last ``window_seconds`` (at most ``max_snapshots``), the new one
    included. Signals are computed over it with the staleness limit and ``min_snapshots``; a failed
    scrape voids the windows it falls in (``signals.engine.compute``).
+1a. With ``decision_seconds`` set, the signals rules read are computed over the *decision window*: the
+   snapshots since the latest of ``decision_seconds`` ago (further back where that span holds fewer than
+   ``min_snapshots`` scrapes or fewer than ``decisions.idle.min_requests_per_window`` finished requests: a
+   slow engine's evidence), the tuner's last change of this target's flags
+   (``History.changes``), and the change point of the arrivals inside that span (``signals.changes``) —
+   so a decision is made on data of the regime it is for, within seconds of a load change. What changes
+   slowly and must not forget (request sizes and what the KV cache holds for them, the length tails the
+   ``--max-model-len`` floor keeps, idle time) stays on the long window (``SLOW_SIGNALS``).
+1b. With a decision window, snapshots older than two decision windows are thinned (``thinned``).
 2. A snapshot whose ``process_start_time_seconds`` differs from the one seen before is a restart; the
    planner then plans a warm-up once (not for the tuner's own restarts, which its rollout warmed).
 3. A failed scrape decides nothing: no plan, the history (streaks, cooldowns) is kept as it was, so one
@@ -38,8 +47,15 @@ from tuner.planning import planner, pooling
 from tuner.planning.history import History
 from tuner.rules.schema import Rule
 from tuner.signals import Signal
+from tuner.signals import changes as change_points
 from tuner.signals import engine as engine_signals
 from tuner.signals import gpu as gpu_signals
+
+# Read over the long window even when rules decide on the decision window (rule 1a).
+SLOW_SIGNALS = frozenset({
+    "prompt_tokens_mean", "generation_tokens_mean", "kv_concurrency_observed", "prompt_tokens_p99",
+    "max_tokens_p99", "idle_seconds",
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +66,8 @@ class WindowSettings:
     min_snapshots: int = 3
     stale_after_seconds: float | None = None  # None: no staleness limit
     max_snapshots: int = 100_000
+    decision_seconds: float | None = None  # None: rules read the whole window (rule 1a)
+    gpu_stale_after_seconds: float | None = None  # None: as stale_after_seconds (GPUs read at their own cadence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,8 @@ class Decision:
     plan: planner.Plan | None
     state: TargetState
     skipped: str | None = None  # why there is no plan (a failed scrape, observe mode)
+    decided_since: float | None = None  # where the decision window began (rule 1a); None: the whole window
+    change_point: change_points.ChangePoint | None = None  # the arrivals' change it restarted at, if one
 
 
 def step(
@@ -89,8 +109,8 @@ def step(
     live: live_mod.LiveState = live_mod.NONE,
 ) -> Decision:
     """The step of the module docstring; ``power_control``: plan GPU power caps (``gpu_control.enabled``)."""
-    kept = tuple(s for s in (*state.window, snapshot) if s.scraped_at >= now - window.window_seconds)
-    kept = kept[-window.max_snapshots:]
+    kept = thinned(tuple(s for s in (*state.window, snapshot) if s.scraped_at >= now - window.window_seconds),
+                   now=now, window=window)
     dialect = dialects.DIALECTS[kind]
 
     started = engine_signals.gauge(snapshot, dialect, "process_start") if snapshot.ok else None
@@ -100,16 +120,80 @@ def step(
     signals = engine_signals.compute(kept, dialect=dialect, info=info, now=now,
                                      stale_after_seconds=window.stale_after_seconds,
                                      min_snapshots=window.min_snapshots)
+    since, point = decision_window(kept, state.history, now=now, window=window, dialect=dialect,
+                                   min_requests=settings.idle.min_requests_per_window)
+    if since is not None:
+        fresh = engine_signals.compute([s for s in kept if s.scraped_at >= since], dialect=dialect, info=info,
+                                       now=now, stale_after_seconds=window.stale_after_seconds,
+                                       min_snapshots=window.min_snapshots)
+        signals.update({k: v for k, v in fresh.items() if k not in SLOW_SIGNALS})
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
-                                       stale_after_seconds=window.stale_after_seconds))
+                                       stale_after_seconds=window.gpu_stale_after_seconds
+                                       or window.stale_after_seconds))
     after = TargetState(window=kept, history=state.history, engine_started_at=engine_started_at)
     if not snapshot.ok:
-        return Decision(target, now, signals, None, after, skipped=f"scrape failed: {snapshot.error}")
+        return Decision(target, now, signals, None, after, skipped=f"scrape failed: {snapshot.error}",
+                        decided_since=since, change_point=point)
     if not decide:
-        return Decision(target, now, signals, None, after, skipped="observe mode: no plan")
+        return Decision(target, now, signals, None, after, skipped="observe mode: no plan", decided_since=since,
+                        change_point=point)
     plan = planner.plan(target, signals, args, state.history, settings, rules=rules, kind=kind, now=now,
                         restarted_at=restarted_at, power_control=power_control, live=live)
-    return Decision(target, now, signals, plan, replace(after, history=plan.history))
+    return Decision(target, now, signals, plan, replace(after, history=plan.history), decided_since=since,
+                    change_point=point)
+
+
+THIN_TO = 20  # snapshots per long window outside the recent span (rule 1b)
+
+
+def thinned(snaps: tuple[snapshots.Snapshot, ...], *, now: float, window: WindowSettings
+            ) -> tuple[snapshots.Snapshot, ...]:
+    """Rule 1b: with a decision window, every snapshot of the last two decision windows is kept, older ones
+    one per ``window_seconds / THIN_TO`` (what the slow signals need: a histogram's or counter's two ends,
+    the gauges' activity for idle time), failed ones always (they void the windows they fall in). A scrape
+    every 2 s then keeps about 40 snapshots per target instead of 150 for a 300 s window."""
+    if window.decision_seconds is not None:
+        recent = now - 2 * window.decision_seconds
+        spacing = window.window_seconds / THIN_TO
+        out: list[snapshots.Snapshot] = []
+        last_old: float | None = None
+        for s in snaps:
+            if s.scraped_at >= recent or not s.ok or last_old is None or s.scraped_at - last_old >= spacing:
+                out.append(s)
+                if s.scraped_at < recent and s.ok:
+                    last_old = s.scraped_at
+        snaps = tuple(out)
+    return snaps[-window.max_snapshots:]
+
+
+def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now: float, window: WindowSettings,
+                    dialect: dialects.Dialect, min_requests: int = 0
+                    ) -> tuple[float | None, change_points.ChangePoint | None]:
+    """Where the decision window of rule 1a begins, and the change point it restarted at (if it did)."""
+    if window.decision_seconds is None:
+        return None, None
+    since = now - window.decision_seconds
+    good = [s for s in kept if s.ok]
+    if len(good) >= window.min_snapshots:  # scrapes sparser than the decision window: its fewest snapshots
+        since = min(since, good[-window.min_snapshots].scraped_at)
+    if min_requests > 0 and good:  # a slow engine: back to where the window holds enough finished requests
+        done = engine_signals.counter(good[-1], dialect, "request_success")
+        if done is not None:
+            for s in reversed(good):
+                before = engine_signals.counter(s, dialect, "request_success")
+                if before is None or before > done:
+                    break
+                if done - before >= min_requests:
+                    since = min(since, s.scraped_at)
+                    break
+    last_change = max((c.at for c in history.changes.values()), default=None)
+    if last_change is not None:
+        since = max(since, last_change)
+    span = [s for s in kept if s.scraped_at >= since]
+    point = change_points.latest(span, dialect, min_after=max(1, window.min_snapshots - 1))
+    if point is not None:
+        since = max(since, point.at)
+    return since, point
 
 
 def replay(

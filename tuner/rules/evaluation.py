@@ -282,8 +282,10 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
             target = rounded
     elif then.op == "model":
         if then.model == "concurrency":
-            estimate = models.concurrency(ctx.signals, ctx.model, utilisation=then.utilisation)
-            intent = 1  # more slots; a model that finds enough is a no-op, never a lowering
+            down = then.direction == "down"
+            estimate = models.concurrency(ctx.signals, ctx.model, utilisation=then.utilisation, slo=ctx.slo,
+                                          down=down)
+            intent = -1 if down else 1  # a model that finds enough is a no-op, never a move the other way
         else:
             estimate = models.step_budget(ctx.signals, ctx.slo, current=c)
             intent = -1
@@ -363,10 +365,19 @@ def evaluate_rule(rule: Rule, ctx: Context, *, streak_before: int = 0) -> Outcom
     if truth.value is False:
         return Outcome(rule.id, "false", 0, truth.text)
     streak = streak_before + 1
-    if streak < rule.when.for_:
+    if streak < rule.when.for_least:
         return Outcome(rule.id, "sustaining", streak,
-                       f"true in {streak} of {rule.when.for_} consecutive windows: {truth.text}")
-    return propose(rule, ctx, when_text=truth.text, streak=streak)
+                       f"true in {streak} of {rule.when.for_least} consecutive windows: {truth.text}")
+    outcome = propose(rule, ctx, when_text=truth.text, streak=streak)
+    if streak < rule.when.for_ and outcome.proposal is not None:
+        # enough evidence for a live change only: a change that needs a restart waits for `for` windows
+        p = outcome.proposal
+        why = ctx.live.can_move(p.knob, float(p.to_value)) if not isinstance(p.to_value, bool) else "a toggle"
+        if why is not None:
+            return Outcome(rule.id, "sustaining", streak,
+                           f"true in {streak} of {rule.when.for_} consecutive windows (a restart needs them all; "
+                           f"live: {why}): {truth.text}")
+    return outcome
 
 
 def evaluate(rules: Iterable[Rule], ctx: Context, *, streaks: Mapping[str, int] | None = None

@@ -17,11 +17,19 @@ arithmetic that produced it out.
 - while the queue is stable rather than growing (closed-loop clients: every user waits for an answer
   before asking again), the arrival rate is throttled by the engine itself and Little's law on it only
   returns today's cap; the requests inside (running + waiting, ``requests_*_mean``) are then the demand;
-- while it grows from a load that began inside the window (mean running below 0.9 × running now), the
-  window's rates are diluted by the idle scrapes before it: the requests inside at the last scrape
-  (``requests_running`` + ``requests_waiting``) are then the demand at least;
+- while it grows (open loop), the requests inside beyond the N in service are a backlog B: the slots are
+  sized to serve λ + B / ``backlog_seconds`` (the backlog absorbed within that horizon) — never "the
+  backlog is the demand" (the H200 ``h200-fit`` run sized 8 → 447 that way from a diluted window and its
+  verification then judged the drain of 447 admitted prefills); the rates are fresh because rules read the
+  decision window, which restarts at the load's change point (``planning.stepping``, rule 1a);
 - headroom: the slots are sized so they are busy ``utilisation`` of the time at steady state,
-  ⌈N / utilisation⌉. The rule's ``max`` and ``max_from`` (e.g. what the KV cache holds for the observed
+  ⌈N / utilisation⌉;
+- the frontier: the largest batch whose predicted TPOT stays inside the SLO, n₀ · (SLO / TPOT₀)^(1/α) from
+  the per-request TPOT p99 measured at n₀ (``tpot_p99_s``) and the same α; the target never passes it, and
+  when even the frontier cannot carry λ the estimate says **overloaded** (more slots would only trade one
+  SLO for the other). With ``direction: down`` the model returns the frontier itself: an engine whose
+  requests breach the TPOT SLO at today's batch comes down to it, never below what Little's law needs
+  unless overloaded. The rule's ``max`` and ``max_from`` (e.g. what the KV cache holds for the observed
   request sizes, ``kv_concurrency_observed``) cap it as for any other op.
 
 ``step-budget`` — the per-step token budget (``--max-num-batched-tokens``) for an inter-token-latency
@@ -73,6 +81,10 @@ class ModelSettings(_Model):
 
     utilisation: float = Field(default=0.8, gt=0, le=1)
     """Size the slots so they are busy this share of the time at steady state (headroom for bursts)."""
+    backlog_seconds: float = Field(default=30.0, gt=0)
+    """A growing queue's backlog is served within this horizon on top of the arrivals (the sizing's
+    λ + backlog / this). 30 s: a request that waits longer has missed any TTFT SLO already, and a shorter
+    horizon admits the whole backlog's prefills at once (what put the H200's 8 → 447 step back)."""
     tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
     """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
     H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
@@ -95,12 +107,16 @@ def _why(signals: Mapping[str, Signal], name: str) -> str:
     return f"{name} unknown ({(s.reason if s is not None else None) or 'not computed'})"
 
 
+def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
+    """The N whose service rate N / S(N) equals ``throughput`` (S(N) = S₀ · (N / n₀)^α)."""
+    return float((throughput * s0 * n0 ** -alpha) ** (1 / (1 - alpha)))
+
+
 def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
-                growth_share: float = 0.1, onset_share: float = 0.9) -> Estimate:
+                slo: SloSettings | None = None, down: bool = False, growth_share: float = 0.1) -> Estimate:
     """The sequence slots the traffic needs (see the module docstring). ``growth_share``: the queue counts
-    as growing (open loop) when running + waiting rises faster than this share of the arrival rate.
-    ``onset_share``: the load began inside the window when the mean running count is below this share of
-    the running count now."""
+    as growing (open loop) when running + waiting rises faster than this share of the arrival rate. ``slo``:
+    the TPOT SLO the frontier keeps (None: no frontier). ``down``: the frontier itself (a lowering)."""
     u = settings.utilisation if utilisation is None else utilisation
     alpha = settings.tpot_exponent
     names = ("arrival_rate_per_s", "slot_seconds_mean", "requests_running_mean", "requests_waiting_mean",
@@ -115,29 +131,56 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
     if lam <= 0 or s0 <= 0 or n0 <= 0:
         return Estimate(None, f"no traffic to size for (arrivals {lam:.3g}/s, slot time {s0:.3g} s, "
                               f"{n0:.3g} running)")
-    little = (lam * s0 * n0 ** -alpha) ** (1 / (1 - alpha))
+    little = _slots_for(lam, s0, n0, alpha)
     text = (f"arrivals {lam:.3g}/s × slot time {s0:.3g} s at {n0:.3g} running, slot time ∝ running^{alpha:g}"
             f" → {little:.3g} in service (Little's law)")
-    need = little
+    target = math.ceil(little / u - 1e-9)
+    text += f"; ÷ {u:g} utilisation → {target}"
     if growth <= growth_share * lam:  # a stable queue: the arrivals are throttled, the demand is inside
         inside = n0 + waiting
-        if inside > need:
-            need = inside
-            text += f"; the queue is stable, {inside:.3g} requests inside (running + waiting) are the demand"
+        if inside > little and math.ceil(inside / u - 1e-9) > target:
+            target = math.ceil(inside / u - 1e-9)
+            text += (f"; the queue is stable, {inside:.3g} requests inside (running + waiting) are the demand "
+                     f"→ {target}")
     else:
-        # A growing queue whose load began inside the window (fewer running on average than now): the
-        # window's rates are diluted by the idle scrapes before it, and Little's law on them sizes a fraction
-        # of the step (the H200 capture: 10 where the 64 clients inside ask for 80). Every request inside now
-        # arrived and holds or waits for a slot, so they are the demand at least. (A queue that grew all
-        # window long keeps Little's law: its backlog is transient, its arrival rate is the steady state.)
         now_running, now_waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
-        if (now_running is not None and now_waiting is not None and n0 < onset_share * now_running
-                and now_running + now_waiting > need):
-            need = now_running + now_waiting
-            text += (f"; the load began inside the window ({n0:.3g} running on average, {now_running:.3g} now): "
-                     f"the {need:.3g} requests inside now are the demand at least")
-    target = math.ceil(need / u - 1e-9)
-    return Estimate(float(target), f"{text}; ÷ {u:g} utilisation → {target}")
+        if now_running is not None and now_waiting is not None:
+            backlog = now_running + now_waiting - little
+            if backlog > 0:
+                absorb = _slots_for(lam + backlog / settings.backlog_seconds, s0, n0, alpha)
+                if math.ceil(absorb - 1e-9) > target:
+                    target = math.ceil(absorb - 1e-9)
+                    text += (f"; the queue grows: a backlog of {backlog:.3g} served within "
+                             f"{settings.backlog_seconds:g} s needs {target}")
+    frontier = _frontier(signals, slo, n0, alpha)
+    if isinstance(frontier, str):
+        if down:
+            return Estimate(None, f"{text}; but {frontier}")
+        return Estimate(float(target), f"{text}; {frontier}")
+    if down:
+        f = max(1, math.floor(frontier + 1e-9))
+        over = " (overloaded: Little's law needs more — fewer slots trade the TTFT SLO for the TPOT SLO)" \
+            if little > f else ""
+        return Estimate(float(f), f"{text}; TPOT SLO frontier {frontier:.3g}{over} → {f}")
+    if target > frontier:
+        f = max(1, math.floor(frontier + 1e-9))
+        if little > frontier:
+            return Estimate(float(f), f"{text}; overloaded: even the TPOT SLO frontier {frontier:.3g} cannot carry "
+                                      f"the arrivals (the pool needs more replicas) → {f}")
+        return Estimate(float(f), f"{text}; capped at the TPOT SLO frontier {frontier:.3g} → {f}")
+    return Estimate(float(target), text)
+
+
+def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, n0: float, alpha: float) -> float | str:
+    """The largest batch whose predicted TPOT p99 meets the SLO, or why it is not known."""
+    if slo is None:
+        return "no TPOT frontier (no SLO given)"
+    tpot = _v(signals, "tpot_p99_s")
+    if tpot is None or tpot <= 0:
+        return f"no TPOT frontier ({_why(signals, 'tpot_p99_s')})"
+    if alpha <= 0:
+        return "no TPOT frontier (tpot_exponent 0: a bigger batch is assumed free)"
+    return float(n0 * (slo.tpot_p99_s / tpot) ** (1 / alpha))
 
 
 def step_budget(signals: Mapping[str, Signal], slo: SloSettings, *, current: float) -> Estimate:

@@ -218,7 +218,16 @@ class When(_Model):
     any: list[Condition] | None = None
     """True when at least one condition is true."""
     for_: int = Field(default=1, ge=1, alias="for")
-    """Consecutive evaluation windows (cycles) the condition must hold before the rule fires."""
+    """Consecutive evaluation windows (cycles) the condition must hold before the rule fires a change that
+    needs a restart."""
+    for_live: int | None = Field(default=1, ge=1)
+    """The same for a change the engine takes live (no restart; undone in a second): evidence proportional
+    to cost. One confident decision window by default. None: as ``for``. Never more than ``for``."""
+
+    @property
+    def for_least(self) -> int:
+        """The fewest windows after which the rule may fire anything (a live change)."""
+        return self.for_ if self.for_live is None else min(self.for_live, self.for_)
 
     @model_validator(mode="after")
     def _one(self) -> When:
@@ -284,7 +293,8 @@ class Then(_Model):
     values: list[float] | None = None
     """step: the allowed values (the platform's validity check filters them, e.g. block sizes)."""
     direction: Literal["up", "down"] | None = None
-    """step: which neighbour to move to."""
+    """step: which neighbour to move to. model concurrency: ``down`` lowers to the TPOT SLO frontier
+    (default: up, to what the traffic needs)."""
     min: float | None = None
     """Never go below this."""
     max: float | None = None
@@ -340,6 +350,8 @@ class Then(_Model):
             raise ValueError("op model needs `model: concurrency` or `model: step-budget`")
         if self.op != "model" and (self.model is not None or self.utilisation is not None):
             raise ValueError("`model:` and `utilisation:` go with op model")
+        if self.op == "model" and self.direction is not None and self.model != "concurrency":
+            raise ValueError("`direction:` goes with op step or model concurrency")
         if self.op == "model" and knob.type != "int":
             raise ValueError(f"op model computes a count; {self.flag} is {knob.type}")
         if self.op == "set" and (self.value is None) == (self.value_from is None):
