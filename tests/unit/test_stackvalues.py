@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from tuner.cli import stackvalues
 from tuner.model import knobs
 
@@ -42,11 +44,17 @@ def test_no_change() -> None:
 
 def test_recommend_prints_the_one_step_of_the_recorded_h200_bad_start_as_a_values_diff(tmp_path: Path) -> None:
     captures = ROOT / "tests" / "fixtures" / "vllm" / "h200-queue-bound"
-    # The capture holds 10 s of load: a restart's sustained-evidence guard would hold it (its own tests say
-    # so); this test is about the format of the step, so the guard is off here.
+    # The capture holds three loaded scrapes (10 s): a restart waits for `for: 3` windows of the new regime and
+    # 60 s of sustained evidence (tests/scenarios say so); this test is about the format of the step, so the
+    # shipped rule fires at once here and the evidence guard is off.
+    rules = yaml.safe_load((ROOT / "rules" / "default.yaml").read_text())
+    (queue,) = [r for r in rules["rules"] if r["id"] == "queue-slot-bound"]
+    queue["when"]["for"] = 1
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"version": 1, "rules": [queue]}))
     (tmp_path / "decisions.yaml").write_text("safety: {restart_evidence_seconds: 0}\n")
     argv = [sys.executable, "-m", "tuner", "recommend", "--platform", "cuda", "--gpu-memory-gib", "139",
-            "--format", "production-stack", "--model-name", "llama-8b", "--decisions", str(tmp_path / "decisions.yaml")]
+            "--format", "production-stack", "--model-name", "llama-8b", "--decisions", str(tmp_path / "decisions.yaml"),
+            "--rules", str(tmp_path / "rules.yaml")]
     for f in sorted(captures.glob("*.prom")):
         argv += ["--engine-metrics", str(f)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()

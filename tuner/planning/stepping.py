@@ -190,7 +190,9 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     if last_change is not None:
         since = max(since, last_change)
     span = [s for s in kept if s.scraped_at >= since]
-    point = change_points.latest(span, dialect, min_after=max(1, window.min_snapshots - 1))
+    # found as soon as one interval shows it; the window then holds too few snapshots to decide until the new
+    # regime has min_snapshots of its own (a decision never mixes the two)
+    point = change_points.latest(span, dialect, min_after=1)
     if point is not None:
         since = max(since, point.at)
     return since, point

@@ -24,8 +24,9 @@ arithmetic that produced it out.
   decision window, which restarts at the load's change point (``planning.stepping``, rule 1a);
 - headroom: the slots are sized so they are busy ``utilisation`` of the time at steady state,
   ⌈N / utilisation⌉;
-- the frontier: the largest batch whose predicted TPOT stays inside the SLO, n₀ · (SLO / TPOT₀)^(1/α) from
-  the per-request TPOT p99 measured at n₀ (``tpot_p99_s``) and the same α; the target never passes it, and
+- the frontier: the largest batch whose predicted TPOT stays inside the SLO, n₁ · (SLO / TPOT₁)^(1/α) from
+  the per-request TPOT p99 (``tpot_p99_s``) measured at the window's batch n₁ (``requests_running_max``: the
+  rules that use it fire with the slots pinned) and the same α; the target never passes it, and
   when even the frontier cannot carry λ the estimate says **overloaded** (more slots would only trade one
   SLO for the other). With ``direction: down`` the model returns the frontier itself: an engine whose
   requests breach the TPOT SLO at today's batch comes down to it, never below what Little's law needs
@@ -152,7 +153,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
                     target = math.ceil(absorb - 1e-9)
                     text += (f"; the queue grows: a backlog of {backlog:.3g} served within "
                              f"{settings.backlog_seconds:g} s needs {target}")
-    frontier = _frontier(signals, slo, n0, alpha)
+    frontier = _frontier(signals, slo, alpha)
     if isinstance(frontier, str):
         if down:
             return Estimate(None, f"{text}; but {frontier}")
@@ -163,7 +164,8 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
             if little > f else ""
         return Estimate(float(f), f"{text}; TPOT SLO frontier {frontier:.3g}{over} → {f}")
     if target > frontier:
-        f = max(1, math.floor(frontier + 1e-9))
+        # never below today's batch: a raise the frontier forbids is a no-op here, the lowering rule's to make
+        f = max(1, math.floor(frontier + 1e-9), math.floor(_v(signals, "requests_running_max") or 1))
         if little > frontier:
             return Estimate(float(f), f"{text}; overloaded: even the TPOT SLO frontier {frontier:.3g} cannot carry "
                                       f"the arrivals (the pool needs more replicas) → {f}")
@@ -171,16 +173,20 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
     return Estimate(float(target), text)
 
 
-def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, n0: float, alpha: float) -> float | str:
-    """The largest batch whose predicted TPOT p99 meets the SLO, or why it is not known."""
+def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, alpha: float) -> float | str:
+    """The largest batch whose predicted TPOT p99 meets the SLO, or why it is not known. The TPOT was measured
+    at the batch the window's requests ran in: ``requests_running_max`` (the rules that use the frontier fire
+    only with the slots pinned, where that is the batch)."""
     if slo is None:
         return "no TPOT frontier (no SLO given)"
-    tpot = _v(signals, "tpot_p99_s")
+    tpot, batch = _v(signals, "tpot_p99_s"), _v(signals, "requests_running_max")
     if tpot is None or tpot <= 0:
         return f"no TPOT frontier ({_why(signals, 'tpot_p99_s')})"
+    if batch is None or batch <= 0:
+        return f"no TPOT frontier ({_why(signals, 'requests_running_max')})"
     if alpha <= 0:
         return "no TPOT frontier (tpot_exponent 0: a bigger batch is assumed free)"
-    return float(n0 * (slo.tpot_p99_s / tpot) ** (1 / alpha))
+    return float(batch * (slo.tpot_p99_s / tpot) ** (1 / alpha))
 
 
 def step_budget(signals: Mapping[str, Signal], slo: SloSettings, *, current: float) -> Estimate:
