@@ -205,6 +205,11 @@ class LiveSettings(_Model):
     """The directory the engine's plugin reads (its ``VLLM_TUNER_CONTROL_DIR``); ``{name}`` is the target's
     name. The tuner creates it private (0700); the engine must run as the tuner's uid. The process
     actuator passes it to each engine it starts; systemd units and pods must set it themselves."""
+    verify_seconds: float = Field(default=30.0, ge=0, le=86400)
+    """How long a live change is judged before it is kept (the restart path's is ``rollout.verify_seconds``):
+    evidence proportional to cost — a live change is undone in a second, so it is judged over about one
+    decision window of the new regime (``scrape.decision_window_seconds``) and a margin, not over the two
+    minutes a restarted engine needs to settle."""
     ack_timeout_seconds: float = Field(default=30.0, gt=0)
     """How long a live change may take to be acknowledged by every engine core (an idle engine answers at
     its next step: the tuner sends it one tiny request after a couple of seconds)."""

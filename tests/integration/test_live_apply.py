@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def config(tmp: Path) -> tuple[Path, dict]:
     cfg = json.loads(demo.live_config(tmp, max_num_seqs=256, users=64).read_text())
-    cfg["live"] = {"enabled": True, "control_dir": str(tmp / "live" / "{name}"), "ack_timeout_seconds": 20}
+    cfg["live"] = {"enabled": True, "control_dir": str(tmp / "live" / "{name}"), "ack_timeout_seconds": 20,
+                   "verify_seconds": 6}
     cfg["daemon"]["listen_port"] = free_port()
     cfg["rollout"]["verify_seconds"] = 6
     path = tmp / "tuner.yaml"

@@ -715,7 +715,7 @@ class ProcessPool:
             from tuner.sources import live_knobs
 
             config["live"] = {"enabled": True, "control_dir": str(self.work / "live" / "{name}"),
-                              "ack_timeout_seconds": 60}
+                              "ack_timeout_seconds": 60, "verify_seconds": config["rollout"]["verify_seconds"]}
             for n in self.names:
                 d = self.work / "live" / n
                 if not (d / "control.json").exists():

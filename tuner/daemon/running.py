@@ -264,7 +264,7 @@ class Applying:
         """Scrape every replica through the verification window, then judge each; None if all hold."""
         if self.verifier is None:
             return None
-        end = started + self.settings.rollout.verify_seconds
+        end = started + self.settings.live.verify_seconds
         while self.clock() < end:
             if should_stop():
                 return "the tuner was stopping before the verdict"
