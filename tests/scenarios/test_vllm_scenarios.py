@@ -3,14 +3,19 @@ bench/capture_scenarios.py from vLLM 0.32.0 on CPU with a tiny random Llama)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from tests.scenarios.support import DEFAULT_RULES, REPO, meta, replay, scenario_dir
+from tuner import config
+from tuner.cli import inputs
 from tuner.model import knobs
-from tuner.planning import guards
+from tuner.model.live import LiveState
+from tuner.planning import guards, planner
 from tuner.rules import loading
+from tuner.signals import engine as engine_signals
 
 SCENARIOS = ("idle", "queue-bound", "kv-bound", "latency-bound", "restart")
 
@@ -28,55 +33,112 @@ def test_idle_decides_nothing():
         assert "0 requests finished" in c.plan.held[0].reason
 
 
-def test_queue_bound_recommend_raises_max_num_seqs():
+def whole(name: str) -> dict:
+    """What a capture IS: signals over the whole recording (not a decision window)."""
+    return engine_signals.compute(inputs.recorded(scenario_dir(name), kind="vllm"))
+
+
+def live_engine(name: str, startup: int) -> tuple[knobs.EngineArgs, LiveState]:
+    """The capture's engine as if started with ``--max-num-seqs startup`` and its admission cap (the plugin's
+    max_num_active_seqs) at the recorded --max-num-seqs: the same engine, with a live path."""
+    args = inputs.engine_args(None, meta(name))
+    cap = int(args.get("--max-num-seqs"))
+    return (knobs.with_knob(args, "max_num_seqs", startup, kind="vllm"),
+            LiveState(available=True, envelope={"max_num_seqs": startup}, values={"max_num_seqs": cap}))
+
+
+def evidence(seconds: float) -> planner.DecisionSettings:
+    return planner.DecisionSettings(engine=planner.EngineFacts(platform="cpu"),
+                                    safety=guards.SafetySettings(restart_evidence_seconds=seconds))
+
+
+def test_queue_bound_capture_is_slot_bound():
     assert knobs.EngineArgs.parse(meta("queue-bound")["engine_args"]).get("--max-num-seqs") == "4"
-    cycles = replay("queue-bound")
-    last = cycles[-1]
-    s = last.signals
-    # the capture is what it claims: pinned at 4 running, many waiting, KV nearly empty
+    s = whole("queue-bound")
+    # pinned at 4 running, many waiting, KV nearly empty, nothing preempted
     assert s["requests_running_max"].value == 4 and s["requests_waiting_max"].value >= 20
     assert s["kv_cache_usage_max"].value < 0.05 and s["preemptions_per_s"].value == 0
-    (change,) = last.plan.changes
-    # one measured step: 32 closed-loop clients, all inside the engine (running + waiting, a stable queue),
-    # averaged over the whole recording's window (it starts before the load peaks) ÷ 0.8 utilisation
-    inside = s["requests_running_mean"].value + s["requests_waiting_mean"].value
-    assert s["in_system_growth_per_s"].value <= 0.1 * s["arrival_rate_per_s"].value  # closed loop: stable
-    assert (change.flag, change.from_value, change.to_value, change.rule) == (
-        "--max-num-seqs", 4, math.ceil(inside / 0.8), "queue-slot-bound")
-    assert change.to_value == 33
-    assert "requests_running_max 4 ≥ 3.6 (0.9×--max-num-seqs 4)" in change.reason
-    assert "the queue is stable" in change.reason
-    assert last.plan.args_after.get("--max-num-seqs") == "33" and last.plan.restart_needed
-    # it fired once it had held for 3 consecutive windows, not before
-    first = next(i for i, c in enumerate(cycles) if c.plan.changes)
-    assert [h.guard for h in cycles[first - 1].plan.held] == ["sustain"]
 
 
-def test_queue_bound_replay_applies_once_then_cools_down():
-    cycles = replay("queue-bound", apply=True)
-    changes = [ch for c in cycles for ch in c.plan.changes]
-    assert [(ch.flag, ch.to_value) for ch in changes] == [("--max-num-seqs", 40)]  # 32 clients ÷ 0.8, once
+def test_queue_bound_on_the_restart_path_is_held_until_its_evidence_lasts():
+    """Every decision window from the first (000-002) is slot-bound; `for: 3` is met at 004, and from then
+    on the one step to the 32 clients is proposed and held by `sustained`: the capture's 55 s of load
+    (000-010) is less than the 60 s a restart needs. 011 is after the benchmark: nothing arrives."""
+    cycles = replay("queue-bound")
+    assert [h.guard for c in cycles[2:4] for h in c.plan.held] == ["sustain", "sustain"]
+    held = [c.plan.held for c in cycles[4:11]]
+    assert all([(h.rule, h.guard) for h in hs] == [("queue-slot-bound", "sustained")] for hs in held)
+    assert [int(h[0].reason.split("true for ")[1].split("s")[0]) for h in held] == [22, 27, 32, 38, 44, 50, 55]
+    assert not any(c.plan.changes for c in cycles)
+    t0 = cycles[0].at
+    assert held[-1][0].reason.endswith(f"true for {guards.duration(cycles[10].at - t0)} so far")  # since 000
+    # what is proposed while the 32 closed-loop clients are all inside: a stable queue (growth ≤ 0.1 × λ),
+    # the requests inside (running + waiting, over the decision window) are the demand, ÷ 0.8 utilisation
+    for c in cycles[4:9]:
+        (o,) = [o for o in c.plan.outcomes if o.rule == "queue-slot-bound"]
+        s = c.signals
+        inside = s["requests_running_mean"].value + s["requests_waiting_mean"].value
+        assert s["in_system_growth_per_s"].value <= 0.1 * s["arrival_rate_per_s"].value
+        assert o.status == "fired" and o.proposal.to_value == math.ceil(inside / 0.8) == 40
+        assert "requests_running_max 4 ≥ 3.6 (0.9×--max-num-seqs 4)" in o.reason and "the queue is stable" in o.reason
+    (last,) = [o for o in cycles[-1].plan.outcomes if o.rule == "queue-slot-bound"]
+    assert last.status == "blocked" and "no traffic to size for (arrivals 0/s" in last.reason
+
+
+def test_queue_bound_restarts_once_its_evidence_is_sustained():
+    """With restart_evidence_seconds 30 the step goes out at 006 (32 s of evidence since 000), not before,
+    and once: the booked change restarts the decision window and the cooldown holds the rest."""
+    cycles = replay("queue-bound", settings=evidence(30), apply=True)
+    changes = [(i, ch.flag, ch.from_value, ch.to_value) for i, c in enumerate(cycles) for ch in c.plan.changes]
+    assert changes == [(6, "--max-num-seqs", 4, 40)]  # 32 clients ÷ 0.8
+    assert [h.guard for h in cycles[5].plan.held] == ["sustained"]
+    assert cycles[6].plan.restart_needed and cycles[6].plan.args_after.get("--max-num-seqs") == "40"
+
+
+def test_queue_bound_with_a_live_cap_steps_on_the_first_window_once():
+    """The same engine with a live path: the cap moves on the first decided window (000-002, `for_live: 1`),
+    to the 32 clients ÷ 0.8, with no restart; booked, it is the one step of the recording."""
+    args, live = live_engine("queue-bound", 64)
+    cycles = replay("queue-bound", args=args, live=live, apply=True)
+    changes = [(i, ch.flag, ch.from_value, ch.to_value, ch.live) for i, c in enumerate(cycles) for ch in c.plan.changes]
+    assert changes == [(2, "--max-num-seqs", 4, 40, True)]
+    (change,) = cycles[2].plan.changes
+    assert "(for 1 windows)" in change.reason and "the queue is stable, 31.3 requests inside" in change.reason
+    assert not cycles[2].plan.restart_needed and cycles[2].plan.args_after == args
 
 
 def test_kv_bound_never_raises_max_num_seqs():
-    cycles = replay("kv-bound")
-    for c in cycles:
-        assert all(not (ch.knob == "max_num_seqs" and ch.direction > 0) for ch in c.plan.changes)
-    last = cycles[-1]
-    s = last.signals
+    s = whole("kv-bound")
     assert s["kv_cache_usage_max"].value >= 0.95 and s["preemptions_per_s"].value > 0
     seqs = int(knobs.EngineArgs.parse(meta("kv-bound")["engine_args"]).get("--max-num-seqs"))
     assert s["requests_running_max"].value < 0.8 * seqs
-    (queue,) = [o for o in last.plan.outcomes if o.rule == "queue-slot-bound"]
+    cycles = replay("kv-bound")
+    for c in cycles:
+        assert all(not (ch.knob == "max_num_seqs" and ch.direction > 0) for ch in c.plan.changes)
+    loaded = cycles[10]  # 010: the last scrape under load (011 is after the benchmark)
+    (queue,) = [o for o in loaded.plan.outcomes if o.rule == "queue-slot-bound"]
     assert queue.status == "false"
-    # recompute stalls put itl_p99_s at 0.5-0.75 s, but that is the KV rules' job, not the step budget's
-    assert last.signals["itl_p99_s"].value > 0.15
-    (decode,) = [o for o in last.plan.outcomes if o.rule == "decode-latency-batched-tokens"]
+    # recompute stalls put itl_p99_s at 0.5-1 s, but that is the KV rules' job, not the step budget's
+    assert loaded.signals["itl_p99_s"].value > 0.15
+    (decode,) = [o for o in loaded.plan.outcomes if o.rule == "decode-latency-batched-tokens"]
     assert decode.status == "false"
-    # what it does instead: cap the sequence slots near what the KV cache held
-    (change,) = last.plan.changes
-    assert (change.rule, change.from_value, change.to_value) == ("kv-preemption-cap", seqs,
-                                                                 int(s["requests_running_max"].value))
+    # what it does instead: cap the sequence slots near what the KV cache held — a restart, held by
+    # `sustained` through the capture (44 s of the 60 s)
+    (cap,) = [o for o in loaded.plan.outcomes if o.rule == "kv-preemption-cap"]
+    assert cap.status == "fired" and cap.proposal.to_value == int(loaded.signals["requests_running_max"].value)
+    assert ("kv-preemption-cap", "sustained") in [(h.rule, h.guard) for h in loaded.plan.held]
+    assert not any(c.plan.changes for c in cycles)
+
+
+def test_kv_bound_with_a_live_cap_lowers_it_on_the_first_window():
+    """Lowering the admission cap is live (the engine drains down, nobody is preempted): it goes out on the
+    first decided window (005, the first with 10 finished requests), to the 9 the KV cache held, once."""
+    args, live = live_engine("kv-bound", 128)
+    cycles = replay("kv-bound", args=args, live=live, apply=True)
+    changes = [(i, ch.rule, ch.from_value, ch.to_value, ch.live) for i, c in enumerate(cycles) for ch in c.plan.changes]
+    assert changes == [(5, "kv-preemption-cap", 128, 9, True)]
+    assert [h.guard for c in cycles[2:5] for h in c.plan.held] == ["idle", "idle", "idle"]
+    assert cycles[5].signals["requests_running_max"].value == 9
 
 
 def test_kv_bound_with_the_seed_rules_still_never_lowers_max_model_len():
@@ -95,7 +157,8 @@ def test_never_a_max_model_len_below_observed_need(name):
         "id": "shrink-hard", "when": {"all": [{"signal": "request_rate", "op": ">=", "value": 0}]},
         "then": {"flag": "--max-model-len", "op": "scale", "factor": 0.1}}]}).rules
     fired = floored = held = 0
-    for c in replay(name, rules=every_rule + aggressive, apply=True):
+    # the floor, not the restart's evidence, is what this tests: every window may restart
+    for c in replay(name, rules=every_rule + aggressive, apply=True, settings=evidence(0)):
         if not any(o.rule == "shrink-hard" and o.status == "fired" for o in c.plan.outcomes):
             continue
         fired += 1
@@ -118,16 +181,31 @@ def test_never_a_max_model_len_below_observed_need(name):
 
 def test_latency_bound_capture_hides_its_stalls_from_p95():
     """Why decode-latency rules need a p99: 1.2 % of inter-token gaps are 1-2.5 s prefill stalls, the p95
-    sits in the 25-50 ms bucket."""
-    last = replay("latency-bound")[-1]
-    p95 = last.signals["itl_p95_s"]
-    assert p95.bounds is not None and p95.bounds[1] <= 0.05
-    assert last.signals["itl_mean_s"].value > 0.03
+    sits in the 25-50 ms bucket (over the whole recording)."""
+    s = whole("latency-bound")
+    assert s["itl_p95_s"].bounds is not None and s["itl_p95_s"].bounds[1] <= 0.05
+    assert s["itl_mean_s"].value > 0.03
+    assert s["itl_p99_s"].bounds is not None and s["itl_p99_s"].bounds[0] >= 1.0
 
 
-def test_latency_bound_lowers_the_step_budget():
-    """The shipped decode rule reads itl_p99_s: the 1-2.5 s prefill stalls put it in the 1-2.5 s bucket."""
+def test_latency_bound_on_decision_windows_changes_nothing():
+    """At 0.3 arrivals/s a 20 s window holds ~6 finished requests: the decision window reaches back for 10
+    (decisions.idle.min_requests_per_window), and the windows that hold 10 hold too few stalls for their p99
+    (≤ 1 % of the gaps): the step budget is not lowered on this capture's evidence."""
     cycles = replay("latency-bound")
+    for c in cycles[2:9]:
+        assert [(h.rule, h.guard) for h in c.plan.held] == [("*", "idle")]
+    for c in cycles[9:]:
+        assert c.signals["itl_p99_s"].value <= 0.15 and c.signals["preemptions_per_s"].value == 0
+        assert all(o.status == "false" for o in c.plan.outcomes if o.rule.startswith("decode-latency"))
+    assert not any(c.plan.changes for c in cycles)
+
+
+def test_latency_bound_lowers_the_step_budget_over_the_whole_window():
+    """With decision_window_seconds None (rules read the whole window) the last step's window holds the
+    whole recording, whose itl_p99_s is in the 1-2.5 s bucket: the shipped decode rule fires."""
+    window = dataclasses.replace(config.ScrapeSettings().window_settings(), decision_seconds=None)
+    cycles = replay("latency-bound", window=window)
     last = cycles[-1]
     p99 = last.signals["itl_p99_s"]
     assert p99.bounds is not None and p99.bounds[0] >= 1.0
@@ -153,10 +231,13 @@ def test_queue_bound_p99_leaves_decode_headroom():
 
 
 def test_restart_in_the_window_decides_nothing_and_warms_up_once():
+    """002 is the new process's first scrape, 90 s after 001: its decision window holds it alone; 003's
+    reaches back for min_snapshots scrapes across the restart, and the restart voids it."""
     scenario_dir("restart")
     cycles = replay("restart")
     held = [h for c in cycles[2:] for h in c.plan.held if h.guard == "window"]
-    assert held and all("restart" in h.reason for h in held)
+    assert len(held) == 2 and held[0].reason == "no decision: too few snapshots: 1 spanning 0s (need ≥ 3 over > 0s)"
+    assert "engine restarted inside the window" in held[1].reason
     warm = [a for c in cycles for a in c.plan.actions]
     assert [(a.kind, a.after_restart) for a in warm] == [("warm-up", False)]
     assert not any(c.plan.changes for c in cycles)

@@ -4,13 +4,16 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.support.fake_nvml import FakeGpu, FakeNvml
 from tuner.model import gpus, knobs
 from tuner.model.gpus import GpuReading
-from tuner.planning import guards
+from tuner.planning import guards, planner
 from tuner.planning import history as history_mod
 from tuner.planning.history import Change, History
+from tuner.rules import loading
 from tuner.signals import Signal, missing
 from tuner.signals import gpu as gpu_signals
 from tuner.sources.nvml import NvmlSource
@@ -225,6 +228,88 @@ def test_engine_constraints():
                                                (90061, "1d1h"), (-5, "0s")])
 def test_duration(seconds, text):
     assert guards.duration(seconds) == text
+
+
+# --- a restart's evidence: sustained and payback ----------------------------------------------------------
+
+@given(since=st.floats(0, 1000), held=st.floats(0, 200), window=st.floats(0.1, 300))
+def test_sustained_counts_from_where_the_first_true_window_began(since, held, window):
+    """`streak_since` is where the evidence began (the start of the window the rule was first true on);
+    the current window's span is not added again: a window that grew from 4 s after a change point to 20 s
+    must not count 16 s of evidence from before the change."""
+    h = History(streak_since={"r": since})
+    now = since + held
+    held = now - since  # as the guard computes it
+    v = guards.sustained("r", sig(window_seconds=window), h, SAFETY, now=now)
+    assert v.allowed == (held >= SAFETY.restart_evidence_seconds), (v, held)
+    if not v.allowed:
+        assert v.reason == f"a restart needs the evidence sustained 1m; true for {guards.duration(held)} so far"
+
+
+def test_sustained_on_a_first_window_is_its_span_and_the_guard_can_be_off():
+    fresh = History()
+    assert guards.sustained("r", sig(window_seconds=90), fresh, SAFETY, now=0).allowed  # one long window
+    v = guards.sustained("r", sig(window_seconds=20), fresh, SAFETY, now=0)
+    assert not v.allowed and "true for 20s so far" in v.reason
+    off = guards.SafetySettings(restart_evidence_seconds=0)
+    assert guards.sustained("r", sig(window_seconds=None), fresh, off, now=0).allowed
+
+
+def test_the_planner_books_a_streaks_evidence_from_its_first_windows_start():
+    """A 4 s window first true at t=100 (just after a change point), then 20 s windows: the evidence begins
+    at 96 and is 96 + 60 = 156 ready, not at 100 + 60 − 20 = 140 (the current window's span added)."""
+    rules = loading.parse({"rules": [{"id": "r", "when": {"all": [{"signal": "request_rate", "op": ">", "value": 0}]},
+                                      "then": {"flag": "--block-size", "op": "set", "value": 32}}]}).rules
+    busy = {"request_rate": Signal(5.0), "requests_rejected_per_s": Signal(0.0)}
+    h = History()
+    for now, window in ((100, 4), (110, 20), (140, 20), (155, 20), (156, 20)):
+        p = planner.plan("e", {**busy, "window_seconds": Signal(float(window))}, knobs.EngineArgs.from_string(
+            "--block-size 16"), h, planner.DecisionSettings(idle=guards.IdleSettings(min_requests_per_window=0)),
+            rules=rules, now=float(now))
+        assert h.streak_since.get("r", 96.0) == 96.0 and p.history.streak_since["r"] == 96.0
+        if now < 156:
+            assert not p.changes and [x.guard for x in p.held] == ["sustained"], (now, p.held)
+        else:
+            assert [c.to_value for c in p.changes] == [32]
+        h = p.history
+
+
+def payback(*, arrivals, served, running, waiting, to=80.0, knob="max_num_seqs"):
+    signals = sig(arrival_rate_per_s=arrivals, request_rate=served, requests_running=running,
+                  requests_waiting=waiting)
+    return guards.payback(signals, SAFETY, knob=knob, from_value=8, to_value=to, alpha=0.3)
+
+
+def test_payback_weighs_the_completions_gained_against_the_restart():
+    # the H200 bad start: a closed loop (arrivals = completions 6.38/s), 64 inside: 8 → 64 busy slots serve
+    # 6.38 × 8^0.7 = 27.4/s; 21 more per second over 600 s beats 6.38/s × 120 s lost
+    v = payback(arrivals=6.38, served=6.38, running=8, waiting=56)
+    assert v.allowed and "6.38 → 27.4 completions/s" in v.reason
+    # nobody waiting: more slots serve no one more
+    v = payback(arrivals=6.38, served=6.38, running=8, waiting=0)
+    assert not v.allowed and v.reason.startswith("a restart does not pay back: 6.38 → 6.38 completions/s")
+    # an open loop gains at most its unmet arrivals: 15 % more for 600 s < 120 s of everything
+    assert not payback(arrivals=1.15, served=1.0, running=8, waiting=50).allowed
+    assert payback(arrivals=2.0, served=1.0, running=8, waiting=50).allowed  # 600 more > 120 lost
+
+
+@given(served=st.floats(0.01, 100), share=st.floats(1.0, 10), waiting=st.floats(0, 500), to=st.floats(9, 1024))
+def test_payback_is_a_gain_over_the_horizon_against_the_restart_cost(served, share, waiting, to):
+    v = payback(arrivals=served * share, served=served, running=8, waiting=waiting, to=to)
+    slots = min(to, max(8.0, 8 + waiting))
+    predicted = served * (slots / 8) ** 0.7
+    if share > 1.1:
+        predicted = min(predicted, served * share)
+    gain, cost = (predicted - served) * SAFETY.payback_horizon_seconds, served * SAFETY.restart_cost_seconds
+    if abs(gain - cost) > 1e-6 * cost:
+        assert v.allowed == (gain > cost), (v, gain, cost)
+
+
+def test_payback_tests_only_more_slots_with_known_rates():
+    assert payback(arrivals=1, served=1, running=8, waiting=0, knob="block_size").allowed
+    assert payback(arrivals=1, served=1, running=8, waiting=0, to=4).allowed  # a lowering
+    assert "not tested" in payback(arrivals=None, served=1, running=8, waiting=0).reason
+    assert "not tested" in payback(arrivals=1, served=0, running=8, waiting=0).reason
 
 
 # --- history ---------------------------------------------------------------------------------------------

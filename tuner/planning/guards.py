@@ -189,11 +189,11 @@ def _why(signals: SignalSet, name: str) -> str:
 def sustained(rule: str, signals: SignalSet, history: History, settings: SafetySettings, *, now: float) -> Verdict:
     """A restart's evidence: its rule true without a break for ``restart_evidence_seconds``, counting the
     span of the window it was first found true on (the evidence of one long window is its span)."""
-    since = history.streak_since.get(rule)
+    since = history.streak_since.get(rule)  # where the first true window began (planner.plan books it)
     need = settings.restart_evidence_seconds
     if need <= 0:
         return allow("sustained")
-    held = (0.0 if since is None else now - since) + (_v(signals, "window_seconds") or 0.0)
+    held = (_v(signals, "window_seconds") or 0.0) if since is None else now - since
     if held < need:
         return deny("sustained", f"a restart needs the evidence sustained {duration(need)}; true for "
                     f"{duration(held)} so far")

@@ -75,7 +75,8 @@ class History:
     streaks: Mapping[str, int] = field(default_factory=_frozen)
     """Rule id → consecutive windows its condition has been true."""
     streak_since: Mapping[str, float] = field(default_factory=_frozen)
-    """Rule id → when its current streak began (a restart needs the evidence sustained this long)."""
+    """Rule id → where the evidence of its current streak begins: the start of the window it was first true
+    on (a restart needs the evidence sustained ``restart_evidence_seconds``)."""
     changes: Mapping[str, FlagChange] = field(default_factory=_frozen)
     """Knob name → its last applied change (cooldown, hysteresis)."""
     restarts: tuple[float, ...] = ()

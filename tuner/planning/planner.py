@@ -291,7 +291,10 @@ def plan(
             last_keep_warm = now
 
     streaks = evaluation.next_streaks(outcomes)
-    streak_since = {r: (history.streak_since.get(r, now) if r in history.streaks else now) for r in streaks}
+    # a new streak's evidence begins where the window it was first true on began (guards.sustained)
+    span = signals.get("window_seconds")
+    first = now - (span.value if span is not None and span.value is not None else 0.0)
+    streak_since = {r: (history.streak_since.get(r, first) if r in history.streaks else first) for r in streaks}
     next_history = replace(
         history, cycle=cycle, streaks=_frozen(streaks), streak_since=_frozen(streak_since), idle_since=since,
         last_keep_warm=last_keep_warm, last_restart_seen=last_restart_seen, power_capped=power_capped,

@@ -211,23 +211,26 @@ def replay(
     gpus: GpuInputs,
     apply: bool = False,
     decide: bool = True,
+    live: live_mod.LiveState = live_mod.NONE,
 ) -> Iterator[Decision]:
     """Recorded snapshots through ``step``, one step per snapshot at the snapshot's time (what ``replay``,
     ``recommend``, ``inspect`` and the scenario tests run). The GPU inputs stand for every step (a file's
     readings are taken as read at each step). ``apply``: each change is booked as a finished rollout of
     this one replica would book it (``pooling.choose`` and ``pooling.book``), so cooldowns, hysteresis and
-    the restart budget bite as they would in the daemon."""
+    the restart budget bite as they would in the daemon. ``live``: what the engine can change live (the
+    plugin's acknowledgements); a booked live change is taken as acknowledged, its values in force from
+    the next step on."""
     state = TargetState()
     for snap in snaps:
         now = snap.scraped_at
         gpus_now = GpuInputs(tuple(replace(r, read_at=now) for r in gpus.readings), gpus.unavailable)
         decision = step(state, snap, info=info, gpus=gpus_now, now=now, target=target, kind=kind, args=args,
-                        settings=settings, window=window, rules=rules, decide=decide)
+                        settings=settings, window=window, rules=rules, decide=decide, live=live)
         state = decision.state
         plan = decision.plan
         if apply and plan is not None and plan.changes:
             pool = pooling.choose({target: plan}, {target: args}, kind=kind, settings=settings,
-                                  signals={target: decision.signals}, now=now)
+                                  signals={target: decision.signals}, now=now, lives={target: live})
             if pool.change is not None:
                 outcome = pooling.ReplicaOutcome("ok", pool.change.new_args[target])
                 histories, owned = pooling.book(
@@ -235,4 +238,6 @@ def replay(
                     pool_new_args=pool.change.new_args, rolled_back=False, now=now,
                     reject_seconds=settings.safety.reject_seconds)
                 state, args = replace(state, history=histories[target]), owned[target]
+                if pool.change.live:
+                    live = replace(live, values={**live.values, **pool.change.values})
         yield decision

@@ -1,0 +1,101 @@
+"""``planning.stepping``'s decision window (rule 1a) and the long window's thinning (rule 1b), on synthetic
+snapshot series."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tuner.model import dialects, snapshots
+from tuner.planning import stepping
+from tuner.planning.history import FlagChange, History
+
+VLLM = dialects.VLLM
+W = stepping.WindowSettings(window_seconds=300, min_snapshots=3, decision_seconds=20, max_snapshots=100_000)
+
+
+def snap(t: float, *, done: float, running: float = 0, waiting: float = 0) -> snapshots.Snapshot:
+    text = (f"vllm:num_requests_running{{engine=\"0\"}} {running}\nvllm:num_requests_waiting{{engine=\"0\"}} {waiting}\n"
+            f"vllm:request_success_total{{engine=\"0\",finished_reason=\"stop\"}} {done}\n")
+    return snapshots.parse(text, t)
+
+
+def steady(n: int, *, every: float = 2.0, per_s: float = 5.0, t0: float = 0.0) -> list[snapshots.Snapshot]:
+    return [snap(t0 + i * every, done=per_s * i * every) for i in range(n)]
+
+
+FRESH = History()
+
+
+def window(snaps, history=FRESH, *, settings=W, min_requests=0):
+    return stepping.decision_window(snaps, history, now=snaps[-1].scraped_at, window=settings, dialect=VLLM,
+                                    min_requests=min_requests)
+
+
+def test_the_decision_window_is_the_last_decision_seconds_of_steady_traffic():
+    snaps = steady(60)  # 118 s at 5/s
+    assert window(snaps) == (118 - 20, None)
+    assert window(snaps, settings=stepping.WindowSettings(decision_seconds=None)) == (None, None)
+
+
+def test_it_restarts_at_the_tuners_last_change():
+    snaps = steady(60)
+    changed = History(changes={"max_num_seqs": FlagChange(at=110.0, direction=1, rule="r", from_value="8",
+                                                           to_value="16"),
+                               "block_size": FlagChange(at=50.0, direction=1, rule="r", from_value="16",
+                                                        to_value="32")})
+    assert window(snaps, changed) == (110.0, None)  # the latest change, even with fewer than min_snapshots after
+    long_ago = History(changes={"block_size": FlagChange(at=5.0, direction=1, rule="r", from_value="16", to_value="32")})
+    assert window(snaps, long_ago) == (98.0, None)
+
+
+def test_it_restarts_at_a_change_point_of_the_arrivals():
+    quiet = [snap(i * 2.0, done=2.0 * i) for i in range(50)]  # 1/s until t = 98
+    base = quiet[-1].scraped_at
+    busy = [snap(base + 2.0 * (i + 1), done=98 + 40.0 * (i + 1)) for i in range(5)]  # 20/s from t = 98
+    since, point = window([*quiet, *busy])
+    assert point is not None and point.at == base == since
+    assert point.before_per_s < 2 and point.after_per_s == 20
+
+
+def test_it_reaches_back_for_min_snapshots_when_scrapes_are_sparse():
+    snaps = steady(20, every=15.0)  # 15 s apart: a 20 s span holds two
+    since, _ = window(snaps)
+    assert since == snaps[-3].scraped_at and snaps[-1].scraped_at - since == 30
+
+
+def test_it_reaches_back_for_min_requests_on_a_slow_engine():
+    snaps = steady(100, per_s=0.25)  # 5 finished per 20 s
+    since, _ = window(snaps, min_requests=10)
+    assert since == snaps[-1].scraped_at - 40  # where 10 had finished
+    since, _ = window(snaps, min_requests=10_000)  # never enough: as far as kept reaches is not taken
+    assert since == snaps[-1].scraped_at - 20
+    # but never back past the tuner's own change: the engine before it is another engine
+    changed = History(changes={"max_num_seqs": FlagChange(at=snaps[-1].scraped_at - 30, direction=1, rule="r",
+                                                           from_value="8", to_value="16")})
+    assert window(snaps, changed, min_requests=10)[0] == snaps[-1].scraped_at - 30
+
+
+@given(n=st.integers(1, 400), failed=st.sets(st.integers(0, 399), max_size=20))
+def test_thinning_keeps_the_recent_span_and_every_failed_scrape(n, failed):
+    snaps = tuple(snapshots.Snapshot.failed(i * 2.0, "refused") if i in failed else snap(i * 2.0, done=i)
+                  for i in range(n))
+    now = snaps[-1].scraped_at
+    snaps = tuple(s for s in snaps if s.scraped_at >= now - W.window_seconds)  # the long window, as step cuts it
+    kept = stepping.thinned(snaps, now=now, window=W)
+    recent = [s for s in snaps if s.scraped_at >= now - 2 * W.decision_seconds]
+    assert all(s in kept for s in recent)  # two decision windows in full
+    assert all(s in kept for s in snaps if not s.ok)  # a failed scrape voids the windows it falls in
+    assert kept[0] == snaps[0] and list(kept) == sorted(kept, key=lambda s: s.scraped_at)
+    old = [s.scraped_at for s in kept if s.ok and s.scraped_at < now - 2 * W.decision_seconds]
+    spacing = W.window_seconds / stepping.THIN_TO
+    assert all(b - a >= spacing for a, b in itertools.pairwise(old))
+    assert len(old) <= stepping.THIN_TO + 1  # ~40 snapshots per target at 2 s, not 150
+
+
+def test_without_a_decision_window_nothing_is_thinned_but_the_cap_holds():
+    snaps = tuple(steady(50))
+    assert stepping.thinned(snaps, now=98, window=stepping.WindowSettings()) == snaps
+    assert stepping.thinned(snaps, now=98, window=stepping.WindowSettings(max_snapshots=8)) == snaps[-8:]
