@@ -118,7 +118,7 @@ def test_steady_load_at_a_good_cap_changes_nothing():
 def test_a_tpot_breach_steps_down_once():
     """256 closed-loop clients on 256 slots with a TPOT SLO of 40 ms: the p99 is in the 25-50 ms bucket, the
     batch is full, nothing is preempted — slots-over-tpot-slo lowers the cap live, once, to the frontier
-    n₀ · (SLO / TPOT)^(1/α), and the TPOT of the requests served since meets the SLO."""
+    n₁ · (SLO / TPOT)^(1/α), and the TPOT of the requests served since meets the SLO."""
     slo = models.SloSettings(tpot_p99_s=0.04)
     run = drive(cap=256, load={0.0: {"concurrency": 256}}, seconds=60, settings=H200.model_copy(update={"slo": slo}))
     stepped = [s for s in run if s.changes]
@@ -128,8 +128,9 @@ def test_a_tpot_breach_steps_down_once():
     assert first.t <= 3 * INTERVAL + 1e-9  # the first decided window (the third scrape has 3 snapshots)
     assert (change.rule, change.from_value, change.live, change.direction) == ("slots-over-tpot-slo", 256, True, -1)
     s = first.decision.signals
-    n0, tpot = s["requests_running_mean"].value, s["tpot_p99_s"].value
-    frontier = n0 * (0.04 / tpot) ** (1 / 0.3)
+    # the frontier is read at the batch the window's requests ran in (requests_running_max: the slots pinned)
+    n1, tpot = s["requests_running_max"].value, s["tpot_p99_s"].value
+    frontier = n1 * (0.04 / tpot) ** (1 / 0.3)
     assert tpot > 0.04 and change.to_value == int(frontier) < 256
     assert f"TPOT SLO frontier {frontier:.3g} → {change.to_value}" in change.reason
     # not overloaded: Little's law on the arrivals the full batch serves needs fewer in service than that

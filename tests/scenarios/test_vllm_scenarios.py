@@ -137,7 +137,10 @@ def test_kv_bound_with_a_live_cap_lowers_it_on_the_first_window():
     cycles = replay("kv-bound", args=args, live=live, apply=True)
     changes = [(i, ch.rule, ch.from_value, ch.to_value, ch.live) for i, c in enumerate(cycles) for ch in c.plan.changes]
     assert changes == [(5, "kv-preemption-cap", 128, 9, True)]
-    assert [h.guard for c in cycles[2:5] for h in c.plan.held] == ["idle", "idle", "idle"]
+    # 002: the 32 clients' fill (000-001) against the closed loop's pace after it is a change point at 001, so
+    # 002's window holds too few snapshots; 003-004 too few finished requests
+    assert cycles[2].change_point is not None and cycles[2].change_point.at == cycles[1].at
+    assert [h.guard for c in cycles[2:5] for h in c.plan.held] == ["window", "idle", "idle"]
     assert cycles[5].signals["requests_running_max"].value == 9
 
 
@@ -231,13 +234,14 @@ def test_queue_bound_p99_leaves_decode_headroom():
 
 
 def test_restart_in_the_window_decides_nothing_and_warms_up_once():
-    """002 is the new process's first scrape, 90 s after 001: its decision window holds it alone; 003's
-    reaches back for min_snapshots scrapes across the restart, and the restart voids it."""
+    """002 is the new process's first scrape, 90 s after 001: the decision window restarts there (a new
+    process is a new regime), so 002 and 003 hold too few snapshots to decide on."""
     scenario_dir("restart")
     cycles = replay("restart")
     held = [h for c in cycles[2:] for h in c.plan.held if h.guard == "window"]
-    assert len(held) == 2 and held[0].reason == "no decision: too few snapshots: 1 spanning 0s (need ≥ 3 over > 0s)"
-    assert "engine restarted inside the window" in held[1].reason
+    assert [h.reason for h in held] == [f"no decision: too few snapshots: {n} spanning {span} (need ≥ 3 over > 0s)"
+                                        for n, span in ((1, "0s"), (2, f"{cycles[3].at - cycles[2].at:g}s"))]
+    assert cycles[2].decided_since == cycles[3].decided_since == cycles[2].at
     warm = [a for c in cycles for a in c.plan.actions]
     assert [(a.kind, a.after_restart) for a in warm] == [("warm-up", False)]
     assert not any(c.plan.changes for c in cycles)

@@ -26,10 +26,10 @@ def slots_for(rate, s0, n0, alpha=0.3):
 
 # the H200 open loop of test_planner: 32/s arriving, 8 running, a slot held 1.4 s; the queue grows 26/s
 OPEN = dict(arrival_rate_per_s=32, slot_seconds_mean=1.4, requests_running_mean=8, requests_waiting_mean=60,
-            in_system_growth_per_s=26, requests_running=8, requests_waiting=115)
+            in_system_growth_per_s=26, requests_running=8, requests_waiting=115, requests_running_max=8)
 # the H200 closed loop (h200-queue-bound 005-007): 64 clients inside, arrivals throttled to completions
 CLOSED = dict(arrival_rate_per_s=6.38, slot_seconds_mean=1.36, requests_running_mean=8, requests_waiting_mean=56,
-              in_system_growth_per_s=0, requests_running=8, requests_waiting=56)
+              in_system_growth_per_s=0, requests_running=8, requests_waiting=56, requests_running_max=8)
 
 
 def test_a_stable_queue_sizes_for_the_requests_inside():
@@ -56,7 +56,8 @@ def test_a_growing_queue_sizes_for_its_arrivals_and_a_backlog_served_over_the_ho
 
 
 def test_the_tpot_frontier_caps_the_step_or_says_overloaded():
-    # measured TPOT p99 0.045 s at 8 running: the SLO's 0.1 s holds up to 8 × (0.1 / 0.045)^(1/0.3) = 114.6
+    # measured TPOT p99 0.045 s at a batch of 8 (requests_running_max: the batch the requests ran in): the SLO's
+    # 0.1 s holds up to 8 × (0.1 / 0.045)^(1/0.3) = 114.6
     e = models.concurrency(sig(**OPEN, tpot_p99_s=0.045), M, slo=SLO)
     assert e.value == 114 and "capped at the TPOT SLO frontier 115 → 114" in e.text
     # 0.05 s: the frontier 80.6 is below the 93.7 Little's law needs in service — more replicas, not slots
@@ -74,7 +75,7 @@ def test_the_tpot_frontier_caps_the_step_or_says_overloaded():
 def test_down_lowers_to_the_frontier():
     # 64 running at TPOT p99 0.2 s, twice the SLO: 64 × 0.5^(1/0.3) = 6.35 → 6
     breached = dict(CLOSED, requests_running_mean=64, requests_waiting_mean=0, requests_running=64,
-                    requests_waiting=0, arrival_rate_per_s=0.5, tpot_p99_s=0.2)
+                    requests_waiting=0, arrival_rate_per_s=0.5, tpot_p99_s=0.2, requests_running_max=64)
     e = models.concurrency(sig(**breached), M, slo=SLO, down=True)
     assert e.value == 6 and e.text.endswith("TPOT SLO frontier 6.35 → 6")
     # when Little's law needs more than the frontier, it says so (the TTFT SLO is traded for the TPOT SLO)
@@ -95,12 +96,15 @@ def test_unknown_inputs_and_no_traffic_size_nothing():
        growth=st.floats(0, 50), tpot=st.floats(0.001, 0.5))
 def test_up_never_passes_the_frontier_and_down_is_the_frontier(lam, s0, n0, waiting, growth, tpot):
     s = sig(arrival_rate_per_s=lam, slot_seconds_mean=s0, requests_running_mean=n0, requests_waiting_mean=waiting,
-            in_system_growth_per_s=growth, requests_running=n0, requests_waiting=waiting, tpot_p99_s=tpot)
+            in_system_growth_per_s=growth, requests_running=n0, requests_waiting=waiting, tpot_p99_s=tpot,
+            requests_running_max=n0)
     frontier = n0 * (SLO.tpot_p99_s / tpot) ** (1 / 0.3)
     up = models.concurrency(s, M, slo=SLO)
     free = models.concurrency(s, M)
     assert up.value is not None and free.value is not None and up.value >= 1
     assert free.value >= math.ceil(slots_for(lam, s0, n0) / 0.8 - 1e-9)  # Little's law ÷ utilisation at least
-    assert up.value == min(free.value, max(1, math.floor(frontier + 1e-9)))
+    # capped at the frontier, never below today's batch (a raise the frontier forbids is the lowering rule's)
+    assert up.value == (free.value if free.value <= frontier
+                        else max(1, math.floor(frontier + 1e-9), math.floor(n0)))
     down = models.concurrency(s, M, slo=SLO, down=True)
     assert down.value == pytest.approx(max(1, math.floor(frontier + 1e-9)))

@@ -17,7 +17,8 @@ Rules of the step:
 1a. With ``decision_seconds`` set, the signals rules read are computed over the *decision window*: the
    snapshots since the latest of ``decision_seconds`` ago (further back where that span holds fewer than
    ``min_snapshots`` scrapes or fewer than ``decisions.idle.min_requests_per_window`` finished requests: a
-   slow engine's evidence), the tuner's last change of this target's flags
+   slow engine's evidence), the engine's last restart (its process start time changed), the tuner's last
+   change of this target's flags
    (``History.changes``), and the change point of the arrivals inside that span (``signals.changes``) —
    so a decision is made on data of the regime it is for, within seconds of a load change. What changes
    slowly and must not forget (request sizes and what the KV cache holds for them, the length tails the
@@ -189,6 +190,10 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     last_change = max((c.at for c in history.changes.values()), default=None)
     if last_change is not None:
         since = max(since, last_change)
+    starts = [(s.scraped_at, engine_signals.gauge(s, dialect, "process_start")) for s in good]
+    for (_, a), (at, b) in zip(starts, starts[1:], strict=False):
+        if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
+            since = max(since, at)
     span = [s for s in kept if s.scraped_at >= since]
     # found as soon as one interval shows it; the window then holds too few snapshots to decide until the new
     # regime has min_snapshots of its own (a decision never mixes the two)
