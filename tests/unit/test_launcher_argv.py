@@ -106,7 +106,7 @@ def test_no_desired_file_is_no_request(tmp_path):
 
 
 @pytest.mark.parametrize(("doc", "message"), [
-    ("not json", "not JSON"),
+    ("not json", "not valid JSON"),
     ([], "must be an object"),
     ({"v": 2, "generation": 1}, "v must be 1"),
     ({"v": 1, "generation": -1}, "generation must be an integer"),
