@@ -161,7 +161,7 @@ class ProcessActuator:
                 return _Proc(pid, starttime, recorded)  # gone: status() reports how it ended
             live = _cmdline(pid)
             real = live[len(live) - len(recorded):] if live and len(live) >= len(recorded) else None
-            if real is not None and secrets.digest(real) == digest:
+            if real is not None and secrets.digest_matches(real, digest):
                 return _Proc(pid, starttime, real)
             if attempt < 2:
                 time.sleep(0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Protocol
 
 from tuner import config
 from tuner.errors import ConfigError
+from tuner.launcher import untrusted
 from tuner.model import dcgm, dialects, live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -25,15 +27,7 @@ def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = No
         path = Path(scrape.bearer_token_file)
         if config_dir is not None and not path.is_absolute():
             path = config_dir / path
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(str(path), [("scrape.bearer_token_file", (
-                f"cannot read the token: {getattr(exc, 'strerror', None) or exc}; expected a readable file holding "
-                "the engines' token (vLLM --api-key), e.g. /etc/vllm-tuner/engine-token"))]) from exc
-        if not token:
-            raise ConfigError(str(path), [("scrape.bearer_token_file", "the token file is empty; expected the engines' "
-                                                                      "token (vLLM --api-key) on one line")])
+        token = read_token(path)
     verify: bool | str = scrape.tls.ca_file or scrape.tls.verify
     return scraping.HttpSettings(
         connect_timeout_seconds=scrape.connect_timeout_seconds,
@@ -43,6 +37,36 @@ def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = No
         verify=verify,
         client_cert=scrape.tls.client_cert_file,
     )
+
+
+TOKEN_MAX_BYTES = 16 * 1024
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # one HTTP header value: printable ASCII, no spaces, no line breaks
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in ``path``: one line of printable characters (blank space around it allowed). A
+    file that is not that — two lines, a space, a control byte, a FIFO, too large — is a ConfigError that
+    describes it and never shows a line of it (``check-config`` and ``run`` read it through here)."""
+    where = "scrape.bearer_token_file"
+    try:  # a Kubernetes Secret's files are symbolic links into ..data: followed, and still a regular file
+        raw = untrusted.read_bytes(path, max_bytes=TOKEN_MAX_BYTES, follow_symlinks=True)
+    except (OSError, untrusted.Untrusted) as exc:
+        why = exc.reason if isinstance(exc, untrusted.Untrusted) else exc.strerror or type(exc).__name__
+        raise ConfigError(str(path), [(where, (
+            f"cannot read the token: {why}; expected a readable file holding the engines' token (vLLM "
+            "--api-key), e.g. /etc/vllm-tuner/engine-token"))]) from None
+    text = raw.decode("latin-1")
+    token = text.strip(" \t\r\n")  # surrounding blank space is not part of it
+    if not token:
+        raise ConfigError(str(path), [(where, "the token file is empty; expected the engines' token "
+                                              "(vLLM --api-key) on one line")])
+    if not _TOKEN.fullmatch(token):
+        lines = len(token.splitlines())
+        shape = f"{lines} lines" if lines > 1 else "a space or a control character"
+        raise ConfigError(str(path), [(where, (
+            f"the token file holds {shape} ({len(raw)} bytes; not shown); expected the token alone on one "
+            "line, e.g. printf %s \"$TOKEN\" > FILE"))])
+    return token
 
 
 def base_url(target: config.Target) -> str:

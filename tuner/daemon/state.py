@@ -87,7 +87,8 @@ class TunerState:
                 if name not in state.args:
                     continue  # a target removed from the config
                 configured = state.config_args[name]
-                same = (saved["config_sha256"] == state.config_digest(name) if "config_sha256" in saved
+                same = (secrets.digest_matches(state.redactor.argv(configured), saved["config_sha256"])
+                        if "config_sha256" in saved
                         else saved.get("config_args") == configured)  # a file written before secrets were masked
                 if same and saved.get("args") is not None:
                     with contextlib.suppress(ValueError):  # a secret that cannot be put back: the config's args

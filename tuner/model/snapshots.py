@@ -295,10 +295,12 @@ def parse(
                     continue
                 index.setdefault(s.name, []).append(Sample(s.name, MappingProxyType(dict(s.labels)), value))
     except Exception as exc:  # noqa: BLE001 - the parser raises ValueError, TypeError, IndexError… on junk
-        first = text.lstrip()[:60].replace("\n", " ")
+        # described, never quoted: the parser's message holds the offending line, and a body can echo
+        # a request's headers (an Authorization header, base64 of user:password) back at the tuner
         return Snapshot.failed(
             scraped_at,
-            f"not Prometheus text exposition ({type(exc).__name__}: {exc}); body starts {first!r}",
+            f"not Prometheus text exposition ({type(exc).__name__}; {len(text)} characters, "
+            f"{text.count(chr(10))} lines; the body is not copied here)",
             source=source,
         )
     if keep_prefixes is not None:
