@@ -16,15 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tuner.actuators import settings as actuator_settings
 from tuner.errors import ConfigError
-from tuner.model import secrets
+from tuner.model import bounds, secrets
 from tuner.planning import stepping
 from tuner.planning.planner import DecisionSettings
 from tuner.rules import loading
 from tuner.rules.schema import unique
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+class _Model(bounds.Settings, BaseModel):  # model.bounds: finite numbers, durations a scheduler holds
+    pass
 
 
 class TlsSettings(_Model):
