@@ -385,7 +385,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                    if settings.daemon.maintenance_windows else None)
     stop_event = threading.Event()
     notifier = _MaskedNotifier(redactor)
-    gatherer = collecting.Gatherer()
+    gatherer = collecting.Gatherer(stop=stop_event)  # SIGTERM ends a gathering at once
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
