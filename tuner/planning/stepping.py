@@ -97,9 +97,12 @@ def step(
     restarted_at = started if started is not None and state.engine_started_at not in (None, started) else None
     engine_started_at = started if started is not None else state.engine_started_at
 
+    cap = knobs.effective("max_num_seqs", args, kind=kind).value  # its scheduler never runs more
     signals = engine_signals.compute(kept, dialect=dialect, info=info, now=now,
                                      stale_after_seconds=window.stale_after_seconds,
-                                     min_snapshots=window.min_snapshots)
+                                     min_snapshots=window.min_snapshots,
+                                     max_running=float(cap) if isinstance(cap, int | float) and not
+                                     isinstance(cap, bool) else None)
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
                                        stale_after_seconds=window.stale_after_seconds))
     after = TargetState(window=kept, history=state.history, engine_started_at=engine_started_at)
