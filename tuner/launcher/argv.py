@@ -22,7 +22,7 @@ Value = str | bool | None
 # flag and its value.
 BOOLEAN_FLAGS: frozenset[str] = frozenset({
     "--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager", "--trust-remote-code",
-    "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
+    "--allow-credentials", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
     "--async-scheduling", "--enable-lora", "--enable-prompt-tokens-details",
     "--enable-server-load-tracking", "--disable-custom-all-reduce", "--enable-expert-parallel",
     "--disable-frontend-multiprocessing", "--enable-auto-tool-choice", "--disable-fastapi-docs",

@@ -51,6 +51,11 @@ FLAGS: Mapping[str, str] = {
 }
 """The engines' flags whose values are credentials (vLLM 0.32's parser, SGLang's server arguments)."""
 
+def _is_switch(name: str) -> bool:
+    bare = name[5:] if name.startswith("--no-") else name[2:]
+    return f"--{bare}" in syntax.BOOLEAN_FLAGS or f"--{bare}".replace("_", "-") in syntax.BOOLEAN_FLAGS
+
+
 FLAG_NAME = re.compile(r"(?:^--|[-_])(?:key|token|secret|password|passwd|credentials?)$", re.IGNORECASE)
 """Any other flag named like a credential (``--db-password``, ``--x-secret``; not ``--ssl-keyfile`` nor
 ``--max-num-batched-tokens``): one value, masked."""
@@ -149,7 +154,10 @@ class Redactor:
     # -- recognising ------------------------------------------------------------------------------
     def is_secret_flag(self, token: str) -> bool:
         name = normalize_flag(token.partition("=")[0])
-        return name in self.flags or (name.startswith("--") and bool(FLAG_NAME.search(name)))
+        if name in self.flags:
+            return True
+        # named like a credential, and takes a value: vLLM's --allow-credentials is a switch (CORS)
+        return name.startswith("--") and bool(FLAG_NAME.search(name)) and not _is_switch(name)
 
     def arity(self, flag: str) -> str:
         return self.flags.get(normalize_flag(flag), "1")
