@@ -20,9 +20,15 @@ def main() -> int:
     ap.add_argument("-k", default="", help="run only tests whose name contains this")
     args = ap.parse_args()
     os.environ["VLLM_TUNER_FUZZ"] = args.profile  # read when tests.fuzz.support is imported
-    from tests.fuzz import support, test_fuzz_config, test_fuzz_exposition, test_fuzz_signals
+    from tests.fuzz import (
+        support,
+        test_fuzz_config,
+        test_fuzz_exposition,
+        test_fuzz_readers,
+        test_fuzz_signals,
+    )
 
-    modules = (test_fuzz_exposition, test_fuzz_signals, test_fuzz_config)
+    modules = (test_fuzz_exposition, test_fuzz_signals, test_fuzz_config, test_fuzz_readers)
     failures: list[tuple[str, str]] = []
     t0 = time.monotonic()
     for module in modules:

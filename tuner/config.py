@@ -16,15 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tuner.actuators import settings as actuator_settings
 from tuner.errors import ConfigError
-from tuner.model import secrets
+from tuner.model import bounds, secrets
 from tuner.planning import stepping
 from tuner.planning.planner import DecisionSettings
 from tuner.rules import loading
 from tuner.rules.schema import unique
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+class _Model(bounds.Settings, BaseModel):  # model.bounds: finite numbers, durations a scheduler holds
+    pass
 
 
 class TlsSettings(_Model):
@@ -37,15 +37,15 @@ class TlsSettings(_Model):
 
 
 class ScrapeSettings(_Model):
-    interval_seconds: float = Field(2.0, gt=0, le=3600)
+    interval_seconds: float = Field(2.0, gt=0)
     """How often one cycle runs (scrape the engines → signals → plan → act). An engine's /metrics costs tens of
     milliseconds to read and parse, so the tuner reads it every few seconds and decides on fresh data: with
     2 s a load rise is seen within one or two scrapes (docs/rules.md#cadence)."""
-    gpu_interval_seconds: float = Field(10.0, gt=0, le=3600)
+    gpu_interval_seconds: float = Field(10.0, gt=0)
     """How often the GPUs' telemetry (dcgm-exporter, NVML) and the engine's model info are read; in between a
     cycle reuses the last reading. dcgm-exporter samples every 30 s by default, so reading it every cycle
     would only repeat its numbers."""
-    decision_window_seconds: float | None = Field(20.0, gt=0, le=86400)
+    decision_window_seconds: float | None = Field(20.0, gt=0)
     """The span rules decide on: the last this-many seconds, restarted at the tuner's own change and at a
     change point of the arrivals (a load rise or fall), so a decision reads only the regime it is for.
     ``window_seconds`` stays the span of what changes slowly (request sizes, KV sizing, idle time). None:
@@ -57,7 +57,7 @@ class ScrapeSettings(_Model):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     """Largest /metrics body accepted; a larger one marks the window invalid (protects the tuner's
     memory from a runaway exporter). A vLLM body is ~50-150 KB."""
-    window_seconds: float = Field(300.0, gt=0, le=86400)
+    window_seconds: float = Field(300.0, gt=0)
     """Span of history the slow signals are computed over (request sizes, what the KV cache holds for them, the
     length tails the --max-model-len floor keeps, idle time), and every signal when
     ``decision_window_seconds`` is None."""
@@ -205,7 +205,7 @@ class LiveSettings(_Model):
     """The directory the engine's plugin reads (its ``VLLM_TUNER_CONTROL_DIR``); ``{name}`` is the target's
     name. The tuner creates it private (0700); the engine must run as the tuner's uid. The process
     actuator passes it to each engine it starts; systemd units and pods must set it themselves."""
-    verify_seconds: float = Field(default=30.0, ge=0, le=86400)
+    verify_seconds: float = Field(default=30.0, ge=0)
     """How long a live change is judged before it is kept (the restart path's is ``rollout.verify_seconds``):
     evidence proportional to cost — a live change is undone in a second, so it is judged over about one
     decision window of the new regime (``scrape.decision_window_seconds``) and a margin, not over the two

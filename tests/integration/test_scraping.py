@@ -178,5 +178,5 @@ def test_a_body_that_is_not_json_is_not_copied_into_the_engine_info_error(server
 
     with EngineClient() as engine:
         info = engine.info(server + "/echo", "sglang")
-    assert info.error is not None and "not JSON" in info.error and "HTTP 503" in info.error
+    assert info.error is not None and "not valid JSON" in info.error and "HTTP 503" in info.error
     assert "sk-echoed" not in info.error and "oops" not in info.error

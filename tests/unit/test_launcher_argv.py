@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tuner.launcher import argv as argvs
 from tuner.launcher import protocol
+from tuner.launcher import secrets as launcher_secrets
 from tuner.model import knobs
 
 BASE = ["vllm", "serve", "/models/m", "--host", "0.0.0.0", "--port", "8000", "--max-num-seqs", "4",
@@ -80,9 +81,9 @@ def test_base_hash_is_of_the_exact_argv():
 def test_secrets_are_redacted_for_display_only():
     argv = ["vllm", "serve", "m", "--api-key", "s3cret", "--hf-token=hf_x", "--max-num-batched-tokens", "8192",
             "--ssl-keyfile", "/k.pem"]
-    shown = argvs.redact(argv)
+    shown = launcher_secrets.DEFAULT.argv(argv)  # the one secrets module, the tuner's mask
     assert "s3cret" not in shown and "--hf-token=hf_x" not in shown
-    assert shown[3:6] == ["--api-key", "<redacted>", "--hf-token=<redacted>"]
+    assert shown[3:6] == ["--api-key", "***", "--hf-token=***"]
     assert shown[6:] == ["--max-num-batched-tokens", "8192", "--ssl-keyfile", "/k.pem"]
 
 
@@ -106,7 +107,7 @@ def test_no_desired_file_is_no_request(tmp_path):
 
 
 @pytest.mark.parametrize(("doc", "message"), [
-    ("not json", "not JSON"),
+    ("not json", "not valid JSON"),
     ([], "must be an object"),
     ({"v": 2, "generation": 1}, "v must be 1"),
     ({"v": 1, "generation": -1}, "generation must be an integer"),

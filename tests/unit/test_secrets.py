@@ -116,6 +116,25 @@ def test_the_flags_vllm_itself_redacts_are_secret_flags_here() -> None:
     assert set(options) <= set(secrets.FLAGS), options
 
 
+def test_a_vllm_flag_named_like_a_credential_is_secret_if_it_takes_a_value() -> None:
+    """``FLAG_NAME`` masks flags only named like a credential: on vLLM 0.32's real parser, every such
+    option that takes a value is secret here, and every switch (``--allow-credentials``) is not."""
+    py = vllm.vllm_python()
+    if py is None:
+        pytest.skip(vllm.skip_reason() or "no .venv-vllm")
+    code = ("import json\nfrom vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+            "p = make_arg_parser(FlexibleArgumentParser())\n"
+            "print(json.dumps([[o, a.nargs == 0] for a in p._actions for o in a.option_strings "
+            "if o.startswith('--')]))\n")
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    options = json.loads(out.stdout.strip().splitlines()[-1])
+    named = [(o, switch) for o, switch in options if secrets.FLAG_NAME.search(o)]
+    assert named, out.stderr[-2000:]
+    for option, switch in named:
+        assert secrets.DEFAULT.is_secret_flag(option) is not switch, option
+
+
 @pytest.mark.parametrize("mode", ["recommend", "apply"])
 def test_the_daemons_documents_without_secrets_pass_through_unchanged(mode: str) -> None:
     """No false positives where it matters: masking /status, /recommendations and a cycle's log record

@@ -136,12 +136,13 @@ class HttpDrainer(_HookDrainer):
     def _hook(self, template: object, name: str) -> None:
         assert isinstance(template, str)
         url = _format(template, _fields(_by_name(self._replicas, name, "http drainer")), "http drainer")
-        try:
-            response = self._client.request(self._method, url)
+        try:  # the status is the answer: the body is never read (nor decoded: no size to bound)
+            with self._client.stream(self._method, url) as response:
+                status, ok = response.status_code, response.is_success
         except httpx.HTTPError as exc:
-            raise TemporaryActuatorError(f"http drainer: {self._method} {url} failed: {exc}") from exc
-        if not response.is_success:
-            raise TemporaryActuatorError(f"http drainer: {self._method} {url} answered {response.status_code}")
+            raise TemporaryActuatorError(f"http drainer: {self._method} {url} failed: {type(exc).__name__}") from exc
+        if not ok:
+            raise TemporaryActuatorError(f"http drainer: {self._method} {url} answered {status}")
 
     def close(self) -> None:
         self._client.close()

@@ -34,7 +34,11 @@ from typing import Any
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+from tuner.launcher import untrusted
 from tuner.model import secrets
+
+PIDFILE_MAX_BYTES = 1024 * 1024
+PID_MAX = 1 << 22  # the kernel's largest pid_max
 
 
 @dataclass
@@ -70,10 +74,8 @@ def read_pidfile(path: Path) -> dict[str, Any] | None:
     """A pid file's record (pid, starttime, argv, …); None if there is none. An unreadable one is a
     ``PermanentActuatorError``: the engine it describes may still run."""
     try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            raise TypeError(f"expected a JSON object, got {type(data).__name__}")
-        int(data["pid"])
+        data = untrusted.mapping(untrusted.read_json(path, max_bytes=PIDFILE_MAX_BYTES), what="the pid file")
+        untrusted.integer(data["pid"], what="pid", lo=1, hi=PID_MAX)  # never 0 or negative: a process group
         if not isinstance(data["argv"], list) or not all(isinstance(a, str) for a in data["argv"]):
             raise TypeError("argv is not a list of strings")
     except FileNotFoundError:
@@ -159,7 +161,7 @@ class ProcessActuator:
                 return _Proc(pid, starttime, recorded)  # gone: status() reports how it ended
             live = _cmdline(pid)
             real = live[len(live) - len(recorded):] if live and len(live) >= len(recorded) else None
-            if real is not None and secrets.digest(real) == digest:
+            if real is not None and secrets.digest_matches(real, digest):
                 return _Proc(pid, starttime, real)
             if attempt < 2:
                 time.sleep(0.05)

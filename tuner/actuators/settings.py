@@ -20,15 +20,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from tuner.actuators import base, draining, process, systemd
-from tuner.model import secrets
+from tuner.model import bounds, secrets
 from tuner.rollout import machine
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+class _Model(bounds.Settings, BaseModel):  # model.bounds: finite numbers, durations a scheduler holds
+    pass
 
 
 class ProcessActuatorSettings(_Model):

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from tuner.errors import ConfigError
+from tuner.launcher import untrusted
 from tuner.model import dcgm, dialects, knobs, snapshots
 from tuner.model.gpus import GpuInputs, GpuReading
 from tuner.planning import planner
@@ -29,9 +28,9 @@ def meta(directory: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(str(path), [("", f"cannot read: {exc}")]) from exc
+        data = untrusted.read_json(path, max_bytes=64 * 1024 * 1024, follow_symlinks=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(path), [("", f"cannot read: {getattr(exc, 'reason', None) or exc}")]) from exc
     if not isinstance(data, dict):
         raise ConfigError(str(path), [("", f"expected a JSON object, got {type(data).__name__}")])
     scraped = data.get("scraped_at")
@@ -96,9 +95,9 @@ def gpu_readings(path: str, sample: int) -> list[GpuReading]:
     """GpuReadings from a JSON file: a bench/record_nvml.py recording (``samples[sample].readings``) or a
     list of reading objects."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(path, [("", f"cannot read GPU readings: {exc}")]) from exc
+        data = untrusted.read_json(path, max_bytes=64 * 1024 * 1024, follow_symlinks=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(path, [("", f"cannot read GPU readings: {getattr(exc, 'reason', None) or exc}")]) from exc
     if isinstance(data, dict) and "samples" in data:
         try:
             data = data["samples"][sample]["readings"]
@@ -140,10 +139,7 @@ def decision_settings(ns: argparse.Namespace) -> planner.DecisionSettings:
     ``--default`` on top."""
     data: dict[str, Any] = {}
     if ns.decisions:
-        try:
-            loaded = yaml.safe_load(Path(ns.decisions).read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(ns.decisions, [("", f"cannot read: {exc}")]) from exc
+        loaded = loading.read_yaml(ns.decisions, what="decisions file") or {}  # bounded, as the config
         if not isinstance(loaded, dict):
             raise ConfigError(ns.decisions, [("", "expected a mapping (the decisions: section)")])
         data = dict(loaded.get("decisions", loaded))

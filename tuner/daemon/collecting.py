@@ -3,8 +3,9 @@ the one engine client (``sources.engines.EngineClient``), NVML excepted."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Protocol
 
 from tuner import config
 from tuner.errors import ConfigError
+from tuner.launcher import untrusted
 from tuner.model import dcgm, dialects, live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -25,15 +27,7 @@ def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = No
         path = Path(scrape.bearer_token_file)
         if config_dir is not None and not path.is_absolute():
             path = config_dir / path
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(str(path), [("scrape.bearer_token_file", (
-                f"cannot read the token: {getattr(exc, 'strerror', None) or exc}; expected a readable file holding "
-                "the engines' token (vLLM --api-key), e.g. /etc/vllm-tuner/engine-token"))]) from exc
-        if not token:
-            raise ConfigError(str(path), [("scrape.bearer_token_file", "the token file is empty; expected the engines' "
-                                                                      "token (vLLM --api-key) on one line")])
+        token = read_token(path)
     verify: bool | str = scrape.tls.ca_file or scrape.tls.verify
     return scraping.HttpSettings(
         connect_timeout_seconds=scrape.connect_timeout_seconds,
@@ -43,6 +37,36 @@ def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = No
         verify=verify,
         client_cert=scrape.tls.client_cert_file,
     )
+
+
+TOKEN_MAX_BYTES = 16 * 1024
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # one HTTP header value: printable ASCII, no spaces, no line breaks
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in ``path``: one line of printable characters (blank space around it allowed). A
+    file that is not that — two lines, a space, a control byte, a FIFO, too large — is a ConfigError that
+    describes it and never shows a line of it (``check-config`` and ``run`` read it through here)."""
+    where = "scrape.bearer_token_file"
+    try:  # a Kubernetes Secret's files are symbolic links into ..data: followed, and still a regular file
+        raw = untrusted.read_bytes(path, max_bytes=TOKEN_MAX_BYTES, follow_symlinks=True)
+    except (OSError, untrusted.Untrusted) as exc:
+        why = exc.reason if isinstance(exc, untrusted.Untrusted) else exc.strerror or type(exc).__name__
+        raise ConfigError(str(path), [(where, (
+            f"cannot read the token: {why}; expected a readable file holding the engines' token (vLLM "
+            "--api-key), e.g. /etc/vllm-tuner/engine-token"))]) from None
+    text = raw.decode("latin-1")
+    token = text.strip(" \t\r\n")  # surrounding blank space is not part of it
+    if not token:
+        raise ConfigError(str(path), [(where, "the token file is empty; expected the engines' token "
+                                              "(vLLM --api-key) on one line")])
+    if not _TOKEN.fullmatch(token):
+        lines = len(token.splitlines())
+        shape = f"{lines} lines" if lines > 1 else "a space or a control character"
+        raise ConfigError(str(path), [(where, (
+            f"the token file holds {shape} ({len(raw)} bytes; not shown); expected the token alone on one "
+            "line, e.g. printf %s \"$TOKEN\" > FILE"))])
+    return token
 
 
 def base_url(target: config.Target) -> str:
@@ -173,39 +197,72 @@ class Gatherer:
     """Collects every target in parallel, bounded by a deadline for the whole gathering.
 
     The engine client bounds each call already (``transport.deadline``); this is the backstop for a
-    collector that still does not return (an NVML call that hangs in the driver, a future source): at
-    the deadline its target counts as failed for this cycle, and while its call is still running the
-    target is not collected again (no pile-up of stuck threads), the cycle says so instead.
+    collector that still does not return (an NVML call that hangs in the driver, a stuck socket, a
+    future source). Each read runs on a fresh *daemon* thread: one that never returns can neither keep
+    the process alive after SIGTERM (a pool's worker threads are joined at interpreter exit; daemon
+    threads are not) nor blind its target — at the deadline the target counts as failed for this
+    cycle, "stuck" for as long as the read has not returned, and the next cycle reads it again on a
+    fresh thread. At most ``max_stuck`` reads of one target may hang at once (a source that hangs every
+    time costs that many threads, not one per cycle); beyond that the target waits for one of them.
+    ``stop`` (SIGTERM's event) ends a gathering at once: nothing is waited for once the daemon stops.
     """
 
-    def __init__(self, *, max_workers: int = 8, clock: Callable[[], float] = time.time) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                           thread_name_prefix="tuner-collect")
-        self._stuck: dict[str, concurrent.futures.Future[Inputs]] = {}
+    def __init__(self, *, clock: Callable[[], float] = time.time, stop: threading.Event | None = None,
+                 max_stuck: int = 3) -> None:
+        self._stuck: dict[str, list[threading.Thread]] = {}
         self._clock = clock
+        self._stop = stop or threading.Event()
+        self.max_stuck = max_stuck
 
     def gather(self, collectors: Sequence[Collecting], *, deadline_seconds: float) -> list[Inputs]:
-        futures: dict[str, concurrent.futures.Future[Inputs]] = {}
+        done = threading.Condition()
+        results: dict[str, Inputs] = {}
+        started: dict[str, threading.Thread] = {}
         out: dict[str, Inputs] = {}
         for c in collectors:
             name = c.target.name
-            stuck = self._stuck.get(name)
-            if stuck is not None and not stuck.done():
-                out[name] = _failed(self._clock(), "the previous cycle's read of this target has not returned yet")
+            stuck = [t for t in self._stuck.get(name, []) if t.is_alive()]
+            self._stuck[name] = stuck
+            if len(stuck) >= self.max_stuck:
+                out[name] = _failed(self._clock(), f"{len(stuck)} earlier reads of this target are stuck (not "
+                                                   "returned); it is read again once one of them returns")
                 continue
-            self._stuck.pop(name, None)
-            futures[name] = self._pool.submit(collect_one, c, clock=self._clock)
-        concurrent.futures.wait(futures.values(), timeout=deadline_seconds)
-        for name, future in futures.items():
-            if future.done():
-                out[name] = future.result()
-            else:
-                self._stuck[name] = future
-                out[name] = _failed(self._clock(), f"reading this target took longer than {deadline_seconds:g}s")
+            thread = threading.Thread(target=self._read, args=(c, results, done), daemon=True,
+                                      name=f"tuner-collect-{name}")
+            started[name] = thread
+            thread.start()
+        end = time.monotonic() + deadline_seconds
+        with done:
+            while not self._stop.is_set() and any(n not in results for n in started):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                done.wait(min(left, 0.1))
+            finished = dict(results)
+        for name, thread in started.items():
+            if name in finished:
+                out[name] = finished[name]
+                continue
+            self._stuck.setdefault(name, []).append(thread)
+            why = ("the tuner is stopping: not waited for" if self._stop.is_set() else
+                   f"reading this target is stuck: no answer within {deadline_seconds:g}s (the next cycle "
+                   "reads it again on a fresh worker)")
+            out[name] = _failed(self._clock(), why)
         return [out[c.target.name] for c in collectors]
 
+    def _read(self, c: Collecting, results: dict[str, Inputs], done: threading.Condition) -> None:
+        inputs = collect_one(c, clock=self._clock)
+        with done:
+            results[c.target.name] = inputs
+            done.notify_all()
+
+    def stuck(self) -> dict[str, int]:
+        """Reads per target that have not returned (for tests and the cycle's account)."""
+        return {n: k for n, ts in self._stuck.items() if (k := sum(t.is_alive() for t in ts))}
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to join: a read still running is a daemon thread, and ends with the process."""
+        self._stop.set()
 
 
 def _failed(at: float, why: str) -> Inputs:

@@ -365,6 +365,10 @@ class RolloutDriver:
             return None
         except ActuatorError as exc:
             return machine.failure_event(rollout, replica.name), str(exc)
+        except Exception as exc:  # any step's exception is that step's failure: rolled back, undrained, journaled
+            log.exception("rollout %s: %s on %s raised", rollout.id, action.step.value, replica.name)
+            return machine.failure_event(rollout, replica.name), \
+                f"{action.step.value} raised {type(exc).__name__}: {str(exc)[:200]}"
 
     def _act(
         self, rollout: machine.Rollout, replica: base.Replica, action: machine.Action

@@ -187,17 +187,17 @@ class Applying:
                             baselines={n: {k: v for k, v in b.items() if v is not None} for n, b in baselines.items()})
         if self.verifier is not None:
             self.verifier.expect(change.id, checks=change.checks, baselines=baselines)
-        why = self._set_live(values, states)
+        why = _contained("setting the values", lambda: self._set_live(values, states))
         started = self.clock()
         verdicts: dict[str, str] = {}
         if why is None:
             self.journal.append("live", at=started, id=change.id, phase="applied", values=values)
-            why = self._verify_live(change.id, started, verdicts, should_stop)
+            why = _contained("verifying", lambda: self._verify_live(change.id, started, verdicts, should_stop))
         if why is None:
             self.journal.append("live", at=self.clock(), id=change.id, phase="verified", verdicts=verdicts)
             outcomes = {n: pooling.ReplicaOutcome("ok", self.state.args[n]) for n in self.replicas}
         else:
-            undone = self._set_live({}, states, restore=before)
+            undone = _contained("putting the old values back", lambda: self._set_live({}, states, restore=before))
             self.journal.append("live", at=self.clock(), id=change.id, phase="rolled_back", reason=why,
                                 restore_error=undone, verdicts=verdicts)
             outcomes = {n: pooling.ReplicaOutcome("rolled_back", self._candidate(n, change), reason=why)
@@ -225,16 +225,20 @@ class Applying:
         every engine core's acknowledgement; None once all applied, else why not."""
         seq = int(self.clock() * 1000) % (2 ** 31)
         wanted: dict[str, dict[str, int | None]] = {}
+        failed: list[str] = []
         for name, replica in self.replicas.items():
             ask = dict(restore[name]) if restore is not None else dict(values)
             wanted[name] = ask
             error = self.client.set_live(replica.base_url, self._live_dir(name), seq=seq, values=ask,
                                          via=states[name].via)
-            if error is not None:
+            if error is not None and restore is None:
                 return f"{name}: {error}"
+            if error is not None:  # putting back: every other engine still gets its old values
+                failed.append(f"{name}: {error}")
+                wanted.pop(name)
         deadline = self.clock() + self.settings.live.ack_timeout_seconds
         poked: set[str] = set()
-        pending = set(self.replicas)
+        pending = set(wanted)
         asked_at = self.clock()
         while pending:
             for name in sorted(pending):
@@ -257,7 +261,7 @@ class Applying:
                 return f"not acknowledged within {self.settings.live.ack_timeout_seconds:g}s by " + \
                     ", ".join(sorted(pending))
             self.sleep(0.2)
-        return None
+        return "; ".join(failed) or None
 
     def _verify_live(self, change_id: str, started: float, verdicts: dict[str, str],
                      should_stop: Callable[[], bool]) -> str | None:
@@ -300,6 +304,16 @@ class Applying:
                             reason="the tuner restarted before judging it", restore_error=error)
         return f"live change {last['rollout']} put back: the tuner restarted before judging it" + \
             (f" ({error})" if error else "")
+
+
+def _contained(what: str, call: Callable[[], str | None]) -> str | None:
+    """``call()``'s answer; an exception it raises is the same kind of answer (why the step failed), so
+    that a live change half-applied is still put back on every engine, journaled and booked."""
+    try:
+        return call()
+    except Exception as exc:
+        log.exception("live change: %s raised", what)
+        return f"{what} raised {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
@@ -372,7 +386,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                    if settings.daemon.maintenance_windows else None)
     stop_event = threading.Event()
     notifier = _MaskedNotifier(redactor)
-    gatherer = collecting.Gatherer()
+    gatherer = collecting.Gatherer(stop=stop_event)  # SIGTERM ends a gathering at once
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}

@@ -34,9 +34,12 @@ from tuner import config
 from tuner.actuators.files import write_atomically
 from tuner.daemon.results import CycleResult
 from tuner.errors import ConfigError
+from tuner.launcher import untrusted
 from tuner.model import knobs, secrets
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
+
+STATE_MAX_BYTES = 64 * 1024 * 1024  # the tuner's own state: histories of every target
 
 log = logging.getLogger("tuner.state")
 
@@ -71,9 +74,8 @@ class TunerState:
         if not path.exists():
             return state
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict):
-                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+            data = untrusted.mapping(untrusted.read_json(path, max_bytes=STATE_MAX_BYTES, max_depth=64),
+                                     what="the state file")
             saved_targets = data["targets"]
             if not isinstance(saved_targets, dict):
                 raise TypeError("targets is not a mapping")
@@ -85,7 +87,8 @@ class TunerState:
                 if name not in state.args:
                     continue  # a target removed from the config
                 configured = state.config_args[name]
-                same = (saved["config_sha256"] == state.config_digest(name) if "config_sha256" in saved
+                same = (secrets.digest_matches(state.redactor.argv(configured), saved["config_sha256"])
+                        if "config_sha256" in saved
                         else saved.get("config_args") == configured)  # a file written before secrets were masked
                 if same and saved.get("args") is not None:
                     with contextlib.suppress(ValueError):  # a secret that cannot be put back: the config's args
@@ -98,7 +101,7 @@ class TunerState:
                         history[key] = [{**entry, "args": redactor.restore_pairs(entry["args"], reference)}
                                         for entry in history.get(key, [])]
                     state.set_history(name, history_mod.from_dict(history))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
             raise ConfigError(str(path), [("", f"the tuner's state file cannot be read ({type(exc).__name__}: "
                                                f"{exc}); move it aside to start from an empty history")]) from exc
         return state

@@ -22,7 +22,7 @@ Value = str | bool | None
 # flag and its value.
 BOOLEAN_FLAGS: frozenset[str] = frozenset({
     "--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager", "--trust-remote-code",
-    "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
+    "--allow-credentials", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
     "--async-scheduling", "--enable-lora", "--enable-prompt-tokens-details",
     "--enable-server-load-tracking", "--disable-custom-all-reduce", "--enable-expert-parallel",
     "--disable-frontend-multiprocessing", "--enable-auto-tool-choice", "--disable-fastapi-docs",
@@ -32,9 +32,6 @@ BOOLEAN_FLAGS: frozenset[str] = frozenset({
 })
 
 FLAG_NAME = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_-]*$")
-# --api-key, --hf-token, --x-secret, --db-password; not --max-num-batched-tokens or --ssl-keyfile.
-_SECRET = re.compile(r"(?:^--|[-_])(?:key|token|secret|password|passwd|credentials?)$", re.IGNORECASE)
-REDACTED = "<redacted>"
 
 
 Form = Literal["space", "equals", "bare", "positional"]
@@ -166,34 +163,3 @@ def sha256(argv: Sequence[str]) -> str:
     separators, UTF-8). The agent computes the same from the pod spec (or copies it from status.json)."""
     text = json.dumps(list(argv), separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def secrets(argv: Sequence[str]) -> list[str]:
-    """The values ``redact`` hides (at least 4 characters: shorter ones are not worth hiding in logs)."""
-    shown = redact(argv)
-    hidden = []
-    for token, seen in zip(argv, shown, strict=True):
-        if token != seen:
-            value = token.partition("=")[2] if seen.endswith("=" + REDACTED) else token
-            if len(value) >= 4:
-                hidden.append(value)
-    return hidden
-
-
-def redact(argv: Sequence[str]) -> list[str]:
-    """``argv`` for display: the values of flags named like a key, token, secret or password hidden."""
-    out: list[str] = []
-    hide_next = False
-    for token in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-        elif token.startswith("--") and _SECRET.search(token.partition("=")[0]):
-            if "=" in token:
-                out.append(token.partition("=")[0] + "=" + REDACTED)
-            else:
-                out.append(token)
-                hide_next = True
-        else:
-            out.append(token)
-    return out

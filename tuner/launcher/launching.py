@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from . import argv as argvs
-from . import probes, processes, protocol
+from . import probes, processes, protocol, secrets
 
 
 @dataclass(frozen=True)
@@ -407,7 +407,7 @@ class Launcher:
         self.engine = Engine(self._serial, argv, self.observed_generation, overrides, candidate, spawned.pid,
                              spawned.log, url, now, time.time())
         self.health.watch(self._serial, url, period=self.settings.poll_seconds)
-        log(f"engine pid {spawned.pid} started{' (candidate)' if candidate else ''}: {argvs.redact(argv)}")
+        log(f"engine pid {spawned.pid} started{' (candidate)' if candidate else ''}: {secrets.DEFAULT.argv(argv)}")
         self._set_state("starting")
 
     def _drive_starting(self, now: float) -> None:
@@ -534,7 +534,7 @@ class Launcher:
     def _candidate_failed(self, reason: str, *, code: int | None, tail: list[str]) -> None:
         e = self.engine
         self.candidate_failure = {"generation": e.generation if e else self.observed_generation,
-                                  "argv": argvs.redact(e.argv) if e else None, "reason": reason,
+                                  "argv": secrets.DEFAULT.argv(e.argv) if e else None, "reason": reason,
                                   "exit_code": code, "at": time.time(), "log_tail": tail}
         if self._relaunch is not None:
             self._relaunch.update(result="failed", reason=reason)
@@ -577,11 +577,11 @@ class Launcher:
             "generation": self.observed_generation,
             "running_generation": e.generation if e is not None else None,
             "drain": self.drained(),
-            "argv": argvs.redact(e.argv) if e is not None else None,
+            "argv": secrets.DEFAULT.argv(e.argv) if e is not None else None,
             "overrides": [[f, v] for f, v in (e.overrides if e is not None else [])],
-            "desired_argv": argvs.redact(wanted_argv),
+            "desired_argv": secrets.DEFAULT.argv(wanted_argv),
             "desired_overrides": [[f, v] for f, v in wanted_overrides],
-            "base_argv": argvs.redact(self.base),
+            "base_argv": secrets.DEFAULT.argv(self.base),
             "base_sha256": self.base_sha256,
             "overrides_dropped": self.overrides_dropped,
             "desired_error": self.desired_error,
@@ -603,10 +603,8 @@ class Launcher:
 
     def _scrub(self, lines: list[str]) -> list[str]:
         """Log lines without the values of secret flags (an --api-key the engine may print)."""
-        secrets = {v for argv in (self.base, self.engine.argv if self.engine else []) for v in argvs.secrets(argv)}
-        for secret in secrets:
-            lines = [line.replace(secret, argvs.REDACTED) for line in lines]
-        return lines
+        redactor = secrets.DEFAULT.learn(argvs=[self.base, self.engine.argv if self.engine else []])
+        return [redactor.text(line) for line in lines]
 
     def _write_status(self, *, force: bool = False) -> None:
         doc = self.status()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import argv as argvs
+from . import untrusted
 
 VERSION = 1
 DESIRED = "desired.json"
@@ -62,40 +63,44 @@ class Desired:
 EXAMPLE = '{"v": 1, "generation": 1, "overrides": [["--max-num-seqs", "64"]], "base_sha256": "<64 hex>", "drain": false}'
 
 
-def parse_desired(text: str) -> Desired:
+def parse_desired(text: str | bytes) -> Desired:
+    """``desired.json``'s text → ``Desired``; ``ProtocolError`` naming what is wrong, never quoting it
+    (an override may carry a secret flag's value)."""
     try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ProtocolError(f"desired.json is not JSON ({exc}); expected e.g. {EXAMPLE}") from None
+        doc = untrusted.loads(text, what="desired.json", max_bytes=MAX_BYTES)
+    except untrusted.Untrusted as exc:
+        raise ProtocolError(f"{exc.reason}; expected e.g. {EXAMPLE}") from None
+    d = untrusted.describe
     if not isinstance(doc, dict):
         raise ProtocolError(f"desired.json must be an object, e.g. {EXAMPLE}")
     if doc.get("v") != VERSION:
-        raise ProtocolError(f"desired.json: v must be {VERSION} (got {doc.get('v')!r})")
-    generation = doc.get("generation")
-    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
-        raise ProtocolError(f"desired.json: generation must be an integer >= 0 (got {generation!r})")
+        raise ProtocolError(f"desired.json: v must be {VERSION} (got {d(doc.get('v'))})")
+    try:
+        generation = untrusted.integer(doc.get("generation"), what="desired.json: generation")
+    except untrusted.Untrusted as exc:
+        raise ProtocolError(exc.reason) from None
     raw = doc.get("overrides", [])
     if not isinstance(raw, list):
-        raise ProtocolError(f"desired.json: overrides must be a list of [flag, value] pairs (got {raw!r})")
+        raise ProtocolError(f"desired.json: overrides must be a list of [flag, value] pairs (got {d(raw)})")
     overrides: list[tuple[str, argvs.Value]] = []
     for i, pair in enumerate(raw):
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
-            raise ProtocolError(f"desired.json: overrides[{i}] must be [flag, value] (got {pair!r})")
+            raise ProtocolError(f"desired.json: overrides[{i}] must be [flag, value] (got {d(pair)})")
         flag, value = pair
         if not argvs.FLAG_NAME.match(flag):
-            raise ProtocolError(f"desired.json: overrides[{i}]: {flag!r} is not a --long-flag")
+            raise ProtocolError(f"desired.json: overrides[{i}]: {d(flag)} is not a --long-flag")
         if value is not None and not isinstance(value, (str, bool)):
             raise ProtocolError(f"desired.json: overrides[{i}]: the value of {flag} must be a string, "
-                                f"true, false or null (got {value!r})")
+                                f"true, false or null (got {d(value)})")
         overrides.append((flag, value))
     base = doc.get("base_sha256")
     if base is not None and not (isinstance(base, str) and _HEX64.match(base)):
-        raise ProtocolError(f"desired.json: base_sha256 must be 64 lower-case hex digits (got {base!r})")
+        raise ProtocolError(f"desired.json: base_sha256 must be 64 lower-case hex digits (got {d(base)})")
     if overrides and base is None:
         raise ProtocolError("desired.json: overrides need base_sha256 (the base command line they were computed for)")
     drain = doc.get("drain", False)
     if not isinstance(drain, bool):
-        raise ProtocolError(f"desired.json: drain must be true or false (got {drain!r})")
+        raise ProtocolError(f"desired.json: drain must be true or false (got {d(drain)})")
     extra = {k: v for k, v in doc.items() if k not in ("v", "generation", "overrides", "base_sha256", "drain")}
     return Desired(generation, tuple(overrides), base, drain, extra)
 
@@ -103,18 +108,12 @@ def parse_desired(text: str) -> Desired:
 def read_desired(path: Path) -> Desired | None:
     """The file's request, None when there is no file; ``ProtocolError`` when it is malformed."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        data = untrusted.read_bytes(path, max_bytes=MAX_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise ProtocolError(f"cannot read {path}: {exc.strerror}") from None
-    if len(data) > MAX_BYTES:
-        raise ProtocolError(f"{path} is larger than {MAX_BYTES} bytes")
-    try:
-        return parse_desired(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ProtocolError(f"{path} is not UTF-8") from None
+    except untrusted.Untrusted as exc:
+        raise ProtocolError(exc.reason) from None
+    return parse_desired(data)
 
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:
@@ -143,8 +142,9 @@ def write_desired(state_dir: Path, *, generation: int, overrides: Sequence[tuple
 
 
 def read_status(state_dir: Path) -> dict[str, Any] | None:
+    """The launcher's ``status.json``; None when it is absent or cannot be used (``untrusted``)."""
     try:
-        doc = json.loads((Path(state_dir) / STATUS).read_text(encoding="utf-8"))
+        doc = untrusted.read_json(Path(state_dir) / STATUS, max_bytes=MAX_BYTES)
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None

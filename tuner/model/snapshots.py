@@ -134,7 +134,7 @@ def _wanted_lines(text: str, prefixes: tuple[str, ...]) -> str:
 # The common shape of a sample line: name, optional {labels} whose values hold no backslash, value,
 # optional timestamp. Anything else (escapes, odd spacing, junk) goes to prometheus_client's parser.
 _LINE = re.compile(
-    r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[^"\\{}]|"[^"\\]*")*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*'
+    r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[^"\\{}]|"[^"\\]*")*)\})?[ \t]+(\S+)([ \t]+-?[0-9]+)?[ \t]*'
 )
 _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\]*)"[ \t]*(?:,|$)')
 
@@ -177,6 +177,10 @@ def _trim_label_caches() -> None:
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
 
+
+MAX_TIMESTAMP_SKEW_SECONDS = 600.0
+"""A sample that carries its own timestamp (rare: engines leave it out) further than this from the
+scrape's time is not read as now — years-old data replayed by a cache or a proxy would be believed."""
 
 _ALLOWED_SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", "_sum", "_bucket")}
 
@@ -221,7 +225,9 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         m = _LINE.fullmatch(line)
         if m is None:
             return None
-        name, label_text, value_text = m.groups()
+        name, label_text, value_text, stamp = m.groups()
+        if stamp is not None:
+            return None  # a sample with its own timestamp: the reference parser reads it, and parse checks it
         try:
             value = float(value_text)
         except ValueError:
@@ -282,6 +288,7 @@ def parse(
         return _snapshot(fast, nonfinite, scraped_at, source=source, limits=limits, shared_labels=True)
     index: dict[str, list[Sample]] = {}
     nonfinite.clear()
+    skew = 0.0  # the largest distance of a sample's own timestamp from the scrape's time
     try:
         for family in text_string_to_metric_families(text):
             if family.type not in _REFERENCE_TYPES:
@@ -289,18 +296,27 @@ def parse(
                                        f"type {family.type!r}, not one of Prometheus' text format "
                                        f"({', '.join(sorted(PROMETHEUS_TYPES))})", source=source)
             for s in family.samples:
+                if s.timestamp is not None and scraped_at > 0:
+                    skew = max(skew, abs(scraped_at - float(s.timestamp)))
                 value = float(s.value)
                 if math.isnan(value) or math.isinf(value):
                     nonfinite.add(s.name)  # a NaN series reads as unknown
                     continue
                 index.setdefault(s.name, []).append(Sample(s.name, MappingProxyType(dict(s.labels)), value))
     except Exception as exc:  # noqa: BLE001 - the parser raises ValueError, TypeError, IndexError… on junk
-        first = text.lstrip()[:60].replace("\n", " ")
+        # described, never quoted: the parser's message holds the offending line, and a body can echo
+        # a request's headers (an Authorization header, base64 of user:password) back at the tuner
         return Snapshot.failed(
             scraped_at,
-            f"not Prometheus text exposition ({type(exc).__name__}: {exc}); body starts {first!r}",
+            f"not Prometheus text exposition ({type(exc).__name__}: {str(exc).partition(':')[0][:60]}; "
+            f"{len(text)} characters, "
+            f"{text.count(chr(10))} lines; the body is not copied here)",
             source=source,
         )
+    if skew > MAX_TIMESTAMP_SKEW_SECONDS:
+        return Snapshot.failed(scraped_at, f"sample timestamps are {skew:.0f}s away from the scrape's time (limit "
+                               f"{MAX_TIMESTAMP_SKEW_SECONDS:g}s): old data replayed, or a clock far off; not "
+                               "read as now", source=source)
     if keep_prefixes is not None:
         index = {k: v for k, v in index.items() if k.startswith(keep_prefixes) and "_created" not in k}
         nonfinite = {k for k in nonfinite if k.startswith(keep_prefixes) and "_created" not in k}

@@ -26,15 +26,15 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from tuner.model import knobs
+from tuner.model import bounds, knobs
 from tuner.planning.history import History
 from tuner.signals import Signal, SignalSet
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+class _Model(bounds.Settings, BaseModel):  # model.bounds: finite numbers, durations a scheduler holds
+    pass
 
 
 class ThermalSettings(_Model):

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
-from tuner.model import knobs
+from tuner.model import bounds, knobs
 from tuner.model import live as live_mod
 from tuner.planning import guards
 from tuner.planning.history import Change, History
@@ -40,8 +40,8 @@ from tuner.signals import SignalSet
 THERMAL_RULE = "thermal-step-down"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+class _Model(bounds.Settings, BaseModel):  # model.bounds: finite numbers, durations a scheduler holds
+    pass
 
 
 class EngineFacts(_Model):

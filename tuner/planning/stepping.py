@@ -37,6 +37,7 @@ rollout would (``pooling``) when asked to.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -118,15 +119,17 @@ def step(
     restarted_at = started if started is not None and state.engine_started_at not in (None, started) else None
     engine_started_at = started if started is not None else state.engine_started_at
 
+    cap = knobs.effective("max_num_seqs", args, kind=kind).value  # its scheduler never runs more
+    max_running = float(cap) if isinstance(cap, int | float) and not isinstance(cap, bool) else None
     signals = engine_signals.compute(kept, dialect=dialect, info=info, now=now,
                                      stale_after_seconds=window.stale_after_seconds,
-                                     min_snapshots=window.min_snapshots)
+                                     min_snapshots=window.min_snapshots, max_running=max_running)
     since, point = decision_window(kept, state.history, now=now, window=window, dialect=dialect,
                                    min_requests=settings.idle.min_requests_per_window)
     if since is not None:
         fresh = engine_signals.compute([s for s in kept if s.scraped_at >= since], dialect=dialect, info=info,
                                        now=now, stale_after_seconds=window.stale_after_seconds,
-                                       min_snapshots=window.min_snapshots)
+                                       min_snapshots=window.min_snapshots, max_running=max_running)
         signals.update({k: v for k, v in fresh.items() if k not in SLOW_SIGNALS})
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
                                        stale_after_seconds=window.gpu_stale_after_seconds
@@ -191,7 +194,7 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     if last_change is not None:
         since = max(since, last_change)
     starts = [(s.scraped_at, engine_signals.gauge(s, dialect, "process_start")) for s in good]
-    for (_, a), (at, b) in zip(starts, starts[1:], strict=False):
+    for (_, a), (at, b) in itertools.pairwise(starts):
         if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
             since = max(since, at)
     span = [s for s in kept if s.scraped_at >= since]

@@ -18,6 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from tuner.errors import ConfigError
+from tuner.launcher import untrusted
 from tuner.rules.schema import Rule, RuleFile
 
 _TAGS = frozenset({"compare", "all", "any"})
@@ -110,20 +111,84 @@ def parse(data: Any, *, file: str = "<rules>") -> RuleSet:
     return RuleSet(tuple(parsed.rules), tuple((r.id, file) for r in parsed.rules))
 
 
+YAML_MAX_BYTES = 1024 * 1024
+YAML_MAX_NODES = 100_000
+YAML_MAX_DEPTH = 64
+
+
 def read_yaml(path: str | Path, *, what: str) -> Any:
     """A YAML file's data; ConfigError naming the file (and line) when it cannot be read or parsed.
-    Shared by rule files and the tuner's configuration."""
+    Shared by rule files and the tuner's configuration (``check-config`` and ``run`` alike).
+
+    Bounded: at most ``YAML_MAX_BYTES``, read without blocking (``untrusted``: a FIFO is refused; a
+    ConfigMap's files are links, followed); the document's size *with every alias expanded* is counted
+    on the composed node graph — where an alias is one shared node, so counting costs what the text
+    costs — and more than ``YAML_MAX_NODES`` (a "billion laughs" of a few hundred bytes), more than
+    ``YAML_MAX_DEPTH`` levels or an alias inside itself is refused before anything is constructed."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(str(path), [("", f"cannot read the {what}: {exc.strerror or exc}")]) from exc
+        raw = untrusted.read_bytes(path, max_bytes=YAML_MAX_BYTES, follow_symlinks=True)
+        text = raw.decode("utf-8")
+    except (OSError, untrusted.Untrusted, UnicodeDecodeError) as exc:
+        why = (exc.reason if isinstance(exc, untrusted.Untrusted) else
+               getattr(exc, "strerror", None) or f"{type(exc).__name__}")
+        raise ConfigError(str(path), [("", f"cannot read the {what}: {why}")]) from None
+    loader = yaml.SafeLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from exc
+    except _TooLarge as exc:
+        raise ConfigError(str(path), [(exc.where, str(exc))]) from None
+    except RecursionError:
+        raise ConfigError(str(path), [("", f"nested deeper than {YAML_MAX_DEPTH} levels")]) from None
+    finally:
+        loader.dispose()
+
+
+class _TooLarge(ValueError):
+    def __init__(self, message: str, node: yaml.Node) -> None:
+        super().__init__(message)
+        self.where = f"line {node.start_mark.line + 1}, column {node.start_mark.column + 1}"
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Raise ``_TooLarge`` when the document, aliases expanded, would exceed the bounds."""
+    sizes: dict[int, int] = {}  # node id → expanded size (a shared node is counted once per use, computed once)
+    active: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise _TooLarge("an alias refers to the node that holds it (a recursive document)", node)
+        if depth > YAML_MAX_DEPTH:
+            raise _TooLarge(f"nested deeper than {YAML_MAX_DEPTH} levels", node)
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child, depth + 1)
+            if total > YAML_MAX_NODES:
+                raise _TooLarge(f"expands to more than {YAML_MAX_NODES} values with its aliases (an alias "
+                                "bomb?); write the values out or use fewer aliases", node)
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root, 0)
 
 
 def load(path: str | Path) -> RuleSet:

@@ -47,10 +47,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tuner.model import bounds
 from tuner.signals import Signal
 
 
-class _Model(BaseModel):
+class _Model(bounds.Settings, BaseModel):  # BaseModel again: ruff's pydantic detection (RUF012)
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 

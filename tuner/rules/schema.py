@@ -50,7 +50,7 @@ from pydantic import (
     model_validator,
 )
 
-from tuner.model import knobs
+from tuner.model import bounds, knobs
 from tuner.signals import VOCABULARY
 
 RULE_ID = r"^[a-z][a-z0-9-]*$"
@@ -76,7 +76,7 @@ def _duration(value: Any) -> Any:
     return value
 
 
-_MAX_DURATION_SECONDS = 10 * 365 * 86400.0  # ten years: a longer cooldown is a typo (timedelta overflows at 2.7M)
+_MAX_DURATION_SECONDS = bounds.MAX_DURATION_SECONDS  # ten years: a longer cooldown is a typo
 
 
 def _seconds(seconds: float) -> timedelta:

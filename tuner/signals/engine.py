@@ -151,9 +151,14 @@ def compute(
     now: float | None = None,
     stale_after_seconds: float | None = None,
     min_snapshots: int = 2,
+    max_running: float | None = None,
 ) -> dict[str, Signal]:
     """All engine signals for one target. Every name in ``ALL_SIGNALS`` is present in the result, every
-    value inside its domain (``signals.DOMAINS``) or ``None`` with a reason."""
+    value inside its domain (``signals.DOMAINS``) or ``None`` with a reason.
+
+    ``max_running``: the engine's ``--max-num-seqs`` (its scheduler never runs more). A snapshot that
+    breaks what one engine guarantees (``impossible``) counts as a failed scrape."""
+    window = [_checked_snapshot(s, dialect, max_running) for s in window]
     out = _compute(window, dialect=dialect, info=info, now=now, stale_after_seconds=stale_after_seconds,
                    min_snapshots=min_snapshots)
     return {name: checked(name, signal) for name, signal in out.items()}
@@ -213,6 +218,39 @@ def _compute(
     out.update(_window_signals(snaps, dialect, span))
     out["kv_concurrency_observed"] = _kv_concurrency(out)
     return out
+
+
+IDENTITY_LABELS = ("model_name", "instance", "job")
+"""Labels that name an engine: one scrape of one engine carries one value of each (data-parallel
+ranks share them and differ in ``engine``, which is summed)."""
+
+
+def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | None = None) -> str | None:
+    """Why ``snap`` cannot be one engine's exposition, or None: two ``model_name``s or two instances in
+    one body (a proxy merging engines: their sums would be believed as one engine's), or more requests
+    running than the engine's ``--max-num-seqs`` lets its scheduler run."""
+    prefixes = dialect.parse_prefixes()
+    for label in IDENTITY_LABELS:
+        values = {s.labels[label] for name, samples in snap.series.items() if name.startswith(prefixes)
+                  for s in samples if label in s.labels}
+        if len(values) > 1:
+            shown = ", ".join(sorted(v[:40] for v in values)[:3])
+            return (f"one engine per scrape: the body holds {len(values)} values of {label} ({shown}"
+                    f"{', …' if len(values) > 3 else ''}); point the target at one engine")
+    if max_running is not None and max_running > 0:
+        # per engine core: data-parallel ranks (the ``engine`` label) each run up to --max-num-seqs
+        running = gauge(snap, dialect, "running", how="max")
+        if running is not None and running > max_running:
+            return (f"impossible exposition: {running:g} requests running, above the engine's "
+                    f"--max-num-seqs {max_running:g} (not this engine's numbers?)")
+    return None
+
+
+def _checked_snapshot(snap: Snapshot, dialect: dialects.Dialect, max_running: float | None) -> Snapshot:
+    if not snap.ok:
+        return snap
+    why = impossible(snap, dialect, max_running)
+    return snap if why is None else Snapshot.failed(snap.scraped_at, why, source=snap.source)
 
 
 def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
@@ -328,7 +366,6 @@ def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo
 
 
 def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float) -> dict[str, Signal]:
-    first, last = snaps[0], snaps[-1]
     out: dict[str, Signal] = {"window_seconds": Signal(span)}
 
     series: dict[str, list[float] | None] = {}
@@ -405,14 +442,14 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
 
     for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
                             ("generation_tokens_mean", "generation_len")):
-        window = _histogram_window(first, last, d, concept, restarted)
+        window = _histogram_window(snaps, d, concept, restarted)
         if isinstance(window, Signal):
             out[signal] = window
         else:
             out[signal] = Signal(window[1] / window[2]) if window[2] > 0 else missing("no requests finished in the window")
 
     for prefix in ("queue_time", "ttft", "itl", "tpot", "e2e"):  # the concept of the same name
-        window = _histogram_window(first, last, d, prefix, restarted)
+        window = _histogram_window(snaps, d, prefix, restarted)
         if isinstance(window, Signal):
             for suffix in ("mean_s", "p50_s", "p95_s", "p99_s"):
                 out[f"{prefix}_{suffix}"] = window
@@ -424,15 +461,19 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
         out[f"{prefix}_p99_s"] = hist.quantile(0.99, deltas)
 
     for signal, concept in (("prompt_tokens_p99", "prompt_len"), ("max_tokens_p99", "max_tokens")):
-        window = _histogram_window(first, last, d, concept, restarted)
+        window = _histogram_window(snaps, d, concept, restarted)
         out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
 
     out["idle_seconds"] = _idle(snaps, d)
     return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
 
 
-def _histogram_window(first: Snapshot, last: Snapshot, d: dialects.Dialect, concept: str,
+def _histogram_window(snaps: Sequence[Snapshot], d: dialects.Dialect, concept: str,
                       restarted: str | None) -> Signal | tuple[list[tuple[float, float]], float, float]:
+    """The histogram's change over the window (last minus first), read as a counter is: a count that
+    went down anywhere inside the window (a reset that came back above the first value by the end)
+    voids it, not only one that ends lower."""
+    first, last = snaps[0], snaps[-1]
     new, old = _buckets(last, d, concept), _buckets(first, d, concept)
     for found, at in ((new, last), (old, first)):
         if isinstance(found, str):
@@ -450,6 +491,11 @@ def _histogram_window(first: Snapshot, last: Snapshot, d: dialects.Dialect, conc
     dsum, dcount = new[1] - old[1], new[2] - old[2]
     if dcount < 0 or dsum < 0:
         return missing("histogram count went down (engine restarted?)")
+    counts = [b[2] if isinstance(b, tuple) else None for b in (_buckets(s, d, concept) for s in snaps)]
+    for a, b, sa, sb in zip(counts, counts[1:], snaps, snaps[1:], strict=False):
+        if a is not None and b is not None and b < a:
+            return missing(f"histogram reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
+                           "(engine restarted?)")
     return deltas, dsum, dcount
 
 

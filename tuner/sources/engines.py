@@ -27,7 +27,6 @@ None on success, else why not.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import httpx
 
 from tuner.errors import SourceError
+from tuner.launcher import untrusted
 from tuner.model import dialects, live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.signals import engine as engine_signals
@@ -42,6 +42,7 @@ from tuner.sources import live_knobs, scraping
 from tuner.sources.transport import DeadlineTransport, deadline
 
 _JSON_LIMIT = 1024 * 1024
+_MAX_SEQS = 1 << 20  # no engine schedules a million sequences at once
 
 
 class EngineClient:
@@ -99,11 +100,12 @@ class EngineClient:
         max_model_len = load_value = None
         if kind == "vllm":
             try:
-                first = (self._get_json(f"{base}/v1/models").get("data") or [{}])[0]
-                model = first.get("id")
+                listed = untrusted.listing(self._get_json(f"{base}/v1/models").get("data") or [{}], what="data")
+                first = untrusted.mapping(listed[0] if listed else {}, what="data[0]")
+                model = untrusted.text(first["id"], what="data[0].id") if first.get("id") is not None else None
                 mml = first.get("max_model_len")
-                max_model_len = int(mml) if mml is not None else None
-            except (SourceError, AttributeError, TypeError, ValueError, IndexError) as exc:
+                max_model_len = untrusted.integer(mml, what="max_model_len", lo=1) if mml is not None else None
+            except (SourceError, ValueError) as exc:
                 errors.append(f"/v1/models: {exc}")
             try:
                 version = str(self._get_json(f"{base}/version").get("version"))
@@ -112,19 +114,21 @@ class EngineClient:
             if server_load:  # counted even while the engine sleeps and its own gauges stand still
                 try:
                     load = self._get_json(f"{base}/load").get("server_load")
-                    load_value = int(load) if load is not None else None
+                    load_value = untrusted.integer(load, what="server_load") if load is not None else None
                 except (SourceError, AttributeError, TypeError, ValueError) as exc:
                     errors.append(f"/load: {exc}")
         else:
             try:
-                model = self._get_json(f"{base}/get_model_info").get("model_path")
-            except (SourceError, AttributeError) as exc:
+                path = self._get_json(f"{base}/get_model_info").get("model_path")
+                model = untrusted.text(path, what="model_path") if path is not None else None
+            except (SourceError, ValueError) as exc:
                 errors.append(f"/get_model_info: {exc}")
             try:
                 data = self._get_json(f"{base}/get_server_info")
                 ctx = data.get("context_length")
-                max_model_len = int(ctx) if ctx is not None else None
-                version = data.get("version")
+                max_model_len = untrusted.integer(ctx, what="context_length", lo=1) if ctx is not None else None
+                raw_version = data.get("version")
+                version = untrusted.text(raw_version, what="version") if raw_version is not None else None
             except (SourceError, AttributeError, TypeError, ValueError) as exc:
                 errors.append(f"/get_server_info: {exc}")
         return EngineInfo(model=model, max_model_len=max_model_len, version=version, server_load=load_value,
@@ -242,7 +246,13 @@ class EngineClient:
                 data = self._get_json(base_url + "/v1/runtime_config")
             except SourceError:
                 return None
-        return data if isinstance(data, dict) and isinstance(data.get("max_num_running_seqs"), int) else None
+        try:  # the caps are positive integers no engine could exceed; anything else is not believed
+            untrusted.integer(data.get("max_num_running_seqs"), what="max_num_running_seqs", lo=1, hi=_MAX_SEQS)
+            if data.get("max_num_seqs") is not None:
+                untrusted.integer(data["max_num_seqs"], what="max_num_seqs", lo=1, hi=_MAX_SEQS)
+        except untrusted.Untrusted:
+            return None
+        return data
 
     def live_state(self, base_url: str, control_dir: str | None) -> live.LiveState:
         """What the engine can change live and runs now: vLLM's own endpoint where it exists (preferred),
@@ -297,9 +307,11 @@ class EngineClient:
         except (SourceError, AttributeError, KeyError, IndexError, TypeError):
             return None
 
-    def _get_json(self, url: str) -> Any:
+    def _get_json(self, url: str) -> dict[str, Any]:
+        """A JSON object from the engine, read by ``untrusted`` (size, depth, finite numbers); anything
+        else is a ``SourceError`` that describes the body, never quotes it."""
         text = scraping.fetch_text(self._client, url, max_body_bytes=_JSON_LIMIT)
         try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise SourceError(url, f"not JSON ({len(text)} characters; the body is not copied here)") from exc
+            return untrusted.mapping(untrusted.loads(text, what="the body", max_bytes=_JSON_LIMIT), what="the body")
+        except untrusted.Untrusted as exc:
+            raise SourceError(url, f"{exc.reason} (the body is not copied here)") from None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import SourceError
+from tuner.launcher import untrusted
 from tuner.model import live
 
 PROTOCOL = 1
@@ -130,19 +131,20 @@ def write_request(control_dir: str | os.PathLike[str], seq: int, **values: int |
 
 
 def _opt_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A non-negative integer, else None (a boolean, a float, a negative number are not one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else None
 
 
 def parse_ack(path: Path, raw: bytes) -> Ack:
-    """One ack file's bytes -> ``Ack``; never raises (a bad file gives ``Ack(problem=...)``)."""
+    """One ack file's bytes -> ``Ack``; never raises (a bad file gives ``Ack(problem=...)``). The file
+    is the engine's: read by ``untrusted`` (depth, size, finite numbers), every field checked for shape."""
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        return Ack(path=path, problem=f"not valid JSON ({exc})")
-    if not isinstance(data, dict):
-        return Ack(path=path, problem="not a JSON object")
+        data = untrusted.mapping(untrusted.loads(raw, what=path.name, max_bytes=MAX_ACK_BYTES), what=path.name)
+    except untrusted.Untrusted as exc:
+        return Ack(path=path, problem=exc.reason)
     if data.get("protocol") != PROTOCOL:
-        return Ack(path=path, problem=f"protocol {data.get('protocol')!r}, this tuner speaks {PROTOCOL}")
+        return Ack(path=path, problem=f"protocol {untrusted.describe(data.get('protocol'))}, "
+                                      f"this tuner speaks {PROTOCOL}")
     applied = data.get("applied")
     at = data.get("at")
     return Ack(
@@ -150,19 +152,33 @@ def parse_ack(path: Path, raw: bytes) -> Ack:
         protocol=PROTOCOL,
         live=data.get("live") is True,
         seq=_opt_int(data.get("seq")),
-        applied=dict(applied) if isinstance(applied, dict) else None,
-        refused=str(data["refused"]) if data.get("refused") is not None else None,
-        effective=dict(data.get("effective") or {}),
-        envelope=dict(data.get("envelope") or {}),
-        not_live={str(k): str(v) for k, v in (data.get("not_live") or {}).items()},
-        at=float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None,
+        applied={str(k): v for k, v in applied.items()} if isinstance(applied, dict) else None,
+        refused=_opt_text(data.get("refused")),
+        effective=_int_map(data.get("effective")),
+        envelope=_int_map(data.get("envelope")),
+        not_live={str(k): str(v)[:untrusted.MAX_TEXT] for k, v in _map(data.get("not_live")).items()},
+        at=float(at) if isinstance(at, int | float) and not isinstance(at, bool) and at >= 0 else None,
         pid=_opt_int(data.get("pid")),
         dp_rank=_opt_int(data.get("dp_rank")),
-        engine_version=data.get("engine_version"),
+        engine_version=_opt_text(data.get("engine_version")),
         engine_known=data.get("engine_known") is True,
-        mode=data.get("mode"),
-        plugin_version=data.get("plugin_version"),
+        mode=_opt_text(data.get("mode")),
+        plugin_version=_opt_text(data.get("plugin_version")),
     )
+
+
+def _map(value: Any) -> dict[str, Any]:
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _int_map(value: Any) -> dict[str, Any]:
+    """A mapping of name → non-negative integer, boolean or null (what the plugin writes); other
+    entries (a negative count, a float, a nested object) are dropped, never believed."""
+    return {k: v for k, v in _map(value).items() if v is None or isinstance(v, bool) or _opt_int(v) is not None}
+
+
+def _opt_text(value: Any) -> str | None:
+    return value[:untrusted.MAX_TEXT] if isinstance(value, str) else None
 
 
 def read_acks(control_dir: str | os.PathLike[str]) -> list[Ack]:
@@ -176,13 +192,11 @@ def read_acks(control_dir: str | os.PathLike[str]) -> list[Ack]:
     acks = []
     for path in paths:
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_ACK_BYTES + 1)
-        except OSError as exc:
-            acks.append(Ack(path=path, problem=f"cannot be read ({exc.strerror})"))
-            continue
-        if len(raw) > MAX_ACK_BYTES:
-            acks.append(Ack(path=path, problem=f"larger than {MAX_ACK_BYTES} bytes"))
+            raw = untrusted.read_bytes(path, max_bytes=MAX_ACK_BYTES)
+        except FileNotFoundError:
+            continue  # replaced between the listing and the open
+        except untrusted.Untrusted as exc:
+            acks.append(Ack(path=path, problem=exc.reason))
             continue
         acks.append(parse_ack(path, raw))
     return sorted(acks, key=lambda a: (a.dp_rank is None, a.dp_rank or 0, a.path.name))

@@ -9,6 +9,7 @@ A reason names the status, the content type and the size of a bad response, neve
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
@@ -19,6 +20,8 @@ from tuner.errors import SourceError
 from tuner.model import snapshots
 
 ACCEPT = "text/plain;version=0.0.4;q=0.9,*/*;q=0.1"
+ACCEPT_ENCODING = "gzip, identity"
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class HttpSettings:
 
 
 def make_client(settings: HttpSettings, *, transport: httpx.BaseTransport | None = None) -> httpx.Client:
-    headers = {"Accept": ACCEPT, "User-Agent": "vllm-tuner"}
+    headers = {"Accept": ACCEPT, "Accept-Encoding": ACCEPT_ENCODING, "User-Agent": "vllm-tuner"}
     if settings.bearer_token:
         headers["Authorization"] = f"Bearer {settings.bearer_token}"
     return httpx.Client(
@@ -53,13 +56,7 @@ def fetch_text(client: httpx.Client, url: str, *, max_body_bytes: int) -> str:
             declared = response.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
                 raise SourceError(url, f"body of {int(declared)} bytes exceeds the limit of {max_body_bytes}")
-            chunks: list[bytes] = []
-            size = 0
-            for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > max_body_bytes:
-                    raise SourceError(url, f"body exceeds the limit of {max_body_bytes} bytes; stopped reading")
-                chunks.append(chunk)
+            body = _read_bounded(response, url, max_body_bytes)
             content_type = response.headers.get("content-type", "")
     except SourceError:
         raise
@@ -71,7 +68,6 @@ def fetch_text(client: httpx.Client, url: str, *, max_body_bytes: int) -> str:
         raise SourceError(url, f"connection broke mid-response (truncated body?): {exc}") from exc
     except httpx.HTTPError as exc:
         raise SourceError(url, f"{type(exc).__name__}: {exc}") from exc
-    body = b"".join(chunks)
     if "html" in content_type.lower() or body.lstrip()[:15].lower().startswith((b"<!doctype", b"<html")):
         raise SourceError(url, f"got an HTML page (content-type {content_type or 'unset'}), not metrics")
     try:
@@ -79,6 +75,42 @@ def fetch_text(client: httpx.Client, url: str, *, max_body_bytes: int) -> str:
     except UnicodeDecodeError as exc:
         raise SourceError(url, f"body is not UTF-8 text: {exc}") from exc
     return text
+
+
+def _read_bounded(response: httpx.Response, url: str, limit: int) -> bytes:
+    """The body, decoded, with the *decoded* bytes bounded as they are produced: a 2 KB doubly-gzipped
+    answer must not allocate a gibibyte before a limit is checked. One ``gzip`` or ``deflate`` layer is
+    decoded (``ACCEPT_ENCODING`` asks for nothing else); stacked or other encodings are refused."""
+    if response.is_stream_consumed:  # an answer built in memory (a test's transport): already decoded
+        if len(response.content) > limit:
+            raise SourceError(url, f"body exceeds the limit of {limit} bytes (decoded); stopped reading")
+        return response.content
+    encodings = [e.strip().lower() for e in response.headers.get("content-encoding", "").split(",") if e.strip()]
+    encodings = [e for e in encodings if e != "identity"]
+    if len(encodings) > 1 or (encodings and encodings[0] not in _WBITS):
+        raise SourceError(url, f"Content-Encoding {', '.join(encodings)[:60]} refused (the tuner asks for "
+                               f"{ACCEPT_ENCODING} and decodes one layer)")
+    inflate = zlib.decompressobj(_WBITS[encodings[0]]) if encodings else None
+    chunks: list[bytes] = []
+    size = 0
+    for raw in response.iter_raw():
+        pending = raw
+        while pending:
+            if inflate is None:
+                out, pending = pending, b""
+            else:
+                try:
+                    out = inflate.decompress(pending, limit + 1 - size)
+                except zlib.error as exc:
+                    raise SourceError(url, f"body does not decode as {encodings[0]} ({exc})") from None
+                pending = inflate.unconsumed_tail
+            size += len(out)
+            if size > limit:
+                raise SourceError(url, f"body exceeds the limit of {limit} bytes (decoded); stopped reading")
+            chunks.append(out)
+            if inflate is not None and inflate.eof:
+                break
+    return b"".join(chunks)
 
 
 def _shape(response: httpx.Response) -> str:

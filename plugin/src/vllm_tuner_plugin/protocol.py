@@ -30,6 +30,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from . import untrusted
+
 PROTOCOL = 1
 CONTROL_FILE = "control.json"
 ACK_PREFIX = "ack-"
@@ -89,11 +91,10 @@ def _is_int(value: object) -> bool:
 def parse_request(raw: bytes) -> Request:
     """``control.json`` bytes -> ``Request``; raises ``ProtocolError`` with a one-line reason."""
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"{CONTROL_FILE} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(f"{CONTROL_FILE} must be a JSON object, got {type(data).__name__}")
+        data = untrusted.mapping(untrusted.loads(raw, what=CONTROL_FILE, max_bytes=MAX_CONTROL_BYTES),
+                                 what=CONTROL_FILE)
+    except untrusted.Untrusted as exc:
+        raise ProtocolError(exc.reason) from None
     seq = data.get("seq")
     seq = seq if _is_int(seq) and seq >= 0 else None
     if seq is None:
@@ -101,7 +102,7 @@ def parse_request(raw: bytes) -> Request:
                             '"max_num_active_seqs": 16}}')
     protocol = data.get("protocol", PROTOCOL)
     if protocol != PROTOCOL:
-        raise ProtocolError(f"{CONTROL_FILE} speaks protocol {protocol!r}; this plugin speaks {PROTOCOL}",
+        raise ProtocolError(f"{CONTROL_FILE} speaks protocol {untrusted.describe(protocol)}; this plugin speaks {PROTOCOL}",
                             seq=seq)
     values: dict[str, int | None] = {}
     for key, value in data.items():
@@ -110,11 +111,11 @@ def parse_request(raw: bytes) -> Request:
         name = ALIASES.get(key, key)
         if name not in KNOBS:
             known = ", ".join([*KNOBS, *ALIASES])
-            raise ProtocolError(f"{CONTROL_FILE}: unknown key {key!r} (known: {known})", seq=seq)
+            raise ProtocolError(f"{CONTROL_FILE}: unknown key {key[:64]!r} (known: {known})", seq=seq)
         if name in values and values[name] != value:
             raise ProtocolError(f"{CONTROL_FILE}: {name} given twice with different values", seq=seq)
         if value is not None and not (_is_int(value) and value >= 1):
-            raise ProtocolError(f"{CONTROL_FILE}: {key} must be an integer >= 1 or null, got {value!r}",
+            raise ProtocolError(f"{CONTROL_FILE}: {key} must be an integer >= 1 or null, got {untrusted.describe(value)}",
                                 seq=seq)
         values[name] = value
     return Request(seq=seq, **values)

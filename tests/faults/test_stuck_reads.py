@@ -1,0 +1,133 @@
+"""Class 2 of issue 17: no hang survives SIGTERM, and a stuck read blinds its target for one cycle only.
+
+Generated schedules say, cycle by cycle, which targets' reads hang (on an event nobody sets: a hung
+NVML call, a stuck socket) and which answer. The promise, for every schedule: each gathering returns;
+a target whose read hangs is reported stuck for that cycle; at the next cycle it is read again on a
+fresh worker and, if that read answers, it is collected as usual; no target ever has more than
+``max_stuck`` reads hanging. And a real process whose collector is stuck in a blocking ``open`` of a
+FIFO (a syscall no timeout interrupts) exits on SIGTERM: its readers are daemon threads, which the
+interpreter does not join (a thread pool's workers, before this, kept it alive forever).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tuner import config
+from tuner.daemon import collecting
+from tuner.model import live, snapshots
+from tuner.model.engines import EngineInfo
+from tuner.model.gpus import GpuInputs
+
+NAMES = ("a", "b", "c", "d")
+
+
+@dataclass
+class Reader:
+    """A collector whose read of cycle ``n`` hangs when ``hangs(n)``; counts the reads that answered."""
+
+    target: config.Target
+    schedule: list[bool]
+    release: threading.Event
+    cycle: int = 0
+    answered: list[int] = field(default_factory=list)
+
+    def scrape_engine(self) -> snapshots.Snapshot:
+        n = self.cycle
+        if n < len(self.schedule) and self.schedule[n]:
+            self.release.wait()  # hangs until the test ends
+        self.answered.append(n)
+        return snapshots.parse("vllm:num_requests_running 1\n", 0.0, source=self.target.name)
+
+    def engine_info(self) -> EngineInfo:
+        return EngineInfo(model="m")
+
+    def read_gpus(self) -> GpuInputs:
+        return GpuInputs(unavailable="none")
+
+    def read_live(self) -> live.LiveState:
+        return live.NONE
+
+
+@settings(max_examples=20, deadline=None)
+@given(schedules=st.lists(st.lists(st.booleans(), min_size=1, max_size=5), min_size=1, max_size=len(NAMES)))
+def test_a_stuck_read_is_reported_and_retried_on_a_fresh_worker(schedules: list[list[bool]]) -> None:
+    release = threading.Event()
+    readers = [Reader(config.Target(name=NAMES[i], metrics_url="http://127.0.0.1:1/metrics"), s, release)
+               for i, s in enumerate(schedules)]
+    gatherer = collecting.Gatherer(max_stuck=3)
+    try:
+        for n in range(max(len(s) for s in schedules)):
+            for r in readers:
+                r.cycle = n
+            before = gatherer.stuck()
+            out = gatherer.gather(readers, deadline_seconds=1.0)  # ample for a read that answers
+            for r, inputs in zip(readers, out, strict=True):
+                hangs = n < len(r.schedule) and r.schedule[n]
+                refused = before.get(r.target.name, 0) >= gatherer.max_stuck
+                if hangs or refused:
+                    assert not inputs.snapshot.ok and "stuck" in (inputs.snapshot.error or "")
+                else:  # a read that answers is collected, whatever earlier reads of this target are doing
+                    assert inputs.snapshot.ok, (n, r.target.name, inputs.snapshot.error)
+            assert all(k <= gatherer.max_stuck for k in gatherer.stuck().values())
+    finally:
+        release.set()
+        gatherer.close()
+
+
+def test_a_reader_stuck_in_a_syscall_does_not_keep_the_process_alive_after_sigterm(tmp_path: Path) -> None:
+    fifo = tmp_path / "ack-0.json"
+    os.mkfifo(fifo)  # a blocking open of it waits for a writer that never comes
+    ready = tmp_path / "ready"
+    script = textwrap.dedent(f"""
+        import signal, sys, threading
+        from pathlib import Path
+        from tuner import config
+        from tuner.daemon import collecting
+        from tuner.model.engines import EngineInfo
+        from tuner.model.gpus import GpuInputs
+        from tuner.model import live
+
+        class Stuck:
+            target = config.Target(name="a", metrics_url="http://127.0.0.1:1/metrics")
+            def scrape_engine(self):
+                open({str(fifo)!r}, "rb")  # blocks in the kernel: no timeout, no exception
+            def engine_info(self): return EngineInfo()
+            def read_gpus(self): return GpuInputs()
+            def read_live(self): return live.NONE
+
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        gatherer = collecting.Gatherer(stop=stop)
+        (out,) = gatherer.gather([Stuck()], deadline_seconds=0.2)
+        assert "stuck" in out.snapshot.error, out.snapshot.error
+        Path({str(ready)!r}).write_text("gathered")
+        stop.wait(600)
+        sys.exit(0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        waited = threading.Event()
+        for _ in range(600):  # the gathering, under a deadline of its own
+            if ready.exists() or proc.poll() is not None:
+                break
+            waited.wait(0.1)
+        assert ready.exists(), proc.stdout.read().decode() if proc.poll() is not None else "not gathered"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0  # the daemon's promise: out within 10 s of SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
