@@ -28,8 +28,8 @@ def applying(tmp_path: Path) -> running.Applying:
         for n, p in (("a", 8001), ("b", 8002))]})
     state = TunerState.fresh(settings.targets, path=tmp_path / "state.json")
     driver = SimpleNamespace(restored=lambda rollout: rollout)  # booking reads nothing else of the driver
-    return running.Applying(settings, state, driver=driver, client=None, replicas={},  # type: ignore[arg-type]
-                            journal=journal.Journal(tmp_path / "j.jsonl"), clock=lambda: 1000.0)
+    return running.Applying(settings, state, driver=driver, client=None,  # type: ignore[arg-type]
+                            journal=journal.Journal(tmp_path / "j.jsonl"), kind="vllm", clock=lambda: 1000.0)
 
 
 def rollout_with_a_done() -> machine.Rollout:

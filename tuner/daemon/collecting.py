@@ -54,16 +54,19 @@ class Collector:
     """Reads every source of one target. Owns no state across cycles except the NVML handle."""
 
     def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False,
-                 live_dir: str | None = None) -> None:
+                 live_dir: str | None = None, live_knobs: bool | None = None) -> None:
         self.target = target
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
         self.base_url = base_url(target)
         self.live_dir = live_dir  # live knobs on: the engine's control directory
+        # read the live knobs (default: where a control directory is given; without one, only vLLM's
+        # runtime_config can answer — on Kubernetes the leader has no access to a pod's files)
+        self.live_knobs = live_dir is not None if live_knobs is None else live_knobs
         self._nvml: object | None = None
 
     def read_live(self) -> live.LiveState:
-        if self.live_dir is None:
+        if not self.live_knobs:
             return live.NONE
         return self.client.live_state(self.base_url, self.live_dir)
 

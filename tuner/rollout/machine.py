@@ -364,6 +364,12 @@ class Rollout:
         p = self.of(name)
         return (self.new_argv if p.leg is Leg.FORWARD else self.old_argv)[name]
 
+    def argv_in_force(self, name: str) -> Argv:
+        """The command line this replica's engine was left on by a finished path: the new one once a
+        restart is done, the old one otherwise (a live rollout never changes the command line)."""
+        done = self.of(name).state is State.DONE and self.kind is Kind.RESTART
+        return (self.new_argv if done else self.old_argv)[name]
+
     def values_for(self, name: str) -> LiveValues:
         """The live values this replica is heading to on its current leg (Rule 5)."""
         p = self.of(name)
