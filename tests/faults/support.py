@@ -44,6 +44,7 @@ from tests.support import waiting
 from tests.support.ports import free_port
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.sources import live_knobs
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
@@ -245,6 +246,7 @@ class SimPool:
     state_dir: Path | None = None  # where state.json (and the journal) live (default: work; a test may mount one)
     journal_dir: Path | None = None  # where the journal lives (default: state_dir)
     upstream_file: Path | None = None  # drained through real nginx (this include file) instead of the balancer
+    live_cap: int | None = None  # live knobs on: the engines start with their admission cap at this, inside max_num_seqs
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -269,6 +271,15 @@ class SimPool:
     @property
     def engines_dir(self) -> Path:
         return self.work / "engines"
+
+    def live_dir(self, name: str) -> Path:
+        return self.work / "live" / name
+
+    def live_cap_of(self, name: str) -> int | None:
+        """The admission cap every engine core of ``name`` acknowledged last (None: no acknowledgement)."""
+        acks = live_knobs.read_acks(self.live_dir(name))
+        caps = {a.effective.get("max_num_active_seqs") for a in acks}
+        return caps.pop() if len(caps) == 1 else None
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
@@ -303,6 +314,9 @@ class SimPool:
                         "journal_file": str(self.journal_path)},
             "daemon": {"listen_port": self.listen_port, "state_file": str(self.state_path)},
         }
+        if self.live_cap is not None:
+            cfg["live"] = {"enabled": True, "control_dir": str(self.work / "live" / "{name}"),
+                           "ack_timeout_seconds": 10}
         for dotted, value in overrides.items():
             *path, last = dotted.split(".")
             node = cfg
@@ -313,6 +327,10 @@ class SimPool:
 
     def write_config(self, **overrides: Any) -> Path:
         self.config_path.write_text(json.dumps(self.config(**overrides), indent=1))
+        if self.live_cap is not None:  # the bad start: the cap below what the engine was started with
+            for name in self.names:
+                live_knobs.write_request(live_knobs.prepare_control_dir(self.live_dir(name)), 1,
+                                         max_num_active_seqs=self.live_cap)
         return self.config_path
 
     # -- running ----------------------------------------------------------------------------------
@@ -498,6 +516,44 @@ def check_invariants(pool: SimPool, *, before_kill: bytes = b"") -> machine.Roll
     for name in pool.names:
         st = pool.engine_state(name)
         assert st is not None and not st["drained"], f"{name}: engine state {st}"
+    return rollout
+
+
+def check_live_invariants(pool: SimPool, *, pids: Mapping[str, int], before_kill: bytes = b"") -> machine.Rollout:
+    """The promises after a fault in a live change (machine Rule 5); the rollout (finished) they hold for.
+
+    - acknowledged = durable, one rollout (a live one) that finished, no decision lost (as above);
+    - nothing restarted: every engine is the process it was before the fault (``pids``), on the command
+      line the tuner owns, which the live change left untouched, and no restart is booked;
+    - the pool runs what the rollout says: every engine core's acknowledged cap is the new value where
+      the rollout ended done, the old one where it went back (the pool goes back together);
+    - nothing drained.
+    """
+    data = pool.journal_path.read_bytes()
+    assert data.startswith(before_kill), "the journal lost or changed acknowledged records across the kill"
+    records = pool.records()
+    begun = [r for r in records if r["kind"] == "rollout"]
+    assert len(begun) == 1, f"expected exactly one rollout, the journal has {len(begun)}\n{pool.diagnostics()}"
+    rollout = journaling.replay(records)[begun[0]["rollout"]["id"]]
+    assert rollout.kind is machine.Kind.LIVE, machine.describe(rollout)
+    outcome = machine.outcome(rollout)
+    assert outcome in (machine.Outcome.DONE, machine.Outcome.ROLLED_BACK), machine.describe(rollout)
+    killed_last = json.loads(before_kill.splitlines()[-1]) if before_kill else None
+    for d in (r for r in records if r["kind"] == "decision"):
+        assert d["rollout"] == rollout.id or d == killed_last, f"decision {d['rollout']} neither began nor was cut"
+    state = pool.state()["targets"]
+    for p in rollout.progress:
+        name = p.name
+        assert (pool.pidfile(name) or {}).get("pid") == pids[name], f"{name} was restarted\n{pool.diagnostics()}"
+        owned = state[name]["args"]
+        assert pool.live_argv(name) == owned and tuple(owned) == rollout.old_argv[name], (
+            f"{name} runs {pool.live_argv(name)}, owns {owned}: a live change leaves the command line as it is")
+        assert state[name]["history"].get("restarts", []) == [], f"{name}: a restart booked for a live change"
+        values = rollout.new_values if p.state is machine.State.DONE else rollout.old_values
+        assert pool.live_cap_of(name) == values[name]["max_num_seqs"], (
+            f"{name} ({p.state.value}) runs cap {pool.live_cap_of(name)}, expected {values[name]}\n{pool.diagnostics()}")
+    drained = pool.drained()
+    assert not drained, f"left drained in the load balancer: {sorted(drained)}"
     return rollout
 
 

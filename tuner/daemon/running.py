@@ -30,6 +30,7 @@ from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules import loading
+from tuner.rules.schema import Verify
 from tuner.signals import Signal
 from tuner.sources import engines, live_knobs
 
@@ -125,8 +126,7 @@ class Applying:
         baselines = {name: verifying.values_of(signals.get(name, {})) for name in change.new_args}
         extra: dict[str, Any] = {"live": True, "values": change.values, "before": change.before} if change.live else {}
         self.journal.append("decision", at=now, rollout=change.id, target=change.leader,
-                            changes=[{**c.as_dict(), "knob": c.knob, "direction": c.direction}
-                                     for c in change.changes],
+                            changes=[change_record(c) for c in change.changes],
                             summary=change.plan.summary(), checks=[c.as_dict() for c in change.checks],
                             baselines={name: {k: v for k, v in values.items() if v is not None}
                                        for name, values in baselines.items()}, **extra)
@@ -213,15 +213,25 @@ class Applying:
                                       results={n: o.result for n, o in outcomes.items()}, state=rollout_state(rollout))
 
 
+def change_record(change: history_mod.Change) -> dict[str, Any]:
+    """A change as a decision record holds it: everything its booking needs after a restart
+    (``_change_from`` reads it back)."""
+    return {**change.as_dict(), "knob": change.knob, "direction": change.direction, "adds_load": change.adds_load}
+
+
 def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
-    """A journaled decision's change, back as the value ``history_mod.applied`` books."""
+    """A journaled decision's change, back as the value ``history_mod.applied`` books — every field: a
+    live change taken up after a restart is booked as live (no restart), not as a rolling restart."""
     knob = str(data.get("knob", data["flag"]))
     return history_mod.Change(flag=str(data["flag"]), knob=knob,
                               from_value=knobs.parse_value(knob, str(data["from"])),
                               to_value=knobs.parse_value(knob, str(data["to"])),
                               rule=str(data.get("rule", "?")), reason=str(data.get("reason", "")),
                               direction=int(data.get("direction", 0)),
-                              experimental=bool(data.get("experimental", False)))
+                              adds_load=bool(data.get("adds_load", False)),
+                              experimental=bool(data.get("experimental", False)),
+                              verify=tuple(Verify.model_validate(v) for v in data.get("verify", ())),
+                              live=bool(data.get("live", False)))
 
 
 def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: knobs.EngineKind
