@@ -23,7 +23,7 @@ from tuner.actuators import settings as actuator_settings
 from tuner.daemon import collecting, cycle, logs, notify, results, rolling, scheduling, selfmetrics, verifying
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
-from tuner.errors import PermanentActuatorError, StorageError
+from tuner.errors import PermanentActuatorError, StorageError, TunerError
 from tuner.model import knobs, secrets
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
@@ -314,10 +314,15 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                                should_stop=should_stop)
 
     def between() -> None:  # the rollout in flight goes on between cycles
-        if applying is not None and applying.busy:
+        if applying is None or not applying.busy:
+            return
+        try:
             outcome = applying.advance()
-            if outcome is not None:
-                state.rollout_state = dict(outcome.state)
+        except TunerError as exc:  # a condition it names itself (a full disk): said as the cycle says it
+            log.error("rollout failed: %s", exc)
+            return
+        if outcome is not None:
+            state.rollout_state = dict(outcome.state)
 
     if once:
         result = step()
