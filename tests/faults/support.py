@@ -19,6 +19,7 @@ Every wait has a deadline; nothing asserts on wall-clock time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -29,9 +30,11 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -474,6 +477,42 @@ def sim_pool(work: Path, **kwargs: Any) -> Iterator[SimPool]:
 # --- the invariants ----------------------------------------------------------------------------------
 
 
+def the_one_rollout(pool: SimPool, *, before_kill: bytes = b"") -> machine.Rollout:
+    """Acknowledged = durable (the journal still begins with every byte it held at the kill); one rollout
+    began and finished; no decision was lost (each one began it or was the last record before the kill)."""
+    data = pool.journal_path.read_bytes()
+    assert data.startswith(before_kill), "the journal lost or changed acknowledged records across the kill"
+    records = pool.records()
+    begun = [r for r in records if r["kind"] == "rollout"]
+    assert len(begun) == 1, f"expected exactly one rollout, the journal has {len(begun)}\n{pool.diagnostics()}"
+    rollout = journaling.replay(records)[begun[0]["rollout"]["id"]]
+    outcome = machine.outcome(rollout)
+    assert outcome in (machine.Outcome.DONE, machine.Outcome.ROLLED_BACK), machine.describe(rollout)
+    killed_last = json.loads(before_kill.splitlines()[-1]) if before_kill else None
+    for d in (r for r in records if r["kind"] == "decision"):
+        assert d["rollout"] == rollout.id or d == killed_last, f"decision {d['rollout']} neither began nor was cut"
+    return rollout
+
+
+def every_kill_point(n: int, kill_at: Callable[[int], str], *, parallel: int) -> Counter[str]:
+    """``kill_at(k)`` for every k in 1..n, ``parallel`` at a time (each is mostly waiting); the outcomes.
+    Every broken kill point is collected and reported, not just the first."""
+    outcomes: Counter[str] = Counter()
+    failures: dict[int, str] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as runs:
+        futures = {runs.submit(kill_at, k): k for k in range(1, n + 1)}
+        for future in concurrent.futures.as_completed(futures):
+            k = futures[future]
+            try:
+                outcomes[future.result()] += 1
+            except Exception as exc:
+                failures[k] = "".join(traceback.format_exception_only(exc)).strip()[:3000]
+    report = "\n\n".join(f"k={k}: {why}" for k, why in sorted(failures.items()))
+    assert not failures, f"{len(failures)} of {n} kill points broke a promise:\n{report}"
+    assert sum(outcomes.values()) == n and set(outcomes) <= {"done", "rolled_back"}, outcomes
+    return outcomes
+
+
 def check_invariants(pool: SimPool, *, before_kill: bytes = b"") -> machine.Rollout:
     """The promises after a fault, checked from the outside; the rollout (finished) they hold for.
 
@@ -486,19 +525,8 @@ def check_invariants(pool: SimPool, *, before_kill: bytes = b"") -> machine.Roll
       tuner owns: the new arguments where the rollout ended done, the old ones where it rolled back;
     - nothing left drained: the balancer has every replica in service, every engine answers /health.
     """
-    data = pool.journal_path.read_bytes()
-    assert data.startswith(before_kill), "the journal lost or changed acknowledged records across the kill"
-    records = pool.records()
-    begun = [r for r in records if r["kind"] == "rollout"]
-    assert len(begun) == 1, f"expected exactly one rollout, the journal has {len(begun)}\n{pool.diagnostics()}"
-    rollout = journaling.replay(records)[begun[0]["rollout"]["id"]]
-    outcome = machine.outcome(rollout)
-    assert outcome in (machine.Outcome.DONE, machine.Outcome.ROLLED_BACK), machine.describe(rollout)
-    decisions = [r for r in records if r["kind"] == "decision"]
-    killed_last = json.loads(before_kill.splitlines()[-1]) if before_kill else None
-    for d in decisions:
-        began = d["rollout"] == rollout.id
-        assert began or d == killed_last, f"decision {d['rollout']} neither began nor was cut by the kill"
+    rollout = the_one_rollout(pool, before_kill=before_kill)
+    assert rollout.kind is machine.Kind.RESTART, machine.describe(rollout)
     state = pool.state()["targets"]
     for p in rollout.progress:
         name = p.name
@@ -529,18 +557,8 @@ def check_live_invariants(pool: SimPool, *, pids: Mapping[str, int], before_kill
       the rollout ended done, the old one where it went back (the pool goes back together);
     - nothing drained.
     """
-    data = pool.journal_path.read_bytes()
-    assert data.startswith(before_kill), "the journal lost or changed acknowledged records across the kill"
-    records = pool.records()
-    begun = [r for r in records if r["kind"] == "rollout"]
-    assert len(begun) == 1, f"expected exactly one rollout, the journal has {len(begun)}\n{pool.diagnostics()}"
-    rollout = journaling.replay(records)[begun[0]["rollout"]["id"]]
+    rollout = the_one_rollout(pool, before_kill=before_kill)
     assert rollout.kind is machine.Kind.LIVE, machine.describe(rollout)
-    outcome = machine.outcome(rollout)
-    assert outcome in (machine.Outcome.DONE, machine.Outcome.ROLLED_BACK), machine.describe(rollout)
-    killed_last = json.loads(before_kill.splitlines()[-1]) if before_kill else None
-    for d in (r for r in records if r["kind"] == "decision"):
-        assert d["rollout"] == rollout.id or d == killed_last, f"decision {d['rollout']} neither began nor was cut"
     state = pool.state()["targets"]
     for p in rollout.progress:
         name = p.name

@@ -228,13 +228,15 @@ LIVE_FORWARD: Mapping[tuple[State, Event], State] = {
     # the pool goes back with a replica that went back (Rule 5): one that already took the values too
     **{(s, _E.WITH_THE_POOL): _S.PUTTING_BACK for s in (*_LIVE_ON_PATH, _S.DONE)},
 }
+# The live back leg: PUTTING_BACK takes REQUESTING's rows (it asks the same way), exits renamed.
+_LIVE_BACK_RENAMES: Mapping[State, State] = {
+    _S.VERIFYING: _S.ROLLED_BACK,  # acknowledged: the old values are back, nothing to verify
+    _S.PUTTING_BACK: _S.FAILED,  # a failure while putting back
+    _S.REQUESTING: _S.PUTTING_BACK,  # an interrupted put-back asks again
+}
 LIVE_BACK: Mapping[tuple[State, Event], State] = {
-    (_S.PUTTING_BACK, _E.ACKNOWLEDGED): _S.ROLLED_BACK,
-    (_S.PUTTING_BACK, _E.FAILED): _S.FAILED,
-    (_S.PUTTING_BACK, _E.CRASHED): _S.ROLLED_BACK,
-    (_S.PUTTING_BACK, _E.FOUND_DOWN): _S.ROLLED_BACK,
-    (_S.PUTTING_BACK, _E.INTERRUPTED): _S.PUTTING_BACK,
-    (_S.PUTTING_BACK, _E.LEFT): _S.LEFT,
+    (_S.PUTTING_BACK, e): _LIVE_BACK_RENAMES.get(t, t)
+    for (s, e), t in LIVE_FORWARD.items() if s is _S.REQUESTING and e is not _E.WITH_THE_POOL
 }
 TABLES: Mapping[tuple[Kind, Leg], Mapping[tuple[State, Event], State]] = {
     (Kind.RESTART, Leg.FORWARD): FORWARD, (Kind.RESTART, Leg.BACK): BACK,
@@ -430,7 +432,21 @@ def new(
 
 
 def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str = "") -> Rollout:
-    """Apply one event to one replica (Rule 1). Pure; replaying a journal calls exactly this."""
+    """Apply one event to one replica (Rule 1), and on a live rollout take the pool back with it (Rule 5).
+    Pure; replaying a journal calls exactly this."""
+    before = rollout.of(name)
+    after = _handle_one(rollout, name, event, now=now, reason=reason)
+    q = after.of(name)
+    went_back = before.leg is Leg.FORWARD and (q.leg is Leg.BACK or q.state is State.ROLLED_BACK)
+    if rollout.kind is Kind.LIVE and went_back:
+        why = f"put back with the pool: {name}: {q.reason}"
+        while (p := next((p for p in after.progress if p.leg is Leg.FORWARD and
+                          (p.state in IN_FLIGHT or p.state is State.DONE)), None)) is not None:
+            after = _handle_one(after, p.name, Event.WITH_THE_POOL, now=now, reason=why)
+    return after
+
+
+def _handle_one(rollout: Rollout, name: str, event: Event, *, now: float, reason: str) -> Rollout:
     p = rollout.of(name)
     # a live engine found down lost its values with its process: not a resume, a way back (Rule 5)
     resuming = event is Event.INTERRUPTED or (event is Event.FOUND_DOWN and rollout.kind is Kind.RESTART)
@@ -457,23 +473,10 @@ def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str
     elif event is Event.HEALTHY and p.started_at is not None:
         took = now - p.started_at
         measured = took if measured is None else max(measured, took)
-    elif event is Event.FOUND_DOWN and rollout.kind is Kind.LIVE:
-        q = dataclasses.replace(q, reason=reason or event.value)
+    elif event is Event.FOUND_DOWN and rollout.kind is Kind.LIVE:  # back on its startup values: halts the rest
+        q = dataclasses.replace(q, reason=reason or event.value, leg=Leg.BACK)
     progress = tuple(q if x.name == name else x for x in rollout.progress)
-    after = dataclasses.replace(rollout, progress=progress, measured_start_seconds=measured)
-    went_back = p.leg is Leg.FORWARD and (q.leg is Leg.BACK or q.state is State.ROLLED_BACK)
-    if rollout.kind is Kind.LIVE and went_back and event is not Event.WITH_THE_POOL:
-        after = _pool_goes_back(after, name, now=now, reason=q.reason)
-    return after
-
-
-def _pool_goes_back(rollout: Rollout, name: str, *, now: float, reason: str) -> Rollout:
-    """Rule 5: ``name`` went back, so does every other replica that took or is taking the new values."""
-    why = f"put back with the pool: {name}: {reason}"
-    for p in rollout.progress:
-        if p.name != name and p.leg is Leg.FORWARD and (p.state in IN_FLIGHT or p.state is State.DONE):
-            rollout = handle(rollout, p.name, Event.WITH_THE_POOL, now=now, reason=why)
-    return rollout
+    return dataclasses.replace(rollout, progress=progress, measured_start_seconds=measured)
 
 
 def failure_event(rollout: Rollout, name: str) -> Event:
