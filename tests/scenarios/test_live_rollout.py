@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tuner.actuators import base, fake
 from tuner.daemon import rolling
+from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Outcome, State
@@ -80,13 +81,8 @@ class Judge:
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
         self.observed[replica.name] = self.observed.get(replica.name, 0) + 1
 
-    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> rolling.Verdict:
-        @dataclass
-        class V:
-            ok: bool
-            reason: str
-
-        return V(replica.name not in self.bad, "p99 +40%" if replica.name in self.bad else "held")
+    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:
+        return verification.Verdict(replica.name not in self.bad, "p99 +40%" if replica.name in self.bad else "held")
 
 
 def driver(path: Path, clock: Clock, live: FakeLive, judge: Judge,

@@ -45,7 +45,7 @@ log = logging.getLogger("tuner.cycle")
 STEPS = ("collect", "step", "pool", "act")
 
 
-class Rollout(Protocol):
+class Dispatcher(Protocol):
     """Carries out a cycle's actions and the pool's change (apply mode). It must return between its
     steps once ``should_stop()`` is true (SIGTERM), leaving a state it can resume from. ``signals``:
     this cycle's signals of every replica, the baseline its verification compares against. It never
@@ -66,7 +66,7 @@ def run_cycle(
     settings: config.TunerSettings,
     collectors: Sequence[Collecting],
     rules: Sequence[Rule] = (),
-    rollout: Rollout | None = None,
+    rollout: Dispatcher | None = None,
     maintenance: MaintenanceWindows | None = None,
     metrics: selfmetrics.TunerMetrics | None = None,
     gatherer: Gatherer | None = None,

@@ -36,20 +36,13 @@ from typing import Protocol
 from tuner.actuators import base
 from tuner.errors import ActuatorError, PermanentActuatorError, TemporaryActuatorError
 from tuner.model import live
+from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Event, Step
 from tuner.sources import engines
 
 log = logging.getLogger("tuner.rollout")
-
-class Verdict(Protocol):
-    @property
-    def ok(self) -> bool: ...
-
-    @property
-    def reason(self) -> str: ...
-
 
 class Verifier(Protocol):
     """Judges a replica after its change (``tuner.daemon.verifying.SignalVerifier`` against the engine).
@@ -58,7 +51,7 @@ class Verifier(Protocol):
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
         """Called at every poll inside the window (e.g. scrape the engine)."""
 
-    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> Verdict:
+    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:
         """At the deadline: did the change hold up against the baseline? ``reason`` says why."""
 
 Confirmer = Callable[[base.Replica, Sequence[str]], "str | None"]
@@ -313,7 +306,7 @@ class RolloutDriver:
                 if action.step is Step.ADMIT and self._admission is not None and action.replica is not None:
                     why = self._admission(rollout, action.replica)
                     if why:
-                        action = machine.Action(Step.HOLD, action.replica, reason=why)
+                        action = machine.Instruction(Step.HOLD, action.replica, reason=why)
                 if action.step is Step.HOLD:
                     held = self._hold(rollout, action)
                     if held is not rollout:
@@ -420,7 +413,7 @@ class RolloutDriver:
 
     # --- one step ----------------------------------------------------------------------------------
 
-    def _hold(self, rollout: machine.Rollout, action: machine.Action) -> machine.Rollout:
+    def _hold(self, rollout: machine.Rollout, action: machine.Instruction) -> machine.Rollout:
         """Rule 2 blocks the next replica: wait, and abort after ``hold_timeout_seconds``."""
         now = self._clock()
         if self._waits.hold_since is None:
@@ -433,7 +426,7 @@ class RolloutDriver:
             return self._abort(rollout, f"held for over {self._hold_timeout:g}s: {action.reason}")
         return rollout
 
-    def _execute(self, rollout: machine.Rollout, action: machine.Action) -> tuple[Event, str] | None:
+    def _execute(self, rollout: machine.Rollout, action: machine.Instruction) -> tuple[Event, str] | None:
         """Carry out one step; the event it ended in, or None while a wait goes on."""
         if action.step is Step.ADMIT:
             return Event.GO, ""
@@ -453,7 +446,7 @@ class RolloutDriver:
             return machine.failure_event(rollout, replica.name), str(exc)
 
     def _act(
-        self, rollout: machine.Rollout, replica: base.Replica, action: machine.Action
+        self, rollout: machine.Rollout, replica: base.Replica, action: machine.Instruction
     ) -> tuple[Event, str] | None:
         name, step, now = replica.name, action.step, self._clock()
         if step is Step.DRAIN:
@@ -525,7 +518,7 @@ class RolloutDriver:
                 (Event.FAILED, f"worse than before: {verdict.reason}")
         raise AssertionError(f"no handler for step {step}")
 
-    def _request(self, rollout: machine.Rollout, replica: base.Replica, action: machine.Action,
+    def _request(self, rollout: machine.Rollout, replica: base.Replica, action: machine.Instruction,
                  now: float) -> tuple[Event, str] | None:
         """Live (machine Rule 5): hand this leg's values over once, then poll for the acknowledgement."""
         assert action.values is not None and action.seq is not None and action.deadline is not None
@@ -553,7 +546,7 @@ class RolloutDriver:
         return None
 
     def _wait_idle(
-        self, replica: base.Replica, status: base.ReplicaStatus, action: machine.Action, now: float
+        self, replica: base.Replica, status: base.ReplicaStatus, action: machine.Instruction, now: float
     ) -> tuple[Event, str] | None:
         assert action.deadline is not None
         if status.state is not base.State.RUNNING:

@@ -38,7 +38,7 @@ log = logging.getLogger("tuner.run")
 
 
 class Applying:
-    """``cycle.Rollout``, the dispatcher: takes a cycle's actions (keep-warm, sleep, wake, a GPU power cap)
+    """``cycle.Dispatcher``: takes a cycle's actions (keep-warm, sleep, wake, a GPU power cap)
     and hands the pool's change to the one rollout machine — a restart or a live change, the same
     driver, journal and recovery — then advances the rollout in flight a step at a time (at every cycle
     and between cycles: ``advance``) and books it once it finished. It decides nothing: the change

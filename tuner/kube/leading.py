@@ -184,7 +184,7 @@ class Leader:
             self.settings, self.state, self.client, actuator=acting.KubeActuator(self.pool),
             drainer=acting.KubeDrainer(self.pool), journal=journal, kind=self.k.engine_kind, stop_event=stop,
             server_load=lambda: self._tracked, drains=True, control_dir=lambda name: None,
-            admission=acting.Admission(self.api, self.k, allow_downtime=r.allow_downtime),
+            admission=acting.DisruptionCheck(self.api, self.k, allow_downtime=r.allow_downtime),
             departed=acting.departed(self.api))
 
     def _track(self, targets: Sequence[config.Target], keep: Sequence[str] = ()) -> None:

@@ -326,7 +326,7 @@ class Progress:
 
 
 @dataclass(frozen=True, slots=True)
-class Action:
+class Instruction:
     step: Step
     replica: str | None = None
     argv: Argv | None = None  # START / CONFIRM_ARGS: this leg's arguments
@@ -491,7 +491,7 @@ def abort(rollout: Rollout, reason: str) -> Rollout:
     return dataclasses.replace(rollout, aborted=reason)
 
 
-def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tuple[Action, ...]:
+def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tuple[Instruction, ...]:
     """What to do now: one action per replica in flight, then at most one ADMIT (or a HOLD).
 
     ``healthy``: replicas whose engine answered /health at the driver's last probe. Whether they are
@@ -507,47 +507,47 @@ def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tu
         return tuple(actions)
     candidate = pending[0].name
     if rollout.kind is Kind.LIVE:  # Rule 5: nothing leaves the pool
-        return (*actions, Action(Step.ADMIT, candidate))
+        return (*actions, Instruction(Step.ADMIT, candidate))
     present = set(rollout.replicas) - {p.name for p in rollout.progress if p.state is State.LEFT}  # Rule 4
     out_of_pool = {p.name for p in rollout.progress if p.state in IN_FLIGHT or p.state is State.FAILED}
     serving = (healthy & present) - out_of_pool
     unavailable = (present - serving) | {candidate}
     if len(unavailable) > limits.max_unavailable:
         busy = sorted(unavailable - {candidate})
-        actions.append(Action(Step.HOLD, candidate, reason=(
+        actions.append(Instruction(Step.HOLD, candidate, reason=(
             f"{candidate} waits: {', '.join(busy)} not serving yet (max_unavailable={limits.max_unavailable})"
         )))
     elif not (serving - {candidate}) and not limits.allow_downtime:
-        actions.append(Action(Step.HOLD, candidate, reason=(
+        actions.append(Instruction(Step.HOLD, candidate, reason=(
             f"{candidate} waits: it is the last serving replica (set rollout.allow_downtime to restart it "
             "anyway, inside a maintenance window)"
         )))
     else:
-        actions.append(Action(Step.ADMIT, candidate))
+        actions.append(Instruction(Step.ADMIT, candidate))
     return tuple(actions)
 
 
-def _action_for(rollout: Rollout, p: Progress, limits: Limits) -> Action:
+def _action_for(rollout: Rollout, p: Progress, limits: Limits) -> Instruction:
     step = _STEP_OF[p.state]
     since = p.since if p.since is not None else rollout.created_at
     if step is Step.WAIT_IDLE:
-        return Action(step, p.name, deadline=since + limits.idle_timeout_seconds)
+        return Instruction(step, p.name, deadline=since + limits.idle_timeout_seconds)
     if step is Step.STOP:
-        return Action(step, p.name, timeout_seconds=limits.stop_timeout_seconds,
+        return Instruction(step, p.name, timeout_seconds=limits.stop_timeout_seconds,
                       force_after_seconds=limits.force_after_seconds)
     if step in (Step.START, Step.CONFIRM_ARGS):
-        return Action(step, p.name, argv=rollout.argv_for(p.name))
+        return Instruction(step, p.name, argv=rollout.argv_for(p.name))
     if step is Step.WAIT_HEALTHY:
         wait = limits.health_wait_seconds(rollout.measured_start_seconds)
-        return Action(step, p.name, deadline=since + wait)
+        return Instruction(step, p.name, deadline=since + wait)
     if step is Step.WARM:
-        return Action(step, p.name, count=limits.warmup_requests)
+        return Instruction(step, p.name, count=limits.warmup_requests)
     if step is Step.VERIFY:
-        return Action(step, p.name, deadline=since + limits.verify_seconds)
+        return Instruction(step, p.name, deadline=since + limits.verify_seconds)
     if step is Step.REQUEST:
-        return Action(step, p.name, values=rollout.values_for(p.name), deadline=since + limits.ack_timeout_seconds,
+        return Instruction(step, p.name, values=rollout.values_for(p.name), deadline=since + limits.ack_timeout_seconds,
                       seq=int(since * 1000) % (2 ** 31))
-    return Action(step, p.name)
+    return Instruction(step, p.name)
 
 
 def outcome(rollout: Rollout) -> Outcome:
