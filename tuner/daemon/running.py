@@ -20,7 +20,18 @@ from typing import Any
 from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
-from tuner.daemon import collecting, cycle, logs, notify, results, rolling, scheduling, selfmetrics, verifying
+from tuner.daemon import (
+    collecting,
+    cycle,
+    logs,
+    notify,
+    results,
+    rolling,
+    scheduling,
+    selfmetrics,
+    verifying,
+    views,
+)
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
 from tuner.errors import PermanentActuatorError, StorageError, TunerError
@@ -323,6 +334,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             return
         if outcome is not None:
             state.rollout_state = dict(outcome.state)
+            views.count_finished(metrics, outcome)
 
     if once:
         result = step()

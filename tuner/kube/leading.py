@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import collecting, cycle, running, scheduling, selfmetrics
+from tuner.daemon import collecting, cycle, running, scheduling, selfmetrics, views
 from tuner.daemon.state import TunerState
 from tuner.kube import acting
 from tuner.kube import store as store_mod
@@ -113,6 +113,8 @@ class Leader:
                     outcome = self.applying.advance()
                     if outcome is not None:
                         self.state.rollout_state = dict(outcome.state)
+                        if self.metrics is not None:
+                            views.count_finished(self.metrics, outcome)
                 except store_mod.Deposed:
                     raise
                 except Exception:  # the journal holds the rollout: the next cycle takes it up again
