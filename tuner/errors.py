@@ -5,12 +5,20 @@
     TunerError
     ├── ConfigError            bad configuration or rule file; the CLI exits 2
     │   └── StorageError       the tuner's own state or journal cannot be written at start
+    ├── StartError             (cli) ``run`` cannot start for a reason outside the configuration; exit 2
     ├── SourceError            a scrape or read failed; no decision from that window (transient)
-    └── ActuatorError          an actuator could not act
-        ├── TemporaryActuatorError(delay=)   try again after ``delay`` seconds
-        └── PermanentActuatorError           do not retry; a human must look
+    ├── ActuatorError          an actuator could not act
+    │   ├── TemporaryActuatorError(delay=)   try again after ``delay`` seconds
+    │   └── PermanentActuatorError           do not retry; a human must look
+    ├── JournalError           (rollout.journal) the journal cannot be read back consistently
+    ├── JournalWriteError      (rollout.journal) a record could not be made durable; nothing of it is left
+    ├── LockedError            (rollout.locks) another process holds the state's lock
+    ├── ApiError               (kube.api) a request to the Kubernetes API server failed (``code``)
+    └── Deposed                (kube.store) a newer leader wrote to the pool's ConfigMap
 
-A guard that says "no" is a ``Verdict`` value, never an exception. Each exception builds its
+Each lives beside the code that raises it (the module in parentheses; the rest here);
+``tests/unit/test_errors.py`` holds that this tree names every one. A guard that says "no" is a
+``Verdict`` value, never an exception. Each exception builds its
 message from its fields and keeps them, so callers can inspect ``err.path`` or ``err.url``.
 """
 

@@ -19,6 +19,7 @@ Every wait has a deadline; nothing asserts on wall-clock time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -29,9 +30,11 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,6 +47,7 @@ from tests.support import waiting
 from tests.support.ports import free_port
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.sources import live_knobs
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
@@ -245,6 +249,7 @@ class SimPool:
     state_dir: Path | None = None  # where state.json (and the journal) live (default: work; a test may mount one)
     journal_dir: Path | None = None  # where the journal lives (default: state_dir)
     upstream_file: Path | None = None  # drained through real nginx (this include file) instead of the balancer
+    live_cap: int | None = None  # live knobs on: the engines start with their admission cap at this, inside max_num_seqs
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -269,6 +274,15 @@ class SimPool:
     @property
     def engines_dir(self) -> Path:
         return self.work / "engines"
+
+    def live_dir(self, name: str) -> Path:
+        return self.work / "live" / name
+
+    def live_cap_of(self, name: str) -> int | None:
+        """The admission cap every engine core of ``name`` acknowledged last (None: no acknowledgement)."""
+        acks = live_knobs.read_acks(self.live_dir(name))
+        caps = {a.effective.get("max_num_active_seqs") for a in acks}
+        return caps.pop() if len(caps) == 1 else None
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
@@ -304,6 +318,9 @@ class SimPool:
                         "journal_file": str(self.journal_path)},
             "daemon": {"listen_port": self.listen_port, "state_file": str(self.state_path)},
         }
+        if self.live_cap is not None:
+            cfg["live"] = {"enabled": True, "control_dir": str(self.work / "live" / "{name}"),
+                           "ack_timeout_seconds": 10}
         for dotted, value in overrides.items():
             *path, last = dotted.split(".")
             node = cfg
@@ -314,6 +331,10 @@ class SimPool:
 
     def write_config(self, **overrides: Any) -> Path:
         self.config_path.write_text(json.dumps(self.config(**overrides), indent=1))
+        if self.live_cap is not None:  # the bad start: the cap below what the engine was started with
+            for name in self.names:
+                live_knobs.write_request(live_knobs.prepare_control_dir(self.live_dir(name)), 1,
+                                         max_num_active_seqs=self.live_cap)
         return self.config_path
 
     # -- running ----------------------------------------------------------------------------------
@@ -457,6 +478,42 @@ def sim_pool(work: Path, **kwargs: Any) -> Iterator[SimPool]:
 # --- the invariants ----------------------------------------------------------------------------------
 
 
+def the_one_rollout(pool: SimPool, *, before_kill: bytes = b"") -> machine.Rollout:
+    """Acknowledged = durable (the journal still begins with every byte it held at the kill); one rollout
+    began and finished; no decision was lost (each one began it or was the last record before the kill)."""
+    data = pool.journal_path.read_bytes()
+    assert data.startswith(before_kill), "the journal lost or changed acknowledged records across the kill"
+    records = pool.records()
+    begun = [r for r in records if r["kind"] == "rollout"]
+    assert len(begun) == 1, f"expected exactly one rollout, the journal has {len(begun)}\n{pool.diagnostics()}"
+    rollout = journaling.replay(records)[begun[0]["rollout"]["id"]]
+    outcome = machine.outcome(rollout)
+    assert outcome in (machine.Outcome.DONE, machine.Outcome.ROLLED_BACK), machine.describe(rollout)
+    killed_last = json.loads(before_kill.splitlines()[-1]) if before_kill else None
+    for d in (r for r in records if r["kind"] == "decision"):
+        assert d["rollout"] == rollout.id or d == killed_last, f"decision {d['rollout']} neither began nor was cut"
+    return rollout
+
+
+def every_kill_point(n: int, kill_at: Callable[[int], str], *, parallel: int) -> Counter[str]:
+    """``kill_at(k)`` for every k in 1..n, ``parallel`` at a time (each is mostly waiting); the outcomes.
+    Every broken kill point is collected and reported, not just the first."""
+    outcomes: Counter[str] = Counter()
+    failures: dict[int, str] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as runs:
+        futures = {runs.submit(kill_at, k): k for k in range(1, n + 1)}
+        for future in concurrent.futures.as_completed(futures):
+            k = futures[future]
+            try:
+                outcomes[future.result()] += 1
+            except Exception as exc:
+                failures[k] = "".join(traceback.format_exception_only(exc)).strip()[:3000]
+    report = "\n\n".join(f"k={k}: {why}" for k, why in sorted(failures.items()))
+    assert not failures, f"{len(failures)} of {n} kill points broke a promise:\n{report}"
+    assert sum(outcomes.values()) == n and set(outcomes) <= {"done", "rolled_back"}, outcomes
+    return outcomes
+
+
 def check_invariants(pool: SimPool, *, before_kill: bytes = b"") -> machine.Rollout:
     """The promises after a fault, checked from the outside; the rollout (finished) they hold for.
 
@@ -469,19 +526,8 @@ def check_invariants(pool: SimPool, *, before_kill: bytes = b"") -> machine.Roll
       tuner owns: the new arguments where the rollout ended done, the old ones where it rolled back;
     - nothing left drained: the balancer has every replica in service, every engine answers /health.
     """
-    data = pool.journal_path.read_bytes()
-    assert data.startswith(before_kill), "the journal lost or changed acknowledged records across the kill"
-    records = pool.records()
-    begun = [r for r in records if r["kind"] == "rollout"]
-    assert len(begun) == 1, f"expected exactly one rollout, the journal has {len(begun)}\n{pool.diagnostics()}"
-    rollout = journaling.replay(records)[begun[0]["rollout"]["id"]]
-    outcome = machine.outcome(rollout)
-    assert outcome in (machine.Outcome.DONE, machine.Outcome.ROLLED_BACK), machine.describe(rollout)
-    decisions = [r for r in records if r["kind"] == "decision"]
-    killed_last = json.loads(before_kill.splitlines()[-1]) if before_kill else None
-    for d in decisions:
-        began = d["rollout"] == rollout.id
-        assert began or d == killed_last, f"decision {d['rollout']} neither began nor was cut by the kill"
+    rollout = the_one_rollout(pool, before_kill=before_kill)
+    assert rollout.kind is machine.Kind.RESTART, machine.describe(rollout)
     state = pool.state()["targets"]
     for p in rollout.progress:
         name = p.name
@@ -499,6 +545,34 @@ def check_invariants(pool: SimPool, *, before_kill: bytes = b"") -> machine.Roll
     for name in pool.names:
         st = pool.engine_state(name)
         assert st is not None and not st["drained"], f"{name}: engine state {st}"
+    return rollout
+
+
+def check_live_invariants(pool: SimPool, *, pids: Mapping[str, int], before_kill: bytes = b"") -> machine.Rollout:
+    """The promises after a fault in a live change (machine Rule 5); the rollout (finished) they hold for.
+
+    - acknowledged = durable, one rollout (a live one) that finished, no decision lost (as above);
+    - nothing restarted: every engine is the process it was before the fault (``pids``), on the command
+      line the tuner owns, which the live change left untouched, and no restart is booked;
+    - the pool runs what the rollout says: every engine core's acknowledged cap is the new value where
+      the rollout ended done, the old one where it went back (the pool goes back together);
+    - nothing drained.
+    """
+    rollout = the_one_rollout(pool, before_kill=before_kill)
+    assert rollout.kind is machine.Kind.LIVE, machine.describe(rollout)
+    state = pool.state()["targets"]
+    for p in rollout.progress:
+        name = p.name
+        assert (pool.pidfile(name) or {}).get("pid") == pids[name], f"{name} was restarted\n{pool.diagnostics()}"
+        owned = state[name]["args"]
+        assert pool.live_argv(name) == owned and tuple(owned) == rollout.old_argv[name], (
+            f"{name} runs {pool.live_argv(name)}, owns {owned}: a live change leaves the command line as it is")
+        assert state[name]["history"].get("restarts", []) == [], f"{name}: a restart booked for a live change"
+        values = rollout.new_values if p.state is machine.State.DONE else rollout.old_values
+        assert pool.live_cap_of(name) == values[name]["max_num_seqs"], (
+            f"{name} ({p.state.value}) runs cap {pool.live_cap_of(name)}, expected {values[name]}\n{pool.diagnostics()}")
+    drained = pool.drained()
+    assert not drained, f"left drained in the load balancer: {sorted(drained)}"
     return rollout
 
 

@@ -14,10 +14,7 @@ The kill points run four at a time (``FAULTS_PARALLEL``): each is mostly waiting
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-import traceback
-from collections import Counter
 from pathlib import Path
 
 from tests.faults import support
@@ -61,17 +58,5 @@ def test_a_tuner_killed_at_every_record_boundary_of_a_rollout_keeps_every_promis
     assert machine.outcome(reference) is machine.Outcome.DONE, machine.describe(reference)
     assert n >= 22  # decision, rollout, 10 transitions per replica
 
-    outcomes: Counter[str] = Counter()
-    failures: dict[int, str] = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool_of_runs:
-        futures = {pool_of_runs.submit(kill_at, tmp_path / f"k{k:02d}", k): k for k in range(1, n + 1)}
-        for future in concurrent.futures.as_completed(futures):
-            k = futures[future]
-            try:
-                outcomes[future.result()] += 1
-            except Exception as exc:  # collect every broken kill point, not just the first
-                failures[k] = "".join(traceback.format_exception_only(exc)).strip()[:3000]
-    report = "\n\n".join(f"k={k}: {why}" for k, why in sorted(failures.items()))
-    assert not failures, f"{len(failures)} of {n} kill points broke a promise:\n{report}"
-    assert sum(outcomes.values()) == n and set(outcomes) <= {"done", "rolled_back"}, outcomes
+    outcomes = support.every_kill_point(n, lambda k: kill_at(tmp_path / f"k{k:02d}", k), parallel=PARALLEL)
     print(f"kill points survived: {n} of {n} ({dict(outcomes)})")

@@ -170,7 +170,7 @@ def test_pods_and_the_pdb_as_the_leader_sees_them(api: kapi.KubeApi, kube: fk.Fa
     kube.set_ready("vllm-b", False)
     assert api.disruptions_allowed() == 0
     k = settings(kube, Path(api.settings.token_file).parent)
-    admission = __import__("tuner.kube.acting", fromlist=["Admission"]).Admission(api, k)
+    admission = __import__("tuner.kube.acting", fromlist=["DisruptionCheck"]).DisruptionCheck(api, k)
     assert "not Ready" in admission(None, "vllm-a")  # vllm-b is out already: a second one would be too many
     kube.set_ready("vllm-b", True)
     assert admission(None, "vllm-a") is None

@@ -20,6 +20,7 @@ from tuner import config
 from tuner.daemon import collecting
 from tuner.signals import engine as engine_signals
 from tuner.sim import engine as sim
+from tuner.sim import metrics as sim_metrics
 from tuner.sources.engines import EngineClient
 
 VLLM_ARGS = ["--max-num-seqs", "8", "--max-model-len", "4096", "--gpu-memory-utilization", "0.85"]
@@ -114,16 +115,16 @@ def test_exposition_speaks_vllm_0_32(queued: sim.SimServer, http: httpx.Client) 
     def bounds(family: str) -> list[float]:
         return [float(s.labels["le"]) for s in families[family].samples if s.name == f"{family}_bucket"]
 
-    assert bounds("vllm:e2e_request_latency_seconds")[:-1] == list(sim.REQUEST_LATENCY_BUCKETS)
-    assert bounds("vllm:request_queue_time_seconds")[:-1] == list(sim.REQUEST_LATENCY_BUCKETS)
-    assert bounds("vllm:time_to_first_token_seconds")[:-1] == list(sim.TIME_TO_FIRST_TOKEN_BUCKETS)
-    assert bounds("vllm:inter_token_latency_seconds")[:-1] == list(sim.INTER_TOKEN_LATENCY_BUCKETS)
+    assert bounds("vllm:e2e_request_latency_seconds")[:-1] == list(sim_metrics.REQUEST_LATENCY_BUCKETS)
+    assert bounds("vllm:request_queue_time_seconds")[:-1] == list(sim_metrics.REQUEST_LATENCY_BUCKETS)
+    assert bounds("vllm:time_to_first_token_seconds")[:-1] == list(sim_metrics.TIME_TO_FIRST_TOKEN_BUCKETS)
+    assert bounds("vllm:inter_token_latency_seconds")[:-1] == list(sim_metrics.INTER_TOKEN_LATENCY_BUCKETS)
     # request-token buckets: 1-2-5 capped at --max-model-len (4096)
     assert bounds("vllm:request_prompt_tokens")[:-1] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
     assert bounds("vllm:request_params_max_tokens")[:-1] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
-    assert sim.build_1_2_5_buckets(32768)[-1] == 20000  # engine-contract.md §1.2's example
+    assert sim_metrics.build_1_2_5_buckets(32768)[-1] == 20000  # engine-contract.md §1.2's example
     info = families["vllm:cache_config_info"].samples[0].labels
-    assert set(info) == {*sim.CACHE_CONFIG_KEYS, "engine"}
+    assert set(info) == {*sim_metrics.CACHE_CONFIG_KEYS, "engine"}
     assert info["block_size"] == "16" and info["gpu_memory_utilization"] == "0.85"
     assert info["enable_prefix_caching"] == "True" and info["num_gpu_blocks"] == "53586"  # evidence: 53,586
     assert "vllm:gpu_cache_usage_perc" not in text  # removed in 0.32 (engine-contract.md §1.4)

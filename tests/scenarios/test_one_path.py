@@ -49,6 +49,8 @@ class Recording:
 class Booking:
     """The rollout as `replay` assumes it: every change goes out at once and is booked as ok."""
 
+    busy = False  # books every change at once: never a rollout in flight
+
     def __init__(self, state: TunerState) -> None:
         self.state = state
 

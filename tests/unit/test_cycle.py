@@ -87,6 +87,7 @@ class FakeRollout:
     state: TunerState | None = None
     calls: list[tuple[tuple[tuple[str, Action], ...], pooling.PoolChange | None]] = field(default_factory=list)
     result: str = "ok"
+    busy: bool = False  # books every change at once: never a rollout in flight
 
     def __call__(self, actions: Sequence[tuple[str, Action]], change: pooling.PoolChange | None, *, now: float,
                  signals: Mapping[str, Any], should_stop: Callable[[], bool]) -> RolloutOutcome:
@@ -279,6 +280,8 @@ def test_failures_become_part_of_the_line_not_exceptions(monkeypatch: pytest.Mon
     h.collectors[1].fail = "cannot connect: [Errno 111] Connection refused"
 
     class Broken:
+        busy = False
+
         def __call__(self, actions: Any, change: Any, **kwargs: Any) -> RolloutOutcome:
             raise RuntimeError("actuator exploded")
 

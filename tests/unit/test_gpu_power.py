@@ -49,7 +49,7 @@ def test_throttle_caps_then_clearing_restores_as_plan_actions():
     (cap,) = hot.actions
     assert cap.kind == "power-cap" and "thermal throttling" in cap.reason
     assert hot.history.power_capped and "power-cap (" in hot.summary()
-    lines = control.apply(cap=True, reason=cap.reason)
+    lines = control.apply(cap=True, reason=cap.reason).lines
     # clamped to the board's lower constraint (200 W), on both configured GPUs
     assert [c[2] for c in fake.privileged_calls] == [(200_000,), (200_000,)]
     assert "200 W" in lines[0]
@@ -78,5 +78,6 @@ def test_missing_data_changes_nothing():
 def test_no_permission_is_reported_not_raised():
     fake = FakeNvml([FakeGpu()], privileged=False)
     control = gpu_power.GpuPowerControl(enabled=True, devices=[0], power_limit_w=400, nvml=fake)
-    (line,) = control.apply(cap=True, reason="hot")
-    assert "unchanged" in line
+    result = control.apply(cap=True, reason="hot")
+    (line,) = result.lines
+    assert "unchanged" in line and result.errors == (line,)

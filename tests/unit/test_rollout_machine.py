@@ -101,14 +101,13 @@ def test_unknown_transition_is_an_error_naming_what_is_allowed() -> None:
         machine.handle(r, "zz", E.GO, now=99)
 
 
+@pytest.mark.parametrize("kind", list(machine.Kind))
 @pytest.mark.parametrize(("state", "event"), [(s, e) for s in State for e in Event])
-def test_the_table_is_the_only_way_states_change(state: State, event: Event) -> None:
-    r = make()
+def test_the_table_is_the_only_way_states_change(state: State, event: Event, kind: machine.Kind) -> None:
+    r = make() if kind is machine.Kind.RESTART else make_live()
     r = r.__class__(**{**{f: getattr(r, f) for f in r.__dataclass_fields__},
                        "progress": (machine.Progress("a", state=state), r.of("b"))})
-    target = machine.FORWARD.get((state, event))
-    if event is E.INTERRUPTED and target is not None:
-        target = machine.FORWARD[(state, event)]
+    target = machine.TABLES[kind, machine.Leg.FORWARD].get((state, event))
     if target is None:
         with pytest.raises(machine.RolloutError):
             machine.handle(r, "a", event, now=5)
@@ -318,3 +317,87 @@ def test_a_replica_that_left_counts_no_more_for_availability() -> None:
     assert [a.step for a in machine.next_actions(r, now=0, healthy=healthy)] == [Step.HOLD]
     r = machine.handle(r, "b", E.LEFT, now=1)
     assert [(a.step, a.replica) for a in machine.next_actions(r, now=1, healthy=healthy)] == [(Step.ADMIT, "a")]
+
+
+# --- Rule 5: the live path ---------------------------------------------------------------------------
+
+
+def make_live(names: tuple[str, ...] = ("a", "b"), **limits: object) -> machine.Rollout:
+    return machine.new("l1", replicas=names, changes=dict.fromkeys(names, (OLD, NEW)),
+                       live=dict.fromkeys(names, ({"max_num_seqs": 8}, {"max_num_seqs": 32})),
+                       limits=machine.Limits(**limits), now=0.0)  # type: ignore[arg-type]
+
+
+def test_a_live_change_asks_every_replica_at_once_and_verifies_without_a_restart() -> None:
+    r = make_live(ack_timeout_seconds=20, verify_seconds=30)
+    assert r.kind is machine.Kind.LIVE
+    assert steps(r, set()) == [(Step.ADMIT, "a")]  # nothing leaves the pool: no availability rule
+    r = machine.handle(r, "a", E.GO, now=1.5)
+    assert steps(r, set()) == [(Step.REQUEST, "a"), (Step.ADMIT, "b")]
+    (request, _) = machine.next_actions(r, now=2, healthy=frozenset())
+    assert (request.values, request.deadline, request.seq) == ({"max_num_seqs": 32}, 21.5, 1500)
+    r = machine.handle(r, "b", E.GO, now=2)
+    for name in ("a", "b"):
+        r = drive(r, name, (E.ACKNOWLEDGED,), now=3)
+    assert steps(r, set()) == [(Step.VERIFY, "a"), (Step.VERIFY, "b")]
+    r = drive(r, "a", (E.VERIFIED,), now=40)
+    r = drive(r, "b", (E.VERIFIED,), now=40)
+    assert machine.outcome(r) is Outcome.DONE
+    assert machine.describe(r) == "rollout l1 done: a=done b=done"
+
+
+def test_a_live_replica_that_goes_back_takes_the_pool_with_it() -> None:
+    r = make_live(("a", "b", "c"))
+    r = drive(r, "a", (E.GO, E.ACKNOWLEDGED, E.VERIFIED))
+    r = drive(r, "b", (E.GO, E.ACKNOWLEDGED))
+    r = machine.handle(r, "b", E.FAILED, now=9, reason="worse than before: p99")
+    assert [(p.name, p.state, p.leg) for p in r.progress] == [
+        ("a", State.PUTTING_BACK, Leg.BACK), ("b", State.PUTTING_BACK, Leg.BACK), ("c", State.PENDING, Leg.FORWARD)]
+    assert r.of("a").reason == "put back with the pool: b: worse than before: p99"
+    assert steps(r, {"a", "b", "c"}) == [(Step.REQUEST, "a"), (Step.REQUEST, "b")]  # halted: c stays
+    assert r.values_for("a") == {"max_num_seqs": 8}
+    r = drive(r, "a", (E.ACKNOWLEDGED,), now=10)
+    r = machine.handle(r, "b", E.FAILED, now=11, reason="not acknowledged")
+    assert machine.outcome(r) is Outcome.FAILED
+    assert not any(p.bad_args for p in r.progress)  # live values never mark the command line bad
+
+
+@pytest.mark.parametrize(("at", "event", "state"), [
+    ((E.GO,), E.INTERRUPTED, State.REQUESTING),  # ask again: idempotent
+    ((E.GO, E.ACKNOWLEDGED), E.INTERRUPTED, State.REQUESTING),  # ask again and verify anew
+    ((E.GO, E.ACKNOWLEDGED), E.FOUND_DOWN, State.ROLLED_BACK),  # the engine lost its values with its process
+    ((E.GO, E.ACKNOWLEDGED), E.CRASHED, State.ROLLED_BACK),
+    ((E.GO, E.FAILED), E.INTERRUPTED, State.PUTTING_BACK),
+    ((E.GO, E.FAILED), E.FOUND_DOWN, State.ROLLED_BACK),
+])
+def test_rule3_on_the_live_path(at: tuple[Event, ...], event: Event, state: State) -> None:
+    r = machine.handle(drive(make_live(("a",)), "a", at), "a", event, now=50)
+    assert r.of("a").state is state
+
+
+def test_rule3_a_second_interruption_of_a_live_change_puts_it_back() -> None:
+    r = drive(make_live(("a",)), "a", (E.GO, E.INTERRUPTED, E.ACKNOWLEDGED, E.INTERRUPTED))
+    assert (r.of("a").state, r.of("a").leg) == (State.PUTTING_BACK, Leg.BACK)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([e for e in Event if e is not E.GO])), max_size=60))
+def test_whatever_happens_a_live_pool_never_keeps_values_one_replica_put_back(moves: list[tuple[int, Event]]) -> None:
+    names = ("a", "b", "c")
+    r = make_live(names)
+    # GO only ever comes from an ADMIT action (the driver's contract); every other event may come any time.
+    for t, (i, event) in enumerate(moves):
+        for action in machine.next_actions(r, now=t, healthy=frozenset()):
+            if action.step is Step.ADMIT:
+                assert action.replica is not None
+                r = machine.handle(r, action.replica, E.GO, now=t)
+        try:
+            r = machine.handle(r, names[i], event, now=t)
+        except machine.RolloutError:
+            continue
+        back = [p for p in r.progress if p.leg is Leg.BACK or p.state is State.ROLLED_BACK]
+        if back:
+            kept = [p.name for p in r.progress if p.leg is Leg.FORWARD and
+                    (p.state in machine.IN_FLIGHT or p.state is State.DONE)]
+            assert not kept, machine.describe(r)
+    assert machine.outcome(r) is not Outcome.DONE or all(p.state in (State.DONE, State.LEFT) for p in r.progress)

@@ -4,8 +4,12 @@ changes nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tuner import config
 from tuner.daemon import running
@@ -14,6 +18,7 @@ from tuner.model import knobs
 from tuner.planning.history import Change
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Event
+from tuner.rules.schema import Verify
 
 OLD, NEW = ("--max-num-seqs", "4"), ("--max-num-seqs", "8")
 CHANGE = Change(flag="--max-num-seqs", knob="max_num_seqs", from_value=4, to_value=8, rule="r", reason="why",
@@ -28,8 +33,8 @@ def applying(tmp_path: Path) -> running.Applying:
         for n, p in (("a", 8001), ("b", 8002))]})
     state = TunerState.fresh(settings.targets, path=tmp_path / "state.json")
     driver = SimpleNamespace(restored=lambda rollout: rollout)  # booking reads nothing else of the driver
-    return running.Applying(settings, state, driver=driver, client=None, replicas={},  # type: ignore[arg-type]
-                            journal=journal.Journal(tmp_path / "j.jsonl"), clock=lambda: 1000.0)
+    return running.Applying(settings, state, driver=driver, client=None,  # type: ignore[arg-type]
+                            journal=journal.Journal(tmp_path / "j.jsonl"), kind="vllm", clock=lambda: 1000.0)
 
 
 def rollout_with_a_done() -> machine.Rollout:
@@ -125,3 +130,19 @@ def test_a_state_that_does_not_say_what_it_booked_takes_the_journal_as_booked(tm
     assert ap.state.booked_rollout == "r1" and ap.state.args["a"].argv() == list(OLD)
     assert ap.state.history("a").restarts == ()
     ap.journal.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.builds(
+    Change, flag=st.just("--max-num-seqs"), knob=st.just("max_num_seqs"), from_value=st.integers(1, 4096),
+    to_value=st.integers(1, 4096), rule=st.text(min_size=1, max_size=8), reason=st.text(max_size=20),
+    direction=st.sampled_from([-1, 1]), adds_load=st.booleans(), experimental=st.booleans(), live=st.booleans(),
+    verify=st.lists(st.one_of(
+        st.builds(Verify, signal=st.sampled_from(["itl_mean_s", "ttft_p95_s"]), expect=st.just("no-increase"),
+                  tolerance=st.floats(0, 1)),
+        st.builds(Verify, signal=st.just("itl_mean_s"), expect=st.just("decrease"),
+                  min_change=st.floats(0, 1))), max_size=2).map(tuple)))
+def test_a_journaled_change_reads_back_as_the_change_that_was_decided(change: Change) -> None:
+    """What a resumed rollout books is the change that was decided, every field of it: a live change
+    taken up after a restart was booked as a restart once (the fault test caught it)."""
+    assert running._change_from(json.loads(json.dumps(running.change_record(change)))) == change

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from tuner.errors import PermanentActuatorError
 
 log = logging.getLogger("tuner.gpu_control")
+
+
+@dataclass(frozen=True, slots=True)
+class PowerResult:
+    """What one power action did: a line per GPU, and the failures among them (NVML's words)."""
+
+    lines: tuple[str, ...]
+    errors: tuple[str, ...] = ()
 
 
 class GpuPowerControl:
@@ -38,11 +47,11 @@ class GpuPowerControl:
         self._nvml.nvmlInit()
         return self._nvml
 
-    def apply(self, *, cap: bool, reason: str) -> list[str]:
+    def apply(self, *, cap: bool, reason: str) -> PowerResult:
         """Lower the power limit (``cap``) or restore the board's default on every configured GPU; one
         line per GPU saying what happened. The decision is the planner's (``guards.power``)."""
         nvml = self._lib()
-        results = []
+        results, errors = [], []
         for index in self.devices:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             try:
@@ -55,7 +64,8 @@ class GpuPowerControl:
                 results.append(f"GPU {index}: power limit {target / 1000:.0f} W ({reason})")
             except nvml.NVMLError as exc:
                 results.append(f"GPU {index}: power limit unchanged: {exc}")
+                errors.append(results[-1])
         self.capped = cap
         for line in results:
             log.warning("%s", line)
-        return results
+        return PowerResult(tuple(results), tuple(errors))

@@ -175,8 +175,10 @@ class RolloutSettings(_Model):
             raise ValueError("force_after_seconds must be below stop_timeout_seconds (the SIGKILL deadline)")
         return self
 
-    def limits(self) -> machine.Limits:
+    def limits(self, *, ack_timeout_seconds: float | None = None) -> machine.Limits:
+        """The machine's limits; ``ack_timeout_seconds``: a live change's (``live.ack_timeout_seconds``)."""
         return machine.Limits(
+            **({"ack_timeout_seconds": ack_timeout_seconds} if ack_timeout_seconds is not None else {}),
             max_unavailable=self.max_unavailable,
             allow_downtime=self.allow_downtime,
             idle_timeout_seconds=self.idle_timeout_seconds,

@@ -81,13 +81,16 @@ class Collector:
     a failed read is retried the next cycle). GPU signals judge staleness by each reading's own time."""
 
     def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False,
-                 live_dir: str | None = None, slow_every_seconds: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 live_dir: str | None = None, live_knobs: bool | None = None,
+                 slow_every_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
         self.base_url = base_url(target)
         self.live_dir = live_dir  # live knobs on: the engine's control directory
+        # read the live knobs (default: where a control directory is given; without one, only vLLM's
+        # runtime_config can answer — on Kubernetes the leader has no access to a pod's files)
+        self.live_knobs = live_dir is not None if live_knobs is None else live_knobs
         self._nvml: object | None = None
         self._slow_every = slow_every_seconds
         self._clock = clock
@@ -98,7 +101,7 @@ class Collector:
         return kept is not None and self._clock() - kept[0] < self._slow_every
 
     def read_live(self) -> live.LiveState:
-        if self.live_dir is None:
+        if not self.live_knobs:
             return live.NONE
         return self.client.live_state(self.base_url, self.live_dir)
 

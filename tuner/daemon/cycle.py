@@ -45,10 +45,15 @@ log = logging.getLogger("tuner.cycle")
 STEPS = ("collect", "step", "pool", "act")
 
 
-class Rollout(Protocol):
+class Dispatcher(Protocol):
     """Carries out a cycle's actions and the pool's change (apply mode). It must return between its
     steps once ``should_stop()`` is true (SIGTERM), leaving a state it can resume from. ``signals``:
-    this cycle's signals of every replica, the baseline its verification compares against."""
+    this cycle's signals of every replica, the baseline its verification compares against. It never
+    waits for a rollout to finish: it advances the one in flight (``busy``) and returns."""
+
+    @property
+    def busy(self) -> bool:
+        """A rollout is in flight: it is advanced at every cycle, and no new change goes out."""
 
     def __call__(self, actions: Sequence[tuple[str, Action]], change: pooling.PoolChange | None, *,
                  now: float, signals: Mapping[str, Mapping[str, Signal]],
@@ -61,7 +66,7 @@ def run_cycle(
     settings: config.TunerSettings,
     collectors: Sequence[Collecting],
     rules: Sequence[Rule] = (),
-    rollout: Rollout | None = None,
+    rollout: Dispatcher | None = None,
     maintenance: MaintenanceWindows | None = None,
     metrics: selfmetrics.TunerMetrics | None = None,
     gatherer: Gatherer | None = None,
@@ -153,7 +158,7 @@ def run_cycle(
         admission = pooling.admit(pool, state.pending, window_open=window_open, stopping=stopping,
                                   closed_reason=views.deferral_reason(maintenance, now), now=now,
                                   args=state.args, kind=kind, settings=settings.decisions, signals=signals,
-                                  lives=lives)
+                                  lives=lives, in_flight=rollout.busy)
         state.pending = admission.pending
         if stopping and (pool.change is not None or pool.actions):
             stopped = "stopping: the change is kept pending, not handed to the rollout"
@@ -164,7 +169,7 @@ def run_cycle(
     rollout_error: str | None = None
     if pool is not None and admission is not None and rollout is not None and stopped is None:
         change = admission.hand_over
-        if change is not None or pool.actions:
+        if change is not None or pool.actions or rollout.busy:
             try:
                 outcome = rollout(pool.actions, change, now=now, signals=signals, should_stop=should_stop)
                 state.rollout_state = dict(outcome.state)

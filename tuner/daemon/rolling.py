@@ -11,10 +11,21 @@ Every step is bounded: waits poll the engine every ``poll_seconds`` up to the ma
 stop ends in SIGKILL at ``stop_timeout_seconds``, and a start that dies is seen at the next poll, so a
 bad argument set is rolled back within its restart time + the start margin (60 s by default). A step
 that fails before the stop goes back by the undrain alone (``machine.failure_event``).
+
+A live rollout (machine Rule 5) is driven the same way, with one step of its own: REQUEST hands the
+leg's values to the engine (``LiveControl``, once per request number) and polls for the acknowledgement
+of every engine core until the machine's deadline. Nothing is drained, stopped or started.
+
+Polling, not blocking: ``advance`` carries out every step that can be taken now and returns as soon as
+each replica in flight is waiting (for idle, for health, for an acknowledgement, through its
+verification window). The daemon calls it at every cycle and on a short timer between cycles, so
+decisions and scrapes go on while a change is being verified. ``run`` is ``advance`` in a loop, for
+callers that want to wait for the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,20 +35,14 @@ from typing import Protocol
 
 from tuner.actuators import base
 from tuner.errors import ActuatorError, PermanentActuatorError, TemporaryActuatorError
+from tuner.model import live
+from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Event, Step
 from tuner.sources import engines
 
 log = logging.getLogger("tuner.rollout")
-
-class Verdict(Protocol):
-    @property
-    def ok(self) -> bool: ...
-
-    @property
-    def reason(self) -> str: ...
-
 
 class Verifier(Protocol):
     """Judges a replica after its change (``tuner.daemon.verifying.SignalVerifier`` against the engine).
@@ -46,7 +51,7 @@ class Verifier(Protocol):
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
         """Called at every poll inside the window (e.g. scrape the engine)."""
 
-    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> Verdict:
+    def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:
         """At the deadline: did the change hold up against the baseline? ``reason`` says why."""
 
 Confirmer = Callable[[base.Replica, Sequence[str]], "str | None"]
@@ -69,17 +74,64 @@ class Prober(Protocol):
 class EngineProber:
     """``Prober`` over the engine client: the driver's only way to talk to the engines."""
 
-    def __init__(self, client: engines.EngineClient, *, kind: str, server_load: bool = False) -> None:
+    def __init__(self, client: engines.EngineClient, *, kind: str,
+                 server_load: bool | Callable[[], bool] = False) -> None:
+        """``server_load``: count what vLLM's HTTP server holds too (GET /load), where the engines track it;
+        a function where that can change (the pods of a Kubernetes pool)."""
         self._client, self._kind, self._server_load = client, kind, server_load
 
     def is_healthy(self, replica: base.Replica) -> bool:
         return self._client.is_healthy(replica.base_url, self._kind)
 
     def load(self, replica: base.Replica) -> int | None:
-        return self._client.load(replica.base_url, self._kind, server_load=self._server_load)
+        tracked = self._server_load() if callable(self._server_load) else self._server_load
+        return self._client.load(replica.base_url, self._kind, server_load=tracked)
 
     def warm(self, replica: base.Replica, *, requests: int) -> str | None:
         return self._client.warm(replica.base_url, self._kind, requests=requests)
+
+
+class LiveControl(Protocol):
+    """A running engine's live knobs (machine Rule 5): ask for values, read whether they took."""
+
+    def ask(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> str | None:
+        """Hand request ``seq`` over; None once handed over, else why not."""
+
+    def answer(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> tuple[bool, str | None]:
+        """(every engine core runs ``values``, why request ``seq`` was refused or None)."""
+
+    def poke(self, replica: base.Replica) -> None:
+        """An idle engine runs no step, and a request is applied at the start of one: send one."""
+
+
+class EngineLive:
+    """``LiveControl`` over the engine client: vLLM's runtime_config, else the plugin's control files."""
+
+    def __init__(self, client: engines.EngineClient, *, kind: str,
+                 control_dir: Callable[[str], str | None]) -> None:
+        self._client, self._kind, self._dir = client, kind, control_dir
+
+    def _state(self, replica: base.Replica) -> live.LiveState:
+        return self._client.live_state(replica.base_url, self._dir(replica.name))
+
+    def ask(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> str | None:
+        return self._client.set_live(replica.base_url, self._dir(replica.name), seq=seq, values=values,
+                                     via=self._state(replica).via)
+
+    def answer(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> tuple[bool, str | None]:
+        st = self._state(replica)
+        if st.via != "runtime_config" and st.seq != seq:
+            return False, None  # not answered yet
+        if st.refused:
+            return False, st.refused
+        want = {k: v if v is not None else st.envelope.get(k) for k, v in values.items()}
+        return all(st.values.get(k) == v for k, v in want.items()), None
+
+    def poke(self, replica: base.Replica) -> None:
+        self._client.warm(replica.base_url, self._kind, requests=1, max_tokens=1)
+
+
+POKE_AFTER_SECONDS = 2.0  # an unacknowledged request on an idle engine gets one small request after this
 
 
 @dataclass
@@ -90,6 +142,8 @@ class _Waits:
     unhealthy_polls: dict[str, int]
     hold_since: float | None = None
     temporary_failures: int = 0
+    asked: dict[tuple[str, str, int], float] = dataclasses.field(default_factory=dict)  # live request → when
+    poked: set[tuple[str, str, int]] = dataclasses.field(default_factory=set)
 
 
 class RolloutDriver:
@@ -115,9 +169,10 @@ class RolloutDriver:
         restore: Callable[[machine.Rollout], machine.Rollout] | None = None,
         admission: Callable[[machine.Rollout, str], str | None] | None = None,
         departed: Callable[[Collection[str]], Collection[str]] | None = None,
+        live_control: LiveControl | None = None,
     ) -> None:
         self.actuator, self.drainer, self.prober, self.journal = actuator, drainer, prober, journal
-        self._replicas = {r.name: r for r in actuator.replicas()}
+        self.live = live_control
         self._poll = poll_seconds
         self._settle = idle_settle_seconds
         self._hold_timeout = hold_timeout_seconds
@@ -141,6 +196,15 @@ class RolloutDriver:
         self._last_hold_reason = ""
 
     @property
+    def _replicas(self) -> dict[str, base.Replica]:
+        """The actuator's replicas as they stand now (on Kubernetes, the pods come and go)."""
+        return {r.name: r for r in self.actuator.replicas()}
+
+    @property
+    def replicas(self) -> Mapping[str, base.Replica]:
+        return self._replicas
+
+    @property
     def stop_event(self) -> threading.Event:
         """Set once the tuner is stopping: waits on it return early."""
         return self._stop
@@ -154,9 +218,12 @@ class RolloutDriver:
         *,
         limits: machine.Limits,
         order: Sequence[str] | None = None,
+        live: Mapping[str, tuple[machine.LiveValues, machine.LiveValues]] | None = None,
     ) -> machine.Rollout:
         """Journal a new rollout of ``changes`` (replica → new argv). The old argv, the rollback
-        target, is what the actuator says each replica runs now; unknown arguments refuse the rollout."""
+        target, is what the actuator says each replica runs now; unknown arguments refuse the rollout.
+        ``live`` (replica → (old values, new values)): a live rollout (machine Rule 5), ``changes`` the
+        command line it stands for."""
         running = journaling.unfinished(self.journal.records)
         if running is not None:
             raise PermanentActuatorError(
@@ -175,7 +242,7 @@ class RolloutDriver:
         rollout = machine.new(
             rollout_id, replicas=list(self._replicas), order=order, limits=limits, now=now,
             changes={n: (old[n], tuple(argv)) for n, argv in changes.items()},
-            measured_start_seconds=journaling.measured_start_seconds(self.journal.records),
+            measured_start_seconds=journaling.measured_start_seconds(self.journal.records), live=live,
         )
         self.journal.append("rollout", at=now, **journaling.rollout_fields(rollout))
         log.info("rollout %s: begins for %s", rollout_id, ", ".join(rollout.order))
@@ -212,40 +279,50 @@ class RolloutDriver:
     def run(self, rollout: machine.Rollout) -> machine.Rollout:
         """Drive until the rollout finishes or ``stop_event`` is set (the current step completes
         first; the journal holds the rest). Returns the rollout as it stands."""
+        while True:
+            rollout = self.advance(rollout)
+            if self._stop.is_set() or machine.outcome(rollout) is not machine.Outcome.RUNNING:
+                break
+            self._stop.wait(self._poll)
+        log.info("%s", machine.describe(rollout))
+        return rollout
+
+    def advance(self, rollout: machine.Rollout) -> machine.Rollout:
+        """Carry out every step that can be taken now; return the rollout once each replica in flight
+        waits (or it finished, or the tuner is stopping). Never waits itself beyond one step's bound."""
         while not self._stop.is_set():
             if self._on_tick is not None:
                 self._on_tick()
             rollout = self._leave_departed(rollout)
-            healthy = frozenset(
-                name for name, replica in self._replicas.items() if self._safe_healthy(replica)
-            )
+            replicas = self._replicas
+            healthy = frozenset(name for name, replica in replicas.items() if self._safe_healthy(replica))
             actions = machine.next_actions(rollout, now=self._clock(), healthy=healthy)
             if not actions:
                 break
+            progressed = False
             for action in actions:
                 if self._stop.is_set():
                     break
                 if action.step is Step.ADMIT and self._admission is not None and action.replica is not None:
                     why = self._admission(rollout, action.replica)
                     if why:
-                        action = machine.Action(Step.HOLD, action.replica, reason=why)
+                        action = machine.Instruction(Step.HOLD, action.replica, reason=why)
                 if action.step is Step.HOLD:
                     held = self._hold(rollout, action)
                     if held is not rollout:
-                        rollout = held
+                        rollout, progressed = held, True
                         break
                     continue
                 self._waits.hold_since = None
                 outcome = self._execute(rollout, action)
                 if outcome is not None:
                     assert action.replica is not None
-                    rollout = self._apply(rollout, action.replica, *outcome)
+                    rollout, progressed = self._apply(rollout, action.replica, *outcome), True
                     break  # recompute: an event can change what the others may do (Rule 2)
-            else:
-                self._stop.wait(self._poll)
+            if not progressed:
+                break
         if self._stop.is_set() and machine.outcome(rollout) is machine.Outcome.RUNNING:
             self._undrain_serving(rollout)
-        log.info("%s", machine.describe(rollout))
         return rollout
 
     def _leave_departed(self, rollout: machine.Rollout) -> machine.Rollout:
@@ -264,7 +341,9 @@ class RolloutDriver:
     def _undrain_serving(self, rollout: machine.Rollout) -> None:
         """The tuner is stopping mid-rollout: a drained replica whose engine is healthy and may serve is
         put back now rather than left out of the pool until the tuner comes back (which resumes the
-        rollout and drains it again where its path needs it)."""
+        rollout and drains it again where its path needs it). A live rollout drains nothing."""
+        if rollout.kind is machine.Kind.LIVE:
+            return
         for p in rollout.progress:
             if p.state not in machine.MAY_SERVE[p.leg] or not self._safe_healthy(self._replicas[p.name]):
                 continue
@@ -334,7 +413,7 @@ class RolloutDriver:
 
     # --- one step ----------------------------------------------------------------------------------
 
-    def _hold(self, rollout: machine.Rollout, action: machine.Action) -> machine.Rollout:
+    def _hold(self, rollout: machine.Rollout, action: machine.Instruction) -> machine.Rollout:
         """Rule 2 blocks the next replica: wait, and abort after ``hold_timeout_seconds``."""
         now = self._clock()
         if self._waits.hold_since is None:
@@ -347,7 +426,7 @@ class RolloutDriver:
             return self._abort(rollout, f"held for over {self._hold_timeout:g}s: {action.reason}")
         return rollout
 
-    def _execute(self, rollout: machine.Rollout, action: machine.Action) -> tuple[Event, str] | None:
+    def _execute(self, rollout: machine.Rollout, action: machine.Instruction) -> tuple[Event, str] | None:
         """Carry out one step; the event it ended in, or None while a wait goes on."""
         if action.step is Step.ADMIT:
             return Event.GO, ""
@@ -371,7 +450,7 @@ class RolloutDriver:
                 f"{action.step.value} raised {type(exc).__name__}: {str(exc)[:200]}"
 
     def _act(
-        self, rollout: machine.Rollout, replica: base.Replica, action: machine.Action
+        self, rollout: machine.Rollout, replica: base.Replica, action: machine.Instruction
     ) -> tuple[Event, str] | None:
         name, step, now = replica.name, action.step, self._clock()
         if step is Step.DRAIN:
@@ -393,6 +472,8 @@ class RolloutDriver:
             return self._wait_idle(replica, status, action, now)
         if status.state is not base.State.RUNNING:
             return Event.CRASHED, f"engine {status.state.value}: {status.detail or 'no detail from the actuator'}"
+        if step is Step.REQUEST:
+            return self._request(rollout, replica, action, now)
         if step is Step.WAIT_HEALTHY:
             assert action.deadline is not None
             if self.prober.is_healthy(replica):
@@ -441,8 +522,35 @@ class RolloutDriver:
                 (Event.FAILED, f"worse than before: {verdict.reason}")
         raise AssertionError(f"no handler for step {step}")
 
+    def _request(self, rollout: machine.Rollout, replica: base.Replica, action: machine.Instruction,
+                 now: float) -> tuple[Event, str] | None:
+        """Live (machine Rule 5): hand this leg's values over once, then poll for the acknowledgement."""
+        assert action.values is not None and action.seq is not None and action.deadline is not None
+        if self.live is None:
+            return Event.FAILED, "no live control configured (live.enabled)"
+        key = (rollout.id, replica.name, action.seq)
+        asked = self._waits.asked.get(key)
+        if asked is None:
+            why = self.live.ask(replica, seq=action.seq, values=action.values)
+            if why is not None:
+                return Event.FAILED, why
+            asked = self._waits.asked[key] = now
+        took, refused = self.live.answer(replica, seq=action.seq, values=action.values)
+        if refused is not None:
+            return Event.FAILED, f"the engine refused it: {refused}"
+        if took:
+            self._waits.asked.pop(key, None)
+            self._waits.poked.discard(key)
+            return Event.ACKNOWLEDGED, ""
+        if now >= action.deadline:
+            return Event.FAILED, f"not acknowledged within {rollout.limits.ack_timeout_seconds:g}s"
+        if key not in self._waits.poked and now - asked >= POKE_AFTER_SECONDS:
+            self._waits.poked.add(key)
+            self.live.poke(replica)
+        return None
+
     def _wait_idle(
-        self, replica: base.Replica, status: base.ReplicaStatus, action: machine.Action, now: float
+        self, replica: base.Replica, status: base.ReplicaStatus, action: machine.Instruction, now: float
     ) -> tuple[Event, str] | None:
         assert action.deadline is not None
         if status.state is not base.State.RUNNING:

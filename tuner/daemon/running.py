@@ -9,27 +9,40 @@ then what the last finished rollout left (``daemon.state``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
-from tuner.daemon import collecting, cycle, logs, notify, results, rolling, scheduling, selfmetrics, verifying
+from tuner.daemon import (
+    collecting,
+    cycle,
+    logs,
+    notify,
+    results,
+    rolling,
+    scheduling,
+    selfmetrics,
+    verifying,
+    views,
+)
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
-from tuner.errors import PermanentActuatorError, StorageError
-from tuner.model import knobs, live, secrets
+from tuner.errors import PermanentActuatorError, StorageError, TunerError
+from tuner.model import knobs, secrets
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules import loading
+from tuner.rules.schema import Verify
 from tuner.signals import Signal
 from tuner.sources import engines, live_knobs
 
@@ -37,36 +50,50 @@ log = logging.getLogger("tuner.run")
 
 
 class Applying:
-    """``cycle.Rollout``: carries a cycle's actions and the pool's change out, and books the outcome."""
+    """``cycle.Dispatcher``: takes a cycle's actions (keep-warm, sleep, wake, a GPU power cap)
+    and hands the pool's change to the one rollout machine — a restart or a live change, the same
+    driver, journal and recovery — then advances the rollout in flight a step at a time (at every cycle
+    and between cycles: ``advance``) and books it once it finished. It decides nothing: the change
+    carries what its rollout needs (``pooling.PoolChange``). ``dispatcher`` builds it, for the daemon and
+    the Kubernetes leader alike."""
 
     def __init__(self, settings: config.TunerSettings, state: TunerState, driver: rolling.RolloutDriver,
-                 client: engines.EngineClient, replicas: Mapping[str, base.Replica], journal: journaling.JournalLike,
-                 *, verifier: verifying.SignalVerifier | None = None, power: Any = None,
+                 client: engines.EngineClient, journal: journaling.JournalLike, *, kind: knobs.EngineKind,
+                 verifier: verifying.SignalVerifier | None = None, power: Any = None,
                  clock: Callable[[], float] | None = None, sleep: Callable[[float], Any] | None = None) -> None:
         self.settings, self.state, self.driver, self.client = settings, state, driver, client
-        self.replicas, self.journal, self.verifier, self.power = replicas, journal, verifier, power
-        self.kind = settings.targets[0].kind
+        self.journal, self.verifier, self.power, self.kind = journal, verifier, power, kind
         self.clock = clock or time.time
         # waits return early when the tuner is stopping
         self.sleep = sleep or (lambda seconds: self.driver.stop_event.wait(seconds))
+        self.in_flight: machine.Rollout | None = None  # the rollout being carried out
+        self._changes: tuple[history_mod.Change, ...] = ()  # ... and the changes it books
+
+    @property
+    def replicas(self) -> Mapping[str, base.Replica]:
+        return self.driver.replicas
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
 
     def recover(self) -> results.RolloutOutcome | None:
-        """Finish (or roll back) the rollout a killed tuner left in the journal, judged by the checks and
-        baselines journaled with its decision, and book it like any other. None if there was none."""
+        """Take up (machine Rule 3) the rollout a killed tuner left in the journal, judged by the checks
+        and baselines journaled with its decision, and advance it; it is booked like any other once it
+        finished. None if there was none."""
         unfinished = self.driver.recover()
         if unfinished is None:
             return None
         log.warning("resuming %s", machine.describe(unfinished))
-        record = next((r for r in reversed(journaling.decisions(self.journal.records))
-                       if r.get("rollout") == unfinished.id), None)
+        record = self._decision_of(unfinished.id)
         changes: list[history_mod.Change] = []
         if record is not None:
             changes = [_change_from(c) for c in record.get("changes", [])]
             if self.verifier is not None:
                 self.verifier.expect(unfinished.id, baselines=record.get("baselines", {}),
                                      checks=[verification.Check.from_dict(c) for c in record.get("checks", [])])
-        done = self.driver.run(unfinished)
-        outcome = self.book(done, changes)
+        self.in_flight, self._changes = unfinished, tuple(changes)
+        outcome = self._advance()
         log.warning("%s", outcome.summary)
         return outcome
 
@@ -83,41 +110,72 @@ class Applying:
             return None
         if last is None or last.id == self.state.booked_rollout:
             return None
-        record = next((r for r in reversed(journaling.decisions(self.journal.records))
-                       if r.get("rollout") == last.id), None)
+        record = self._decision_of(last.id)
         changes = [_change_from(c) for c in record.get("changes", [])] if record is not None else []
         outcome = self.book(self.driver.restored(last), changes)
         log.warning("booked %s, which finished before the tuner stopped", outcome.summary)
         return outcome
 
+    def _decision_of(self, rollout_id: str) -> journaling.Record | None:
+        return next((r for r in reversed(journaling.decisions(self.journal.records))
+                     if r.get("rollout") == rollout_id), None)
+
     def __call__(self, actions: Sequence[tuple[str, guards.Action]], change: pooling.PoolChange | None, *,
                  now: float, signals: Mapping[str, Mapping[str, Signal]],
                  should_stop: Callable[[], bool]) -> results.RolloutOutcome:
-        notes = [self._act(name, action, now=now) for name, action in actions if name in self.replicas]
-        if change is None or should_stop():
-            return results.RolloutOutcome(summary="; ".join(notes))
-        if change.live:
-            return self._live(change, now=now, signals=signals, should_stop=should_stop, notes=notes)
-        checks = change.checks
+        replicas = self.replicas
+        notes = [self._act(name, action, now=now) for name, action in actions if name in replicas]
+        if self.in_flight is None and change is not None and not should_stop():
+            self._begin(change, now=now, signals=signals)
+        return self._advance(notes)
+
+    def advance(self) -> results.RolloutOutcome | None:
+        """Between cycles: the rollout in flight carried as far as it goes now (None when there is none)."""
+        return self._advance() if self.in_flight is not None else None
+
+    def _begin(self, change: pooling.PoolChange, *, now: float, signals: Mapping[str, Mapping[str, Signal]]) -> None:
+        """Journal the decision and begin its rollout (the driver journals that, write-ahead)."""
         baselines = {name: verifying.values_of(signals.get(name, {})) for name in change.new_args}
+        extra: dict[str, Any] = {"live": True, "values": change.values, "before": change.before} if change.live else {}
         self.journal.append("decision", at=now, rollout=change.id, target=change.leader,
-                            changes=[{**c.as_dict(), "knob": c.knob, "direction": c.direction}
-                                     for c in change.changes],
-                            summary=change.plan.summary(), checks=[c.as_dict() for c in checks],
+                            changes=[change_record(c) for c in change.changes],
+                            summary=change.plan.summary(), checks=[c.as_dict() for c in change.checks],
                             baselines={name: {k: v for k, v in values.items() if v is not None}
-                                       for name, values in baselines.items()})
+                                       for name, values in baselines.items()}, **extra)
         if self.verifier is not None:
-            self.verifier.expect(change.id, checks=checks, baselines=baselines)
-        if self.settings.live.enabled and any(c.knob == "max_num_seqs" for c in change.changes):
-            # a new envelope: the admission cap goes back to the startup value, or the restarted engine
-            # would apply the old cap inside its new, larger envelope
-            for name, replica in self.replicas.items():
-                self.client.set_live(replica.base_url, self._live_dir(name), seq=int(now * 1000) % (2 ** 31),
-                                     values={"max_num_seqs": None})
-        rollout = self.driver.begin(change.id, {n: a.argv() for n, a in change.new_args.items()},
-                                    limits=self.settings.rollout.limits())
-        rollout = self.driver.run(rollout)
-        return self.book(rollout, change.changes, notes)
+            self.verifier.expect(change.id, checks=change.checks, baselines=baselines)
+        if change.resets and self.driver.live is not None:  # the pre-step the change asks for
+            seq = int(now * 1000) % (2 ** 31)
+            for replica in self.replicas.values():
+                why = self.driver.live.ask(replica, seq=seq, values=dict.fromkeys(change.resets))
+                if why is not None:
+                    log.warning("%s: the live %s not reset before the restart: %s", replica.name,
+                                ", ".join(change.resets), why)
+        values = {n: (change.before.get(n, {}), change.values) for n in change.new_args} if change.live else None
+        limits = self.settings.rollout.limits(ack_timeout_seconds=self.settings.live.ack_timeout_seconds)
+        if change.live:  # judged over the live path's own window (evidence proportional to cost)
+            limits = dataclasses.replace(limits, verify_seconds=self.settings.live.verify_seconds)
+        self.in_flight = self.driver.begin(change.id, {n: a.argv() for n, a in change.new_args.items()},
+                                           limits=limits, live=values)
+        self._changes = change.changes
+
+    def _advance(self, notes: Sequence[str] = ()) -> results.RolloutOutcome:
+        """The rollout in flight as far as it goes now; booked once it finished."""
+        if self.in_flight is None:
+            return results.RolloutOutcome(summary="; ".join(notes))
+        try:
+            rollout = self.driver.advance(self.in_flight)
+        except BaseException:
+            # The journal holds what was durable (a full disk stops the rollout on its last durable
+            # state): the rollout is taken up from there (``_resumed``), not from this memory.
+            self.in_flight = None
+            raise
+        if machine.outcome(rollout) is machine.Outcome.RUNNING and not self.driver.stop_event.is_set():
+            self.in_flight = rollout
+            return results.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]),
+                                          state=rollout_state(rollout))
+        self.in_flight = None
+        return self.book(rollout, self._changes, notes)
 
     def _act(self, name: str, action: guards.Action, *, now: float) -> str:
         """One action not tied to a restart: keep-warm, sleep, wake, a GPU power cap or restore."""
@@ -128,9 +186,11 @@ class Applying:
         elif action.kind == "wake":
             error = self.client.wake(url)
         elif action.kind in ("power-cap", "power-restore"):
-            lines = self.power.apply(cap=action.kind == "power-cap", reason=action.reason) if self.power else []
-            error = "; ".join(x for x in lines if "unchanged" in x) or (None if self.power else
-                                                                         "gpu_control is not enabled")
+            if self.power is None:
+                error = "gpu_control is not enabled"
+            else:
+                error = "; ".join(self.power.apply(cap=action.kind == "power-cap", reason=action.reason).errors) \
+                    or None
         else:
             error = self.client.warm(url, self.kind, requests=action.requests, max_tokens=action.max_tokens)
         if action.kind in ("sleep", "wake", "power-cap", "power-restore"):
@@ -163,168 +223,28 @@ class Applying:
         self.state.booked_rollout = rollout.id  # saved with the booking, in one atomic write
         self.state.book(histories, args)
         return results.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]),
-                                    results={n: o.result for n, o in outcomes.items()}, state=rollout_state(rollout))
+                                      results={n: o.result for n, o in outcomes.items()}, state=rollout_state(rollout))
 
 
-    # --- live changes (no restart) -------------------------------------------------------------------
-
-    def _live_dir(self, name: str) -> str:
-        return self.settings.live.dir_for(name)
-
-    def _live(self, change: pooling.PoolChange, *, now: float, signals: Mapping[str, Mapping[str, Signal]],
-              should_stop: Callable[[], bool], notes: Sequence[str] = ()) -> results.RolloutOutcome:
-        """Apply a live change to every replica's running engine, verify each over the same window
-        machinery as a rollout, keep it or put the old values back — no drain, no restart, no warm-up."""
-        values = change.values
-        states = {name: self.client.live_state(r.base_url, self._live_dir(name)) for name, r in self.replicas.items()}
-        before = {name: {k: st.values.get(k) for k in values} for name, st in states.items()}
-        baselines = {name: verifying.values_of(signals.get(name, {})) for name in self.replicas}
-        self.journal.append("decision", at=now, rollout=change.id, target=change.leader, live=True,
-                            changes=[{**c.as_dict(), "knob": c.knob, "direction": c.direction}
-                                     for c in change.changes],
-                            summary=change.plan.summary(), values=values, before=before,
-                            checks=[c.as_dict() for c in change.checks],
-                            baselines={n: {k: v for k, v in b.items() if v is not None} for n, b in baselines.items()})
-        if self.verifier is not None:
-            self.verifier.expect(change.id, checks=change.checks, baselines=baselines)
-        why = _contained("setting the values", lambda: self._set_live(values, states))
-        started = self.clock()
-        verdicts: dict[str, str] = {}
-        if why is None:
-            self.journal.append("live", at=started, id=change.id, phase="applied", values=values)
-            why = _contained("verifying", lambda: self._verify_live(change.id, started, verdicts, should_stop))
-        if why is None:
-            self.journal.append("live", at=self.clock(), id=change.id, phase="verified", verdicts=verdicts)
-            outcomes = {n: pooling.ReplicaOutcome("ok", self.state.args[n]) for n in self.replicas}
-        else:
-            undone = _contained("putting the old values back", lambda: self._set_live({}, states, restore=before))
-            self.journal.append("live", at=self.clock(), id=change.id, phase="rolled_back", reason=why,
-                                restore_error=undone, verdicts=verdicts)
-            outcomes = {n: pooling.ReplicaOutcome("rolled_back", self._candidate(n, change), reason=why)
-                        for n in self.replicas}
-        histories, args = pooling.book(
-            self.state.histories(), self.state.args, changes=change.changes, outcomes=outcomes,
-            pool_new_args={n: self._candidate(n, change) for n in self.replicas}, rolled_back=why is not None,
-            now=self.clock(), reject_seconds=self.settings.decisions.safety.reject_seconds)
-        self.state.book(histories, args)
-        text = f"live {change.text()}: " + ("kept on " + ", ".join(self.replicas) if why is None else
-                                             f"put back ({why})")
-        return results.RolloutOutcome(summary="; ".join([*notes, text]),
-                                      results={n: o.result for n, o in outcomes.items()})
-
-    def _candidate(self, name: str, change: pooling.PoolChange) -> knobs.EngineArgs:
-        """The command line a live change stands for (crash and rejection memory key on it)."""
-        args = self.state.args[name]
-        for c in change.changes:
-            args = knobs.with_knob(args, c.knob, c.to_value, kind=self.kind)
-        return args
-
-    def _set_live(self, values: Mapping[str, int | None], states: Mapping[str, live.LiveState],
-                  *, restore: Mapping[str, Mapping[str, int | None]] | None = None) -> str | None:
-        """Ask every replica's engine for ``values`` (``restore``: each its own old values) and wait for
-        every engine core's acknowledgement; None once all applied, else why not."""
-        seq = int(self.clock() * 1000) % (2 ** 31)
-        wanted: dict[str, dict[str, int | None]] = {}
-        failed: list[str] = []
-        for name, replica in self.replicas.items():
-            ask = dict(restore[name]) if restore is not None else dict(values)
-            wanted[name] = ask
-            error = self.client.set_live(replica.base_url, self._live_dir(name), seq=seq, values=ask,
-                                         via=states[name].via)
-            if error is not None and restore is None:
-                return f"{name}: {error}"
-            if error is not None:  # putting back: every other engine still gets its old values
-                failed.append(f"{name}: {error}")
-                wanted.pop(name)
-        deadline = self.clock() + self.settings.live.ack_timeout_seconds
-        poked: set[str] = set()
-        pending = set(wanted)
-        asked_at = self.clock()
-        while pending:
-            for name in sorted(pending):
-                replica = self.replicas[name]
-                st = self.client.live_state(replica.base_url, self._live_dir(name))
-                if st.via == "runtime_config" or st.seq == seq:
-                    if st.refused:
-                        return f"{name} refused it: {st.refused}"
-                    want = {k: v if v is not None else st.envelope.get(k) for k, v in wanted[name].items()}
-                    if all(st.values.get(k) == v for k, v in want.items()):
-                        pending.discard(name)
-                        continue
-                if name not in poked and self.clock() - asked_at > 2.0:
-                    # an idle engine runs no step, and the plugin applies a request at the start of a step
-                    self.client.warm(replica.base_url, self.kind, requests=1, max_tokens=1)
-                    poked.add(name)
-            if not pending:
-                break
-            if self.clock() >= deadline:
-                return f"not acknowledged within {self.settings.live.ack_timeout_seconds:g}s by " + \
-                    ", ".join(sorted(pending))
-            self.sleep(0.2)
-        return "; ".join(failed) or None
-
-    def _verify_live(self, change_id: str, started: float, verdicts: dict[str, str],
-                     should_stop: Callable[[], bool]) -> str | None:
-        """Scrape every replica through the verification window, then judge each; None if all hold."""
-        if self.verifier is None:
-            return None
-        end = started + self.settings.live.verify_seconds
-        while self.clock() < end:
-            if should_stop():
-                return "the tuner was stopping before the verdict"
-            for replica in self.replicas.values():
-                try:
-                    self.verifier.observe_window(change_id, replica, since=started)
-                except Exception:  # a missed sample only thins the window
-                    log.exception("live change %s: observing %s failed", change_id, replica.name)
-            self.sleep(self.settings.rollout.poll_seconds)
-        failed = []
-        for name, replica in self.replicas.items():
-            verdict = self.verifier.judge_window(change_id, replica, since=started)
-            verdicts[name] = verdict.reason
-            if not verdict.ok:
-                failed.append(f"{name}: worse than before: {verdict.reason}")
-        return "; ".join(failed) or None
-
-    def recover_live(self) -> str | None:
-        """A live change a killed tuner left unjudged is put back (the planner decides again); what was done."""
-        records = list(self.journal.records)
-        decided = [r for r in records if r.get("kind") == "decision" and r.get("live")]
-        if not decided:
-            return None
-        last = decided[-1]
-        ended = any(r.get("kind") == "live" and r.get("id") == last["rollout"] and r.get("phase") in
-                    ("verified", "rolled_back") for r in records)
-        if ended:
-            return None
-        states = {name: self.client.live_state(r.base_url, self._live_dir(name)) for name, r in self.replicas.items()}
-        before = {n: dict(last.get("before", {}).get(n, {})) for n in self.replicas}
-        error = self._set_live({}, states, restore=before)
-        self.journal.append("live", at=self.clock(), id=last["rollout"], phase="rolled_back",
-                            reason="the tuner restarted before judging it", restore_error=error)
-        return f"live change {last['rollout']} put back: the tuner restarted before judging it" + \
-            (f" ({error})" if error else "")
-
-
-def _contained(what: str, call: Callable[[], str | None]) -> str | None:
-    """``call()``'s answer; an exception it raises is the same kind of answer (why the step failed), so
-    that a live change half-applied is still put back on every engine, journaled and booked."""
-    try:
-        return call()
-    except Exception as exc:
-        log.exception("live change: %s raised", what)
-        return f"{what} raised {type(exc).__name__}: {str(exc)[:200]}"
+def change_record(change: history_mod.Change) -> dict[str, Any]:
+    """A change as a decision record holds it: everything its booking needs after a restart
+    (``_change_from`` reads it back)."""
+    return {**change.as_dict(), "knob": change.knob, "direction": change.direction, "adds_load": change.adds_load}
 
 
 def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
-    """A journaled decision's change, back as the value ``history_mod.applied`` books."""
+    """A journaled decision's change, back as the value ``history_mod.applied`` books — every field: a
+    live change taken up after a restart is booked as live (no restart), not as a rolling restart."""
     knob = str(data.get("knob", data["flag"]))
     return history_mod.Change(flag=str(data["flag"]), knob=knob,
                               from_value=knobs.parse_value(knob, str(data["from"])),
                               to_value=knobs.parse_value(knob, str(data["to"])),
                               rule=str(data.get("rule", "?")), reason=str(data.get("reason", "")),
                               direction=int(data.get("direction", 0)),
-                              experimental=bool(data.get("experimental", False)))
+                              adds_load=bool(data.get("adds_load", False)),
+                              experimental=bool(data.get("experimental", False)),
+                              verify=tuple(Verify.model_validate(v) for v in data.get("verify", ())),
+                              live=bool(data.get("live", False)))
 
 
 def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: knobs.EngineKind
@@ -407,14 +327,31 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                                rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
                                should_stop=should_stop)
 
+    def between() -> None:  # the rollout in flight goes on between cycles
+        if applying is None or not applying.busy:
+            return
+        try:
+            outcome = applying.advance()
+        except TunerError as exc:  # a condition it names itself (a full disk): said as the cycle says it
+            log.error("rollout failed: %s", exc)
+            return
+        if outcome is not None:
+            state.rollout_state = dict(outcome.state)
+            views.count_finished(metrics, outcome)
+            if not applying.busy:  # it finished between cycles: say so once, as a cycle would have
+                log.info(outcome.summary)
+
     if once:
         result = step()
         print(result.summary)
+        while applying is not None and applying.busy:  # the rollout it began is carried to its end
+            between()
+            applying.sleep(settings.rollout.poll_seconds)
         state.save()
         return 0
 
     loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=state.save,
-                           notifier=notifier)
+                           notifier=notifier, between=between, between_seconds=settings.rollout.poll_seconds)
     loop_holder["loop"] = loop
 
     def relay_stop() -> None:  # SIGTERM stops the loop; the driver finishes its current step, then stops
@@ -476,7 +413,6 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
                 f"it back to resume the rollout, or move {journal.path} aside once every engine runs what it "
                 "should") from exc
 
-    verifier = verifying.SignalVerifier(client, kind=kind)
     # The idle check before a stop also counts what vLLM's HTTP server still holds (GET /load), where the
     # engines track it: the engine core's own gauges miss a response still being streamed.
     tracked = kind == "vllm" and all("--enable-server-load-tracking" in (t.args or ()) for t in settings.targets)
@@ -484,23 +420,47 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
         log.warning("the engines run without --enable-server-load-tracking: before a stop the tuner sees only "
                     "the requests the engine core holds, not a response still being streamed; add the flag to "
                     "targets[].args (docs/reliability.md)")
-    driver = rolling.RolloutDriver(
-        actuator=actuator, drainer=drainer, prober=rolling.EngineProber(client, kind=kind, server_load=tracked),
-        journal=journal,
-        poll_seconds=settings.rollout.poll_seconds, idle_settle_seconds=settings.rollout.idle_settle_seconds,
-        hold_timeout_seconds=settings.rollout.hold_timeout_seconds,
-        verifier=verifier, confirm=confirm_for(client, actuator, kind=kind),
-        on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name,
-                                                        " ".join(redactor.argv(argv)), why),
-        on_transition=on_transition, stop_event=stop_event, drains=settings.drain.kind != "none", restore=restore,
-    )
     power = None
     if settings.gpu_control.enabled:  # privileged, off by default
         from tuner.actuators import gpu_power
 
         power = gpu_power.GpuPowerControl(enabled=True, devices=settings.gpu_control.devices,
                                           power_limit_w=settings.gpu_control.power_limit_w)
-    return Applying(settings, state, driver, client, replicas, journal, verifier=verifier, power=power)
+    return dispatcher(settings, state, client, actuator=actuator, drainer=drainer, journal=journal, kind=kind,
+                      stop_event=stop_event, server_load=tracked, drains=settings.drain.kind != "none",
+                      control_dir=settings.live.dir_for if settings.live.enabled else lambda name: None,
+                      on_transition=on_transition, restore=restore, power=power)
+
+
+def dispatcher(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient, *,
+               actuator: base.Actuator, drainer: base.Drainer, journal: journaling.JournalLike,
+               kind: knobs.EngineKind, stop_event: threading.Event, server_load: bool | Callable[[], bool],
+               drains: bool,
+               control_dir: Callable[[str], str | None],
+               on_transition: Callable[[machine.Rollout], None] | None = None,
+               restore: Callable[[machine.Rollout], machine.Rollout] | None = None,
+               admission: Callable[[machine.Rollout, str], str | None] | None = None,
+               departed: Callable[[Collection[str]], Collection[str]] | None = None,
+               power: Any = None, clock: Callable[[], float] = time.time) -> Applying:
+    """The dispatcher over one actuator, drainer and journal — the daemon's (``vllm-tuner run``) and the
+    Kubernetes leader's (``kube.leading``) are built here, the same way: one driver for restarts and
+    live changes (``control_dir``: a replica's live control directory, None where vLLM's runtime_config
+    is the only way), the same verifier, confirmation and masked logs."""
+    redactor = state.redactor
+    verifier = verifying.SignalVerifier(client, kind=kind)
+    r = settings.rollout
+    driver = rolling.RolloutDriver(
+        actuator=actuator, drainer=drainer, prober=rolling.EngineProber(client, kind=kind, server_load=server_load),
+        journal=journal, poll_seconds=r.poll_seconds, idle_settle_seconds=r.idle_settle_seconds,
+        hold_timeout_seconds=r.hold_timeout_seconds, verifier=verifier,
+        confirm=confirm_for(client, actuator, kind=kind),
+        on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name,
+                                                        " ".join(redactor.argv(argv)), why),
+        on_transition=on_transition, stop_event=stop_event, drains=drains, restore=restore, admission=admission,
+        departed=departed, clock=clock,
+        live_control=rolling.EngineLive(client, kind=kind, control_dir=control_dir),
+    )
+    return Applying(settings, state, driver, client, journal, kind=kind, verifier=verifier, power=power, clock=clock)
 
 
 def _journal_path(settings: config.TunerSettings, config_dir: Path) -> Path:
@@ -517,6 +477,8 @@ def _resumed(applying: Applying, state: TunerState) -> bool:
     that failed mid-rollout (a full or read-only disk) stopped the rollout at a safe step and left it
     unfinished in the journal: it is resumed (machine Rule 3) before anything else, at the first cycle
     whose journal takes records again. False while it cannot be: the cycle then starts no rollout."""
+    if applying.busy:
+        return True  # the dispatcher holds it in flight
     records = applying.journal.records
     last = next((i for i in range(len(records) - 1, -1, -1) if records[i]["kind"] == "rollout"), None)
     if last is None or journaling.unfinished(records[last:]) is None:
@@ -549,30 +511,30 @@ def _start_the_rest(applying: Applying, state: TunerState) -> None:
         if name in unfinished.order:
             p = unfinished.of(name)
             where = p.state.value
-            argv = unfinished.new_argv[name] if p.state is machine.State.DONE else unfinished.old_argv[name]
+            argv = unfinished.argv_in_force(name)
         actuator.adopt(name, argv)
         log.warning("started %s (down at start; %s in the unfinished rollout %s): %s", name, where, unfinished.id,
                     " ".join(state.redactor.argv(argv)))
 
 
 def _start_up(applying: Applying, state: TunerState) -> None:
-    """A tuner killed mid-rollout finishes or rolls back that rollout before anything else. This runs
-    inside the first cycle, so systemd has READY=1 and watchdog pings meanwhile, and /healthz and /status
-    answer (/status shows the resumed rollout's progress). A rollout that finished but was not booked
-    (killed in between) is booked first. Then every replica is taken over: what was never started is
-    started, what runs is learnt."""
+    """A tuner killed mid-rollout takes that rollout up before anything else (it goes on between cycles
+    and at every cycle, and no other change goes out until it is booked). This runs inside the first
+    cycle, so systemd has READY=1 and watchdog pings meanwhile, and /healthz and /status answer (/status
+    shows the resumed rollout's progress). A rollout that finished but was not booked (killed in
+    between) is booked first. Then every replica the rollout does not carry is taken over: what was
+    never started is started, what runs is learnt."""
     booked = applying.book_unbooked()
     _start_the_rest(applying, state)
     for outcome in (booked, applying.recover()):
         if outcome is not None:
             state.rollout_state = dict(outcome.state)
-    if applying.settings.live.enabled:
-        said = applying.recover_live()
-        if said:
-            log.warning("%s", said)
     actuator = applying.driver.actuator
     names = list(applying.replicas)
+    in_flight = applying.in_flight.in_flight if applying.in_flight is not None else ()
     for i, name in enumerate(names):
+        if name in in_flight:
+            continue  # the resumed rollout carries it (its path starts and confirms it)
         before = actuator.status(name)
         after = actuator.adopt(name, state.args[name].argv())
         shown = " ".join(state.redactor.argv(state.args[name].argv()))

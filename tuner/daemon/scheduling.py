@@ -4,6 +4,9 @@ read maintenance windows.
 - The cycle is an interval job with ``max_instances=1`` and ``coalesce=True``: a cycle that runs long
   (a rolling restart) delays the next one instead of overlapping it, and the missed runs collapse into
   one. The first cycle runs at once.
+- ``between`` (optional): a light job every ``between_seconds`` while no cycle runs (the two never
+  overlap: they share one lock) — the dispatcher advances a rollout in flight there, so a change is
+  carried out and verified at the rollout's own pace while cycles go on at theirs.
 - SIGTERM / SIGINT: no new cycle starts; the running one is told to stop (``should_stop()`` turns true,
   and the cycle and the rollout return between their steps); once it has returned — or
   ``stop_timeout_seconds`` passed, or a second signal came — ``on_stop`` persists the state and
@@ -61,11 +64,14 @@ class Loop:
         watchdog_seconds: float | None = None,
         stop_timeout_seconds: float = 120.0,
         stuck_after_seconds: float | None = None,
+        between: Callable[[], object] | None = None,
+        between_seconds: float = 1.0,
     ) -> None:
         if interval_seconds <= 0:
             raise ValueError(f"interval_seconds must be > 0, got {interval_seconds}")
         self.step = step
         self.interval_seconds = interval_seconds
+        self.between, self.between_seconds = between, between_seconds
         self.on_stop = on_stop
         self.notifier = notifier if notifier is not None else notify.Notifier()
         self.watchdog_seconds = watchdog_seconds if watchdog_seconds is not None else notify.watchdog_seconds()
@@ -107,13 +113,16 @@ class Loop:
         if self._scheduler is not None:
             raise RuntimeError("the loop was already started")
         scheduler = BackgroundScheduler(
-            executors={"default": ThreadPoolExecutor(2)},  # the cycle + the watchdog ping
+            executors={"default": ThreadPoolExecutor(3)},  # the cycle, the job between cycles, the watchdog
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
             timezone=UTC,
         )
         scheduler.add_job(self._tick, IntervalTrigger(seconds=self.interval_seconds, timezone=UTC),
                           id="cycle", name="tuner cycle", next_run_time=datetime.now(UTC),
                           max_instances=1, coalesce=True)
+        if self.between is not None:
+            scheduler.add_job(self._between, IntervalTrigger(seconds=self.between_seconds, timezone=UTC),
+                              id="between", name="between cycles", max_instances=1, coalesce=True)
         if self.watchdog_seconds:
             scheduler.add_job(self._ping, IntervalTrigger(seconds=max(0.5, self.watchdog_seconds / 2),
                                                           timezone=UTC),
@@ -193,6 +202,16 @@ class Loop:
         summary = getattr(result, "summary", None)
         if isinstance(summary, str):
             self.notifier.status(summary)
+
+    def _between(self) -> None:
+        if self.should_stop() or self.between is None or not self._busy.acquire(blocking=False):
+            return  # a cycle runs (or the loop stops): the next cycle does the same work
+        try:
+            self.between()
+        except Exception:
+            log.exception("the job between cycles failed")
+        finally:
+            self._busy.release()
 
     def _ping(self) -> None:
         if self.is_alive():

@@ -198,7 +198,9 @@ def count(metrics: selfmetrics.TunerMetrics, mode: str, plans: Mapping[str, plan
           rollout_error: str | None, *, has_rollout: bool) -> None:
     """``tuner_decisions_total`` and ``tuner_restarts_total``. A replica's change that is the pool's
     change shares its outcome (applied, failed, deferred); any other change is only recommended. The
-    ``reason`` label is the guard for a held decision and ``fired`` for a change (low cardinality)."""
+    ``reason`` label is the guard for a held decision and ``fired`` for a change (low cardinality). A
+    change is ``applied`` once handed to the rollout; how the rollout ended is ``tuner_restarts_total``'s
+    ``result`` (``count_finished``), counted when it finishes."""
     results = outcome.results if outcome is not None else {}
     handed = admission.hand_over if admission is not None else None
     deferred = admission.pending if admission is not None and admission.deferred_now else None
@@ -216,5 +218,11 @@ def count(metrics: selfmetrics.TunerMetrics, mode: str, plans: Mapping[str, plan
         for c in plan.changes:
             outcome_of = how if mode == "apply" and has_rollout and (c.flag, c.to_value) in keys else "recommended"
             metrics.count_decision(rule=c.rule, outcome=outcome_of, reason="fired")
-    for target, result in results.items():
+    count_finished(metrics, outcome)
+
+
+def count_finished(metrics: selfmetrics.TunerMetrics, outcome: RolloutOutcome | None) -> None:
+    """``tuner_restarts_total`` for a rollout that finished — in a cycle or between cycles (a rollout in
+    flight has no results yet)."""
+    for target, result in (outcome.results if outcome is not None else {}).items():
         metrics.count_restart(target=target, result=result)

@@ -265,7 +265,7 @@ class KubeDrainer:
             self.pool.stop_event.wait(0.5)
 
 
-class Admission:
+class DisruptionCheck:
     """The API server's view before a replica is drained (driver hook): a reason to hold, or None."""
 
     def __init__(self, api: KubeApi, settings: config.KubernetesSettings, *, allow_downtime: bool = False) -> None:

@@ -18,6 +18,10 @@ Per cycle:
 
 A new leader first resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or
 deposed leader left — with every pod in flight put back on a step that is safe to repeat.
+
+The dispatcher (``running.dispatcher``, built as the daemon builds it) lives as long as the leadership
+term: a rollout — a restart or a live change (vLLM's runtime_config: the leader cannot reach a pod's
+files) — is advanced at every cycle and between cycles, so cycles go on while it is verified.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import collecting, cycle, rolling, running, scheduling, selfmetrics, verifying
+from tuner.daemon import collecting, cycle, running, scheduling, selfmetrics, views
 from tuner.daemon.state import TunerState
 from tuner.kube import acting
 from tuner.kube import store as store_mod
@@ -54,7 +58,6 @@ class Leader:
         self.settings, self.k = settings, settings.kubernetes
         self.api, self.store, self.identity, self.rules, self.client = api, store, identity, tuple(rules), client
         self.metrics, self.clock = metrics, clock
-        self.verifier = verifying.SignalVerifier(client, kind=self.k.engine_kind)
         self.gatherer = collecting.Gatherer()
         self.maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                           timezone=settings.daemon.maintenance_timezone)
@@ -62,6 +65,9 @@ class Leader:
         self.state = TunerState(targets={}, args={}, config_args={})
         self.last: Any = None
         self.cycles = 0
+        self.pool: acting.PoolActions | None = None  # this term's actions on the pods
+        self.applying: running.Applying | None = None  # this term's dispatcher (apply mode)
+        self._tracked = False  # the pods run with --enable-server-load-tracking
 
     # --- leading -------------------------------------------------------------------------------------
 
@@ -80,6 +86,7 @@ class Leader:
             part.clear()
         self.state.pending, self.state.rollout_state = None, {}
         self._load_history()
+        self._build(journal, stop)
         log.info("leading the pool %s (epoch %d)", self.k.pool, epoch)
         first = True
         while not stop.is_set():
@@ -92,7 +99,27 @@ class Leader:
                 return
             except Exception:  # a failing cycle is reported and the next one tries again
                 log.exception("the leader's cycle failed")
-            stop.wait(max(0.0, self.settings.scrape.interval_seconds - (time.monotonic() - started)))
+            try:
+                self._between(stop, until=started + self.settings.scrape.interval_seconds)
+            except store_mod.Deposed as exc:
+                log.warning("%s: no longer acting", exc)
+                return
+
+    def _between(self, stop: threading.Event, *, until: float) -> None:
+        """Until the next cycle is due: the rollout in flight goes on, every ``rollout.poll_seconds``."""
+        while not stop.is_set() and (left := until - time.monotonic()) > 0:
+            if self.applying is not None and self.applying.busy:
+                try:
+                    outcome = self.applying.advance()
+                    if outcome is not None:
+                        self.state.rollout_state = dict(outcome.state)
+                        if self.metrics is not None:
+                            views.count_finished(self.metrics, outcome)
+                except store_mod.Deposed:
+                    raise
+                except Exception:  # the journal holds the rollout: the next cycle takes it up again
+                    log.exception("advancing the rollout failed")
+            stop.wait(min(left, self.settings.rollout.poll_seconds))
 
     def cycle(self, journal: store_mod.ConfigMapJournal, stop: threading.Event, *, recover: bool = False) -> None:
         now = self.clock()
@@ -118,9 +145,14 @@ class Leader:
                                  base_url=replicas[p.name].base_url, args=list(reports[p.name]["argv"]))  # type: ignore[index]
                    for p in members]
         self._track(targets, keep=unfinished.replicas if unfinished is not None else ())
-        applying = None
-        if self.settings.mode == "apply" and targets:
-            applying = self._applying(targets, replicas, journal, stop)
+        if self.pool is not None:
+            self.pool.replicas = dict(replicas)
+        kind = self.k.engine_kind
+        self._tracked = kind == "vllm" and all("--enable-server-load-tracking" in (t.args or ()) for t in targets)
+        applying = self.applying if targets else None
+        if applying is not None:
+            if not applying.busy and journaling.unfinished(journal.records) is not None:
+                recover = True  # a rollout stopped by a failed journal write: taken up from the journal
             if recover:
                 outcome = applying.recover()
                 if outcome is not None:
@@ -131,8 +163,8 @@ class Leader:
             return
         settings = self.settings.model_copy(update={"targets": targets})
         result = cycle.run_cycle(self.state, settings=settings, collectors=[
-            collecting.Collector(t, client=self.client) for t in targets], rules=self.rules,
-            rollout=applying if hold is None else None, maintenance=self.maintenance, metrics=self.metrics,
+            collecting.Collector(t, client=self.client, live_knobs=self.settings.live.enabled) for t in targets],
+            rules=self.rules, rollout=applying if hold is None or (applying is not None and applying.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
             gatherer=self.gatherer, now=now, should_stop=stop.is_set)
         if hold is not None:
             log.info("no rollout: %s", hold)
@@ -142,26 +174,20 @@ class Leader:
 
     # --- pieces --------------------------------------------------------------------------------------
 
-    def _applying(self, targets: Sequence[config.Target], replicas: Mapping[str, Any],
-                  journal: store_mod.ConfigMapJournal, stop: threading.Event) -> running.Applying:
-        kind = self.k.engine_kind
-        pool = acting.PoolActions(self.store, self.api, self.k, epoch=journal.epoch, leader=self.identity,
-                                  replicas=list(replicas.values()), stop=stop)
-        actuator = acting.KubeActuator(pool)
-        tracked = kind == "vllm" and all("--enable-server-load-tracking" in (t.args or ()) for t in targets)
+    def _build(self, journal: store_mod.ConfigMapJournal, stop: threading.Event) -> None:
+        """This term's pod actions and, in apply mode, its dispatcher (the pods are filled in per cycle)."""
+        self.pool = acting.PoolActions(self.store, self.api, self.k, epoch=journal.epoch, leader=self.identity,
+                                       replicas=[], stop=stop)
+        if self.settings.mode != "apply":
+            self.applying = None
+            return
         r = self.settings.rollout
-        driver = rolling.RolloutDriver(
-            actuator=actuator, drainer=acting.KubeDrainer(pool),
-            prober=rolling.EngineProber(self.client, kind=kind, server_load=tracked), journal=journal,
-            poll_seconds=r.poll_seconds, idle_settle_seconds=r.idle_settle_seconds,
-            hold_timeout_seconds=r.hold_timeout_seconds, verifier=self.verifier,
-            confirm=running.confirm_for(self.client, actuator, kind=kind),
-            on_bad_args=lambda name, argv, why: log.warning("%s: arguments failed: %s (%s)", name, " ".join(argv), why),
-            stop_event=stop, drains=True,
-            admission=acting.Admission(self.api, self.k, allow_downtime=r.allow_downtime),
+        self.applying = running.dispatcher(
+            self.settings, self.state, self.client, actuator=acting.KubeActuator(self.pool),
+            drainer=acting.KubeDrainer(self.pool), journal=journal, kind=self.k.engine_kind, stop_event=stop,
+            server_load=lambda: self._tracked, drains=True, control_dir=lambda name: None,
+            admission=acting.DisruptionCheck(self.api, self.k, allow_downtime=r.allow_downtime),
             departed=acting.departed(self.api))
-        settings = self.settings.model_copy(update={"targets": list(targets)})
-        return running.Applying(settings, self.state, driver, self.client, replicas, journal, verifier=self.verifier)
 
     def _track(self, targets: Sequence[config.Target], keep: Sequence[str] = ()) -> None:
         """The state follows the pods: a new pod inherits the pool's history (cooldowns, rejected and bad

@@ -5,21 +5,8 @@ reaps every zombie, answers the kubelet's probes, relaunches the engine in place
 for another command line, and forwards the kubelet's SIGTERM. One thread (the loop) decides; the probe
 server, the health poller and the log pump only read or report.
 
-States (``status.json`` ``state``) and what moves them:
-
-==================  =========================================================================================
-starting            engine spawned, waiting for ``GET /health`` 200 (``start_timeout_seconds``) → serving |
-                    draining; exit or timeout → candidate-failed (a *candidate*: any start but a first start
-                    without overrides) or the launcher exits with the engine's code (that first start)
-serving, draining   engine healthy; draining = desired.json ``drain: true`` (readiness false, engine kept);
-                    leader exits → stopping the rest, then the launcher exits with the leader's code
-                    (unplanned: ordinary Kubernetes restarts apply); desired command line differs → stopping
-stopping            SIGTERM to the engine's leader (then to what is left of its group once it exited), wait
-                    until *every* process of the group (and every descendant) is gone, SIGKILL to all at
-                    ``stop_timeout_seconds``; then start the desired command line
-candidate-failed    nothing runs; readiness false, liveness OK; the next desired.json generation starts again
-terminating         the kubelet's SIGTERM: the same stop, then exit with the engine's exit code
-==================  =========================================================================================
+States (``status.json`` ``state``) and what moves them: the table in ``states`` (a pure
+``step(pod, observation, now)``); this module observes, calls it, and carries out its effects.
 
 Readiness (``/readyz``) is true only in serving, with a fresh ``/health`` 200 from this engine, no drain,
 and the running command line equal to the one desired.json asks for. Liveness (``/livez``) is true while
@@ -44,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import argv as argvs
-from . import probes, processes, protocol, secrets
+from . import probes, processes, protocol, secrets, states
 
 
 @dataclass(frozen=True)
@@ -170,20 +157,6 @@ class Engine:
     exit_code: int | None = None
 
 
-@dataclass
-class Stop:
-    then: str  # "start" | "failed" | "exit"
-    reason: str
-    started: float
-    deadline: float
-    code: int | None = None  # for "exit": the code to exit with (None: the engine's)
-    killed: bool = False
-    forced: bool = False  # SIGINT sent after the SIGTERM (a planned relaunch)
-    stragglers_signalled: bool = False
-    kill_deadline: float = 0.0
-    survivors: tuple[int, ...] = ()
-
-
 class Launcher:
     def __init__(self, settings: Settings, base_argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
         if not base_argv:
@@ -196,11 +169,13 @@ class Launcher:
         self.desired_path = self.state_dir / protocol.DESIRED
         self.status_path = self.state_dir / protocol.STATUS
         self.health = HealthPoller(settings.poll_seconds)
-        self.state = "starting"
+        self.limits = states.Limits(settings.start_timeout_seconds, settings.stop_timeout_seconds,
+                                    settings.kill_timeout_seconds, settings.force_after_seconds)
+        self.pod = states.Pod()
+        self.state = states.STARTING
         self.state_since = time.time()
         self.started_at = time.time()
         self.engine: Engine | None = None
-        self.stop: Stop | None = None
         self.desired: protocol.Desired | None = None
         self.desired_error: str | None = None
         self.overrides_dropped: str | None = None
@@ -227,6 +202,10 @@ class Launcher:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.server: probes.ProbeServer | None = None
+
+    @property
+    def stop(self) -> states.Stop | None:
+        return self.pod.stop
 
     # -- probes (called from the server's threads) ------------------------------------------------
     def live(self) -> probes.Answer:
@@ -315,17 +294,18 @@ class Launcher:
                 log(f"engine pid {pid} exited with code {code}")
             else:
                 self.reaped_orphans += 1
-        if self._term and self.state != "terminating":
-            self._begin_terminate()
         self._poll_desired()
-        if self.stop is not None:
-            self._drive_stop(now)
-        elif self.state == "starting":
-            self._drive_starting(now)
-        elif self.state in ("serving", "draining"):
-            self._drive_serving(now)
-        elif self.state == "candidate-failed" and self._fresh_request:
-            self._start()
+        e = self.engine
+        last = self.health.last(e.serial) if e is not None else None
+        ending = e is not None and (self.pod.stop is not None or self._term or e.exit_code is not None)
+        obs = states.Observation(
+            exit_code=e.exit_code if e is not None else None, healthy=last is not None and last[0],
+            left=tuple(processes.remaining(e.pid)) if e is not None and ending else (),
+            other_argv=e is not None and self.wanted()[0] != e.argv, fresh_request=self._fresh_request,
+            drained=self.drained(), term=self._term, generation=self.observed_generation)
+        self.pod, effects = states.step(self.pod, obs, now, self.limits)
+        self._set_state(self.pod.state)
+        self._carry_out(effects, now)
         self.readiness = self._readiness(now)
         self._write_status()
 
@@ -397,139 +377,82 @@ class Launcher:
             reason = f"cannot run {argv[0]!r}: {exc.strerror or exc}"
             log(reason)
             self.engine = None
-            if candidate:
-                self._candidate_failed(reason, code=127, tail=[])
-            else:
+            if not candidate:
                 self.last_exit = {"code": 127, "at": time.time(), "planned": False, "reason": reason}
-                self.exit_code = 127
+            self.pod, effects = states.spawn_failed(self.pod, candidate=candidate, reason=reason, code=127)
+            self._set_state(self.pod.state)
+            self._carry_out(effects, time.monotonic())
             return
         now = time.monotonic()
         self.engine = Engine(self._serial, argv, self.observed_generation, overrides, candidate, spawned.pid,
                              spawned.log, url, now, time.time())
         self.health.watch(self._serial, url, period=self.settings.poll_seconds)
         log(f"engine pid {spawned.pid} started{' (candidate)' if candidate else ''}: {secrets.DEFAULT.argv(argv)}")
-        self._set_state("starting")
+        self.pod = states.spawned(self.pod, now=now, candidate=candidate)
+        self._set_state(self.pod.state)
 
-    def _drive_starting(self, now: float) -> None:
+    def _carry_out(self, effects: Sequence[states.Effect], now: float) -> None:
+        """The effects of one step, in order (``states.Do``)."""
         e = self.engine
-        assert e is not None
-        if e.exit_code is not None:
-            reason = f"the engine exited with code {e.exit_code} before it was healthy"
-            self._begin_stop("failed" if e.candidate else "exit", reason, code=e.exit_code)
-            return
-        last = self.health.last(e.serial)
-        if last is not None and last[0]:
-            e.healthy_at = now
-            self.health.period = self.settings.health_period_seconds
-            log(f"engine pid {e.pid} healthy after {now - e.spawned_at:.1f}s")
-            if self._relaunch is not None:
-                self._relaunch.update(start_seconds=round(now - e.spawned_at, 3),
-                                      total_seconds=round(now - self._relaunch.pop("t0"), 3), result="healthy")
-                self.last_relaunch, self._relaunch = self._relaunch, None
-            self._set_state("draining" if self.drained() else "serving")
-            return
-        if now > e.spawned_at + self.settings.start_timeout_seconds:
-            reason = f"the engine was not healthy after {self.settings.start_timeout_seconds:g}s"
-            self._begin_stop("failed" if e.candidate else "exit", reason, code=1)
-            return
-        if self._fresh_request and self.wanted()[0] != e.argv:
-            self._fresh_request = False
-            self._begin_stop("start", f"desired generation {self.observed_generation} asks for another command line")
-
-    def _drive_serving(self, now: float) -> None:
-        e = self.engine
-        assert e is not None
-        if e.exit_code is not None:
-            self.last_exit = {"code": e.exit_code, "at": time.time(), "planned": False,
-                              "log_tail": self._scrub(e.log.lines())}
-            self._begin_stop("exit", f"the engine exited unplanned with code {e.exit_code}", code=e.exit_code)
-            return
-        self._fresh_request = False
-        if self.wanted()[0] != e.argv:
-            self.planned_restarts += 1
-            self._relaunch = {"generation": self.observed_generation, "requested_at": time.time(),
-                              "t0": now, "result": "stopping"}
-            self._begin_stop("start", f"relaunch for desired generation {self.observed_generation}")
-            return
-        self._set_state("draining" if self.drained() else "serving")
-
-    def _begin_stop(self, then: str, reason: str, *, code: int | None = None) -> None:
-        e = self.engine
-        now = time.monotonic()
-        self.stop = Stop(then, reason, now, now + self.settings.stop_timeout_seconds, code=code)
-        self._set_state("terminating" if self._term else "stopping")
-        log(f"stopping the engine: {reason}")
-        if e is not None:
-            self._terminate(e)
-        self.health.watch(0, None)
-
-    def _terminate(self, e: Engine) -> None:
-        """SIGTERM to the engine's leader only, as the kubelet sends it to a container's PID 1: vLLM's API
-        server then drains and stops its own engine core. A SIGTERM to the whole group reaches the engine
-        core directly as well, and vLLM then ends the requests in flight at once (measured here: a streamed
-        request cut after 1 of 1500 tokens with --shutdown-timeout 30; all 1500 with the leader alone).
-        What is left of the group once the leader is gone gets its SIGTERM then (``_drive_stop``)."""
-        if e.exit_code is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(e.pid, signal.SIGTERM)
-        else:
-            processes.signal_all(e.pid, signal.SIGTERM)
-            if self.stop is not None:
-                self.stop.stragglers_signalled = True
-
-    def _begin_terminate(self) -> None:
-        log("SIGTERM: stopping the engine, then exiting with its code")
-        if self.stop is not None:
-            self.stop.then, self.stop.code = "exit", None  # exit with what the engine exits with
-            self._set_state("terminating")
-        elif self.engine is not None and self.state in ("starting", "serving", "draining"):
-            self._begin_stop("exit", "the kubelet's SIGTERM")
-        else:
-            self._set_state("terminating")
-            self.exit_code = 0
-
-    def _drive_stop(self, now: float) -> None:
-        stop, e = self.stop, self.engine
-        assert stop is not None
-        left = processes.remaining(e.pid) if e is not None else []
-        if e is not None and (left or e.exit_code is None):
-            if left and e.exit_code is not None and not stop.stragglers_signalled:
-                log(f"the engine's leader exited; SIGTERM to what is left of its group: {left}")
+        for fx in effects:
+            do = fx.do
+            if do is states.Do.STOPPING:
+                log(f"stopping the engine: {fx.reason}")
+                self.health.watch(0, None)
+            elif do is states.Do.TERM_LEADER and e is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(e.pid, signal.SIGTERM)
+            elif do is states.Do.TERM_GROUP and e is not None:
+                if fx.reason:
+                    log(f"{fx.reason}; SIGTERM to what is left of its group: {processes.remaining(e.pid)}")
                 processes.signal_all(e.pid, signal.SIGTERM)
-                stop.stragglers_signalled = True
-            force = self.settings.force_after_seconds
-            if (force is not None and stop.then == "start" and not self._term and not stop.forced
-                    and e.exit_code is None and now > stop.started + force):
-                log(f"SIGINT to the engine {force:g}s after its SIGTERM (a planned relaunch: stop waiting for "
-                    "attached connections)")
+            elif do is states.Do.INT_LEADER and e is not None:
+                log(f"SIGINT to the engine {self.settings.force_after_seconds:g}s after its SIGTERM (a planned "
+                    "relaunch: stop waiting for attached connections)")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(e.pid, signal.SIGINT)
-                stop.forced = True
-            if not stop.killed and now > stop.deadline:
-                log(f"SIGKILL after {self.settings.stop_timeout_seconds:g}s: {left}")
+            elif do is states.Do.KILL_GROUP and e is not None:
+                log(f"SIGKILL after {self.settings.stop_timeout_seconds:g}s: {processes.remaining(e.pid)}")
                 processes.signal_all(e.pid, signal.SIGKILL)
-                stop.killed, stop.kill_deadline = True, now + self.settings.kill_timeout_seconds
-            elif stop.killed and now > stop.kill_deadline:
-                stop.survivors = tuple(left)
-            return
-        self.stop = None
+            elif do is states.Do.HEALTHY and e is not None:
+                e.healthy_at = now
+                self.health.period = self.settings.health_period_seconds
+                log(f"engine pid {e.pid} healthy after {now - e.spawned_at:.1f}s")
+                if self._relaunch is not None:
+                    self._relaunch.update(start_seconds=round(now - e.spawned_at, 3),
+                                          total_seconds=round(now - self._relaunch.pop("t0"), 3), result="healthy")
+                    self.last_relaunch, self._relaunch = self._relaunch, None
+            elif do is states.Do.TAKEN:
+                self._fresh_request = False
+            elif do is states.Do.RELAUNCH:
+                self.planned_restarts += 1
+                self._relaunch = {"generation": self.observed_generation, "requested_at": time.time(),
+                                  "t0": now, "result": "stopping"}
+            elif do is states.Do.UNPLANNED_EXIT and e is not None:
+                self.last_exit = {"code": fx.code, "at": time.time(), "planned": False,
+                                  "log_tail": self._scrub(e.log.lines())}
+            elif do is states.Do.STOPPED and fx.stop is not None:
+                self._stopped(e, fx.stop, now)
+            elif do is states.Do.START:
+                self._start()
+            elif do is states.Do.CANDIDATE_FAILED:
+                tail = self._scrub(e.log.lines()) if e is not None else []
+                self._candidate_failed(fx.reason, code=fx.code, tail=tail)
+            elif do is states.Do.EXIT:
+                if e is not None:
+                    tail = self._scrub(e.log.lines())
+                    if self.last_exit is None or self.last_exit.get("code") != fx.code:
+                        self.last_exit = {"code": fx.code, "at": time.time(), "planned": self._term,
+                                          "reason": fx.reason, "log_tail": tail}
+                    self.engine = None
+                self.exit_code = fx.code if fx.code is not None else 0
+
+    def _stopped(self, e: Engine | None, stop: states.Stop, now: float) -> None:
         seconds = round(now - stop.started, 3)
-        tail = self._scrub(e.log.lines()) if e is not None else []
         if e is not None:
             log(f"engine stopped in {seconds:.1f}s{' (SIGKILL)' if stop.killed else ''}: no process of it is left")
         if self._relaunch is not None and stop.then == "start":
             self._relaunch.update(stop_seconds=seconds, killed=stop.killed, forced=stop.forced, result="starting")
-        if stop.then == "start" and not self._term:
-            self._start()
-        elif stop.then == "failed" and not self._term:
-            self._candidate_failed(stop.reason, code=e.exit_code if e is not None else None, tail=tail)
-        else:
-            code = stop.code if stop.code is not None else (e.exit_code if e is not None else 0)
-            if self.last_exit is None or self.last_exit.get("code") != code:
-                self.last_exit = {"code": code, "at": time.time(), "planned": self._term, "reason": stop.reason,
-                                  "log_tail": tail}
-            self.engine = None
-            self.exit_code = code if code is not None else 0
 
     def _candidate_failed(self, reason: str, *, code: int | None, tail: list[str]) -> None:
         e = self.engine
@@ -542,7 +465,6 @@ class Launcher:
             self.last_relaunch, self._relaunch = self._relaunch, None
         self.engine = None
         log(f"candidate failed: {reason}; waiting for the next desired.json generation")
-        self._set_state("candidate-failed")
 
     # -- readiness and status -----------------------------------------------------------------------
     def _readiness(self, now: float) -> probes.Answer:

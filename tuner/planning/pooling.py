@@ -8,7 +8,9 @@ rollout takes. Three pure functions, called by the daemon and by ``replay`` alik
 
 - ``choose``: which change (the first replica by name whose plan has one), every replica's new
   arguments (``knobs.with_knob``, so each engine kind gets its own spelling — SGLang's chunked prefill
-  is ``--chunked-prefill-size -1``, not ``true``), the checks its verification applies, and the actions
+  is ``--chunked-prefill-size -1``, not ``true``), the checks its verification applies, everything its
+  rollout needs (a live change: each replica's values before and after, and the command line it
+  stands for; a restart: the live values to reset to the new envelope first), and the actions
   to take now: keep-warm, sleep and wake per replica; at most one GPU power action for the pool (a cap
   wins over a restore). Warm-ups tied to a restart are the rollout's own WARM step.
 - ``admit``: maintenance windows. Outside every window a change is deferred, not dropped: it stays
@@ -24,7 +26,7 @@ rollout takes. Three pure functions, called by the daemon and by ``replay`` alik
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tuner.model import knobs, live
@@ -42,8 +44,13 @@ class PoolChange:
 
     id: str  # the rollout's id
     plan: Plan  # the plan that proposed it (the leader's): its changes go to every replica
-    new_args: Mapping[str, knobs.EngineArgs]  # every replica's arguments after the change
+    new_args: Mapping[str, knobs.EngineArgs]  # every replica's arguments after the change (live: it stands for)
     checks: tuple[verification.Check, ...]
+    # live: each replica's values in force before the change (tuner knob → value), its rollback target
+    before: Mapping[str, Mapping[str, int | None]] = field(default_factory=dict)
+    # restart: the live knobs that go back to the startup value first, or the restarted engine would
+    # apply the old live value inside its new envelope
+    resets: tuple[str, ...] = ()
 
     @property
     def leader(self) -> str:
@@ -108,26 +115,34 @@ def change_for(plan: Plan, args: Mapping[str, knobs.EngineArgs], *, kind: knobs.
     """``plan``'s changes applied to every replica's arguments — or, for a live change, to every replica's
     running engine, each of which must be able to take it live; or None and why not."""
     new_args: dict[str, knobs.EngineArgs] = {}
+    checks = verification.checks_of(plan.changes, slo=settings.slo)
     if plan.changes and all(c.live for c in plan.changes):
-        for name in args:
+        before: dict[str, dict[str, int | None]] = {}
+        for name, current in args.items():
             state = (lives or {}).get(name, live.NONE)
             for c in plan.changes:
                 why = state.can_move(c.knob, float(c.to_value))
                 if why is not None:
                     return None, f"not changed live: {name}: {c.flag} {knobs.format_value(c.to_value)}: {why}"
-        return PoolChange(id=f"l{int(now)}", plan=plan, new_args=dict(args),
-                          checks=verification.checks_of(plan.changes, slo=settings.slo)), None
+            before[name] = {c.knob: state.values.get(c.knob) for c in plan.changes}
+            new_args[name] = _with_changes(current, plan, kind)
+        return PoolChange(id=f"l{int(now)}", plan=plan, new_args=new_args, checks=checks, before=before), None
     for name, current in args.items():
-        after = current
-        for c in plan.changes:
-            after = knobs.with_knob(after, c.knob, c.to_value, kind=kind)
+        after = _with_changes(current, plan, kind)
         defaults = known_defaults(signals.get(name, {}), settings, kind)
         problems = knobs.validate(after, kind, platform=settings.engine.platform, defaults=defaults)
         if problems:
             return None, f"not rolled out: {name}: {'; '.join(problems)}"
         new_args[name] = after
-    return PoolChange(id=f"r{int(now)}", plan=plan, new_args=new_args,
-                      checks=verification.checks_of(plan.changes, slo=settings.slo)), None
+    live_now = any(state.available for state in (lives or {}).values())
+    resets = tuple(sorted({c.knob for c in plan.changes if c.knob in live.LIVE_NAMES})) if live_now else ()
+    return PoolChange(id=f"r{int(now)}", plan=plan, new_args=new_args, checks=checks, resets=resets), None
+
+
+def _with_changes(args: knobs.EngineArgs, plan: Plan, kind: knobs.EngineKind) -> knobs.EngineArgs:
+    for c in plan.changes:
+        args = knobs.with_knob(args, c.knob, c.to_value, kind=kind)
+    return args
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +166,13 @@ class Admission:
 def admit(pool: PoolPlan, pending: Pending | None, *, window_open: bool | None, stopping: bool,
           closed_reason: str, now: float, args: Mapping[str, knobs.EngineArgs], kind: knobs.EngineKind,
           settings: DecisionSettings, signals: Mapping[str, SignalSet],
-          lives: Mapping[str, live.LiveState] | None = None) -> Admission:
+          lives: Mapping[str, live.LiveState] | None = None, in_flight: bool = False) -> Admission:
     """``admit`` of the module docstring. ``window_open``: None when no windows are configured. A
-    pending change is chosen again against ``args`` (the arguments of now) when it is released."""
+    pending change is chosen again against ``args`` (the arguments of now) when it is released.
+    ``in_flight``: a rollout is still being carried out; nothing goes out until it is booked (a fresh
+    change is planned again then, against what that rollout left; a pending one keeps waiting)."""
+    if in_flight:
+        return Admission(None, pending)
     fresh = pool.change
     if fresh is not None:
         if stopping:
@@ -190,7 +209,8 @@ def book(histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.
     for name, out in outcomes.items():
         h = hist[name] if moved_live else history_mod.rolled_out(hist[name], now=now)
         if out.result == "ok":
-            owned[name] = out.tried
+            if not moved_live:  # a live change leaves the command line as it is
+                owned[name] = out.tried
             h = history_mod.applied(h, changes, now=now)
         else:
             if not moved_live:

