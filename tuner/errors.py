@@ -18,7 +18,7 @@
 
 Each lives beside the code that raises it (the module in parentheses; the rest here);
 ``tests/unit/test_errors.py`` holds that this tree names every one. A guard that says "no" is a
-``Verdict`` value, never an exception. Each exception builds its
+``guards.Ruling`` value, never an exception. Each exception builds its
 message from its fields and keeps them, so callers can inspect ``err.path`` or ``err.url``.
 """
 

@@ -1,4 +1,5 @@
-"""Guards: one pure function per check, each answering with a ``Verdict`` that says why.
+"""Guards: one pure function per check, each answering with a ``Ruling`` (allowed or not, and why; the verdict on a
+change after its rollout is ``verification.Verdict``).
 
 A guard never raises and never acts. The planner asks them in this order and records the first "no"
 as the held reason (the same text goes to logs and the ``reason`` label of tuner_decisions_total):
@@ -118,18 +119,18 @@ class SafetySettings(_Model):
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Ruling:
     allowed: bool
     guard: str
     reason: str
 
 
-def allow(guard: str, reason: str = "") -> Verdict:
-    return Verdict(True, guard, reason)
+def allow(guard: str, reason: str = "") -> Ruling:
+    return Ruling(True, guard, reason)
 
 
-def deny(guard: str, reason: str) -> Verdict:
-    return Verdict(False, guard, reason)
+def deny(guard: str, reason: str) -> Ruling:
+    return Ruling(False, guard, reason)
 
 
 ActionKind = Literal["keep-warm", "warm-up", "sleep", "wake", "power-cap", "power-restore"]
@@ -186,7 +187,7 @@ def _why(signals: SignalSet, name: str) -> str:
 # --- window and idle ------------------------------------------------------------------------------
 
 
-def sustained(rule: str, signals: SignalSet, history: History, settings: SafetySettings, *, now: float) -> Verdict:
+def sustained(rule: str, signals: SignalSet, history: History, settings: SafetySettings, *, now: float) -> Ruling:
     """A restart's evidence: its rule true without a break for ``restart_evidence_seconds``, counting the
     span of the window it was first found true on (the evidence of one long window is its span)."""
     since = history.streak_since.get(rule)  # where the first true window began (planner.plan books it)
@@ -201,7 +202,7 @@ def sustained(rule: str, signals: SignalSet, history: History, settings: SafetyS
 
 
 def payback(signals: SignalSet, settings: SafetySettings, *, knob: str, from_value: float, to_value: float,
-            alpha: float) -> Verdict:
+            alpha: float) -> Ruling:
     """The payback test of ``payback_horizon_seconds`` for a restart that gives the engine more sequence
     slots: the completions it adds over the horizon against those lost while the replica restarts.
 
@@ -228,7 +229,7 @@ def payback(signals: SignalSet, settings: SafetySettings, *, knob: str, from_val
     return allow("payback", text) if gain > cost else deny("payback", f"a restart does not pay back: {text}")
 
 
-def window(signals: SignalSet) -> Verdict:
+def window(signals: SignalSet) -> Ruling:
     """Rates need a valid window: no decisions from a failed, stale or restarted one."""
     if _v(signals, "window_seconds") is None:
         return deny("window", f"no decision: {_why(signals, 'window_seconds')}")
@@ -242,7 +243,7 @@ def requests_in_window(signals: SignalSet) -> float | None:
     return None if rate is None or span is None else rate * span
 
 
-def idle(signals: SignalSet, settings: IdleSettings) -> Verdict:
+def idle(signals: SignalSet, settings: IdleSettings) -> Ruling:
     n = requests_in_window(signals)
     if n is None:
         return deny("idle", "no decision: the number of requests in the window is unknown")
@@ -350,7 +351,7 @@ def power(signals: SignalSet, settings: ThermalSettings, *, capped: bool) -> Act
     return None
 
 
-def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -> Verdict:
+def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -> Ruling:
     why = hot(signals, settings)
     if why is None:
         note = ""
@@ -365,7 +366,7 @@ def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -
 # --- crash memory, cooldown, hysteresis, budget ----------------------------------------------------
 
 
-def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float | None = None) -> Verdict:
+def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float | None = None) -> Ruling:
     why = history.is_bad(args_after, now=now)
     if why is not None:
         return deny("crash", f"this command line failed before: {why}")
@@ -373,7 +374,7 @@ def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float |
 
 
 def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
-             settings: SafetySettings, now: float, live: bool = False) -> Verdict:
+             settings: SafetySettings, now: float, live: bool = False) -> Ruling:
     last = history.changes.get(knob)
     if last is None:
         return allow("cooldown")
@@ -386,7 +387,7 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
 
 
 def hysteresis(knob: str, flag: str, direction: int, history: History, *, settings: SafetySettings,
-               now: float, live: bool = False) -> Verdict:
+               now: float, live: bool = False) -> Ruling:
     last = history.changes.get(knob)
     if last is None or last.direction == direction or direction == 0:
         return allow("hysteresis")
@@ -398,7 +399,7 @@ def hysteresis(knob: str, flag: str, direction: int, history: History, *, settin
     return allow("hysteresis")
 
 
-def restart_budget(history: History, settings: SafetySettings, *, now: float) -> Verdict:
+def restart_budget(history: History, settings: SafetySettings, *, now: float) -> Ruling:
     hour = history.restarts_within(3600, now=now)
     day = history.restarts_within(86400, now=now)
     if hour >= settings.max_restarts_per_hour:
@@ -462,7 +463,7 @@ def max_model_len_floor(signals: SignalSet, settings: SafetySettings) -> Floor:
     return Floor(tokens, f"{what} = {need:g}, + {settings.max_model_len_margin:.0%} margin = {tokens}")
 
 
-def floor_check(to_value: knobs.Value, floor: Floor, *, from_value: knobs.Value | None = None) -> Verdict:
+def floor_check(to_value: knobs.Value, floor: Floor, *, from_value: knobs.Value | None = None) -> Ruling:
     if floor.tokens is None:
         return deny("floor", f"--max-model-len not lowered: {floor.reason}")
     if float(to_value) < floor.tokens:
@@ -474,7 +475,7 @@ def floor_check(to_value: knobs.Value, floor: Floor, *, from_value: knobs.Value 
 
 
 def engine_constraints(args_after: knobs.EngineArgs, kind: knobs.EngineKind, *, platform: str | None,
-                       defaults: dict[str, knobs.Value]) -> Verdict:
+                       defaults: dict[str, knobs.Value]) -> Ruling:
     problems = knobs.validate(args_after, kind, platform=platform, defaults=defaults)
     if problems:
         return deny("engine", "; ".join(problems))

@@ -319,7 +319,7 @@ def _floored(p: evaluation.Proposal, floor: guards.Floor) -> evaluation.Proposal
 
 def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluation.Context, signals: SignalSet,
               history: History, settings: DecisionSettings, *, now: float, floor: guards.Floor | None,
-              live: bool = False) -> Iterator[guards.Verdict]:
+              live: bool = False) -> Iterator[guards.Ruling]:
     """The guards one proposal must pass, in order (lazily: the first "no" is the reason). A live change
     has the live cooldown and hysteresis and needs no start-up validation (the command line stays)."""
     yield guards.thermal(signals, settings.thermal, adds_load=p.adds_load)
