@@ -19,6 +19,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake
 from tuner.daemon import rolling
 from tuner.planning import verification
@@ -65,20 +66,6 @@ def _wrap(obj: Any, prefix: str, faults: Faults, methods: tuple[str, ...]) -> An
     return Wrapped()
 
 
-class Prober:
-    def __init__(self, actuator: fake.FakeActuator) -> None:
-        self.actuator = actuator
-
-    def is_healthy(self, replica: base.Replica) -> bool:
-        return self.actuator.status(replica.name).state is base.State.RUNNING
-
-    def load(self, replica: base.Replica) -> int | None:
-        return 0
-
-    def warm(self, replica: base.Replica, *, requests: int) -> str | None:
-        return None
-
-
 class Verifier:
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:
         return None
@@ -103,7 +90,7 @@ def test_any_exception_of_any_step_is_that_steps_failure(tmp_path_factory: Any, 
     j = journal.Journal(Path(tmp_path_factory.mktemp("j")) / "j.jsonl")
     driver = rolling.RolloutDriver(
         actuator=_wrap(actuator, "actuator", faults, ("stop", "start", "status")),
-        prober=_wrap(Prober(actuator), "prober", faults, ("is_healthy", "warm", "load")),
+        prober=_wrap(FakeProber(actuator), "prober", faults, ("is_healthy", "warm", "load")),
         drainer=_wrap(drainer, "drainer", faults, ("drain", "undrain")),
         verifier=_wrap(Verifier(), "verifier", faults, ("observe", "judge")),
         journal=j, poll_seconds=0.001, idle_settle_seconds=0, hold_timeout_seconds=5.0)

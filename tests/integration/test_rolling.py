@@ -23,6 +23,7 @@ import pytest
 
 from tests.support import nginx as nginx_support
 from tests.support import required
+from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake, process
 from tuner.daemon import rolling
 from tuner.errors import PermanentActuatorError
@@ -334,20 +335,6 @@ def test_a_tuner_killed_mid_rollout_restarts_engines_with_their_real_secret(tmp_
 
 
 # --- the same driver over the in-memory fakes: the branches real engines rarely take ---------------
-
-
-class FakeProber:
-    def __init__(self, actuator: fake.FakeActuator) -> None:
-        self.actuator = actuator
-
-    def is_healthy(self, replica: base.Replica) -> bool:
-        return self.actuator.status(replica.name).state is base.State.RUNNING
-
-    def load(self, replica: base.Replica) -> int | None:
-        return 0
-
-    def warm(self, replica: base.Replica, *, requests: int) -> str | None:
-        return None
 
 
 def fake_driver(tmp_path: Path, names: tuple[str, ...] = ("a", "b"), **kwargs: Any) -> rolling.RolloutDriver:
