@@ -20,6 +20,7 @@ of 10); ``min_ratio`` 1.5 ignores the rate moving by less than the headroom the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ def arrivals(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect
              ) -> list[tuple[float, float, float]] | None:
     """Per scrape interval: (start time, seconds, arrivals) by flow balance; None when a count is unreadable
     (a failed scrape, a missing series, a counter that went back: the window is not one engine's)."""
-    points: list[tuple[float, float]] = []
+    points: list[tuple[float, float, float]] = []  # (time, finished, finished + running + waiting)
     for s in snaps:
         if not s.ok:
             return None
@@ -55,10 +56,9 @@ def arrivals(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect
         running, waiting = engine.gauge(s, dialect, "running"), engine.gauge(s, dialect, "waiting")
         if done is None or running is None or waiting is None:
             return None
-        points.append((s.scraped_at, done + running + waiting))
+        points.append((s.scraped_at, done, done + running + waiting))
     out: list[tuple[float, float, float]] = []
-    dones = [engine.counter(s, dialect, "request_success") or 0.0 for s in snaps]
-    for (t0, in0), (t1, in1), d0, d1 in zip(points, points[1:], dones, dones[1:], strict=False):
+    for (t0, d0, in0), (t1, d1, in1) in itertools.pairwise(points):
         if t1 <= t0 or d1 < d0:
             return None
         out.append((t0, t1 - t0, max(0.0, in1 - in0)))
