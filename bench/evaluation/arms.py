@@ -1,11 +1,11 @@
 """Running the arms against real engines behind real nginx; raw data into the results directory.
 
-Three kinds of pool, all behind ``tests.support.nginx.NginxBalancer``:
+Three kinds of pool, all behind ``harness.nginx.NginxBalancer``:
 
-- ``StaticPool``: the harness starts the replicas itself (``tests.support.vllm.VllmServer``), with fixed
+- ``StaticPool``: the harness starts the replicas itself (``harness.vllm.VllmServer``), with fixed
   flags; with ``plugin=True`` every replica gets its own live-knob control directory, so that one
   wide-envelope start serves the bad start, the sweep and the defaults (``set_cap``).
-- ``TunerPool``: ``vllm-tuner run`` launches the replicas itself (``tests.support.live_rollout.ProcessPool``:
+- ``TunerPool``: ``vllm-tuner run`` launches the replicas itself (``harness.live_rollout.ProcessPool``:
   process actuator, nginx drain), with the arm's tuner settings composed into a full configuration.
   ``live=True`` starts them with the wide envelope and the plugin, the cap at the bad start.
 
@@ -34,8 +34,8 @@ import httpx
 import yaml
 
 from bench.evaluation import analysis, profiles
-from tests.support import live_rollout, vllm
-from tests.support import nginx as nginx_support
+from harness import live_rollout, vllm
+from harness import nginx as nginx_support
 from tuner.model import snapshots
 from tuner.sources import live_knobs
 
@@ -93,7 +93,7 @@ def prepare(profile: profiles.Profile, base: Path, out: Path) -> Context:
     """Resolve the interpreters and the model, write (or check) the results directory's trace."""
     if profile.engine.python:
         engine_py = _which(profile.engine.python, base)
-        os.environ["VLLM_TUNER_VLLM_PYTHON"] = str(engine_py)  # tests.support.vllm starts engines with it
+        os.environ["VLLM_TUNER_VLLM_PYTHON"] = str(engine_py)  # harness.vllm starts engines with it
     py = vllm.vllm_python()
     if py is None:
         raise HarnessError(vllm.skip_reason() or "no engine interpreter")

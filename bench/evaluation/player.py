@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-UPSTREAM_HEADER = "X-Upstream-Addr"  # tests/support/nginx.py adds it: which engine served the request
+UPSTREAM_HEADER = "X-Upstream-Addr"  # harness/nginx.py adds it: which engine served the request
 
 
 def prompt_ids(salt: str, index: int, length: int, vocab_size: int) -> list[int]:
@@ -149,7 +149,7 @@ async def play(trace: dict[str, Any], *, url: str, model: str, vocab_size: int, 
     endpoint = url.rstrip("/") + "/v1/completions"
     done = failed = 0
     # No connection limit (open loop: a slow engine must not slow the arrivals down); nginx closes
-    # client connections after each response (tests/support/nginx.py: keep-alive off).
+    # client connections after each response (harness/nginx.py: keep-alive off).
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     with open(out, "w", encoding="utf-8") as f:

@@ -31,7 +31,7 @@ class Engine(_Model):
     """The engine's interpreter (vLLM importable). None: ``.venv-vllm/bin/python`` (or
     ``$VLLM_TUNER_VLLM_PYTHON``)."""
     model: str | None = None
-    """The model directory. None: the tiny random Llama of tests/support/vllm.py (built when missing)."""
+    """The model directory. None: the tiny random Llama of harness/vllm.py (built when missing)."""
     served_name: str = "tiny-llama"
     args: list[str] = []
     """Engine flags besides --model, --served-model-name, --host, --port and --max-num-seqs (which the

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import nginx as nginx_support
-from tests.support import required
+from harness import nginx as nginx_support
+from harness import required
 from tests.support import systemd as systemd_support
 from tuner.actuators import base, draining, fake, process, systemd
 from tuner.errors import PermanentActuatorError

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.support import vllm
+from harness import vllm
 
 
 def pytest_collection_modifyitems(config, items):

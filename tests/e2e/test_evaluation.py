@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from bench import evaluate
-from tests.support import live_rollout as live
+from harness import live_rollout as live
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "bench" / "evaluation" / "profiles" / "cpu-ci.yaml"

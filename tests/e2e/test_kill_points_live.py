@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
+from harness import live_rollout as live
 from tests.faults import support
-from tests.support import live_rollout as live
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 

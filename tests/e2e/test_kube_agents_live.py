@@ -31,10 +31,10 @@ from typing import Any
 
 import pytest
 
+from harness import live_rollout as live
+from harness import nginx as nginx_support
+from harness import vllm
 from tests.support import kube_pool as kp
-from tests.support import live_rollout as live
-from tests.support import nginx as nginx_support
-from tests.support import vllm
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 

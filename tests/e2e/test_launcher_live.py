@@ -32,10 +32,10 @@ from typing import Any
 import httpx
 import pytest
 
+from harness import live_rollout as live
+from harness import nginx as nginx_support
+from harness import vllm
 from tests.support import launcher as support
-from tests.support import live_rollout as live
-from tests.support import nginx as nginx_support
-from tests.support import vllm
 from tests.support.launcher import LauncherProcess, ProbeRecorder
 from tuner.launcher import packaging
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import vllm
+from harness import vllm
 from tuner.model import snapshots
 from tuner.sources import live_knobs
 

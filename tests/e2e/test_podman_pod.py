@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import live_rollout as live
+from harness import live_rollout as live
+from harness import required, vllm
 from tests.support import podman as pm
-from tests.support import required, vllm
 from tuner.launcher import packaging
 
 START_TIMEOUT = 600.0

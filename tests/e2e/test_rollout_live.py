@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import live_rollout as live
-from tests.support import vllm
+from harness import live_rollout as live
+from harness import vllm
 from tuner.model import secrets
 from tuner.rollout import journal as journaling
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.support import vllm
+from harness import vllm
 from tuner.model import dialects
 from tuner.signals import engine as engine_signals
 from tuner.sources.engines import EngineClient

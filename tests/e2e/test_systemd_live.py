@@ -13,7 +13,7 @@ The shipped unit runs unchanged but for a test drop-in (``dropin()``):
   ``ProtectHome=yes`` (or ``PrivateTmp=yes``) hides; the drop-in exposes exactly those directories,
   read-only, and keeps the rest of the sandbox;
 - no ``User=vllm`` (no such user here), no State/CacheDirectory on the host's /var, HOME=/tmp
-  (the unit's PrivateTmp), and the engine environment of ``tests/support/vllm.py``.
+  (the unit's PrivateTmp), and the engine environment of ``harness/vllm.py``.
 
 Needs root (``unshare --pid --mount``): skipped otherwise, even under VLLM_TUNER_REQUIRE_E2E=1, like
 the systemd contract tests.
@@ -30,9 +30,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import live_rollout as live
-from tests.support import nginx as nginx_support
-from tests.support import required, vllm
+from harness import live_rollout as live
+from harness import nginx as nginx_support
+from harness import required, vllm
 from tests.support import systemd as systemd_support
 from tuner.actuators import base, systemd
 from tuner.rollout import journal as journaling

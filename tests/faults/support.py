@@ -43,8 +43,8 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support import waiting
-from tests.support.ports import free_port
+from harness import waiting
+from harness.ports import free_port
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.sources import live_knobs

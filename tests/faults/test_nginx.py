@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import nginx as nginx_support
+from harness import required
 from tests.faults import support
-from tests.support import nginx as nginx_support
-from tests.support import required
 from tuner.actuators import draining
 from tuner.errors import TemporaryActuatorError
 from tuner.rollout import machine

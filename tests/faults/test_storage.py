@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import required
 from tests.faults import support
-from tests.support import required
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 

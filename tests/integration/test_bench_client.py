@@ -1,6 +1,6 @@
 """vLLM's benchmark client counts a request as failed when the network splits an SSE event in the wrong
 place, or when it sends a request on a pooled connection the server has closed — no engine needed to show
-either — and the fix the test harness loads into it (tests/support/bench_client_fix.py) gets both right.
+either — and the fix the test harness loads into it (harness/bench_client_fix.py) gets both right.
 
 A server streams one OpenAI completion in pieces that split events right after ``data:``, after
 ``data: ``, inside the ``\\n\\n`` between events and inside a multi-byte character. vLLM's own
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import bench_client_fix, vllm
+from harness import bench_client_fix, vllm
 
 FIX = Path(vllm.__file__).with_name("bench_client_fix.py")
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 from tuner.rollout import locks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 from tuner.actuators import base, fake
 from tuner.daemon import rolling
 from tuner.rollout import journal, machine

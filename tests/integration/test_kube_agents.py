@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from harness import live_rollout as live
+from harness.ports import free_port
 from tests.support import kube_pool as kp
-from tests.support import live_rollout as live
-from tests.support.ports import free_port
 from tuner.launcher import packaging, protocol
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.ports import free_port
+from harness.waiting import wait_for
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
-from tests.support.ports import free_port
-from tests.support.waiting import wait_for
 from tuner.launcher import packaging, protocol
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 from tuner.cli import demo
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine

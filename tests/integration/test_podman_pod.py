@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness import required
 from tests.support import podman as pm
-from tests.support import required
 from tuner.launcher import packaging
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import nginx as nginx_support
-from tests.support import required
+from harness import nginx as nginx_support
+from harness import required
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake, process
 from tuner.daemon import rolling

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 from tuner.cli import demo as cli_demo
 from tuner.rollout import journal
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support import nginx as nginx_support
+from harness import nginx as nginx_support
 from tuner.actuators import base, process
 from tuner.model import secrets
 

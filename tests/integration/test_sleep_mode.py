@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 from tuner.sources.engines import EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import nginx as nginx_support
-from tests.support import required
+from harness import nginx as nginx_support
+from harness import required
 from tests.support import systemd as systemd_support
 from tuner.actuators import settings
 

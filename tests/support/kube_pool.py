@@ -32,8 +32,8 @@ from typing import Any
 import httpx
 import yaml
 
+from harness import waiting
 from tests.support import fake_kube as fk
-from tests.support import waiting
 from tests.support.launcher import LauncherProcess
 from tuner.launcher import protocol
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 from tuner.launcher import argv as argvs
 from tuner.launcher import protocol
 

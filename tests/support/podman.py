@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.support import waiting
+from harness import waiting
 
 ROOT = Path("/var/tmp/vllm-tuner-podman")
 RUNROOT = Path("/run/vllm-tuner-podman")

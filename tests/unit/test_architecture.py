@@ -93,3 +93,25 @@ def test_no_project_file_points_outside_the_repository() -> None:
 @pytest.mark.parametrize("path", ["rules/default.yaml"])
 def test_the_checkout_paths_users_read_lead_to_the_shipped_files(path: str) -> None:
     assert (ROOT / path).resolve() == (TUNER / "data" / "rules" / "default.yaml").resolve()
+
+
+def _imports(path: Path) -> set[str]:
+    """The top-level packages a module imports (``import a.b`` and ``from a.b import c`` give ``a``)."""
+    found = set()
+    for line in path.read_text().splitlines():
+        m = re.match(r"\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", line)
+        if m:
+            found.add((m.group(1) or m.group(2)).split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("package", ["harness", "bench", "tests"])
+def test_the_shared_harness_is_the_only_bridge_between_tests_and_benchmarks(package: str) -> None:
+    """harness/ imports neither tests/ nor bench/; bench/ never imports tests/; tests/ imports bench/ only
+    in the tests of bench's own modules (never for support code), so one side cannot break the other."""
+    forbidden = {"harness": {"tests", "bench"}, "bench": {"tests"}, "tests": {"bench"}}[package]
+    # the tests of bench's own modules, and the benchmark that runs the fuzz tests with a long profile
+    tests_of_bench = {"test_evaluation_harness.py", "test_evaluation.py", "fuzz_long.py"}
+    bad = [str(p.relative_to(ROOT)) for p in sorted((ROOT / package).rglob("*.py"))
+           if _imports(p) & forbidden and p.name not in tests_of_bench]
+    assert not bad, f"{package}/ imports {sorted(forbidden)} in {bad}: move what both need into harness/"

@@ -3,7 +3,7 @@ GpuPowerControl, which is off by default and tested only against a fake NVML."""
 
 import pytest
 
-from tests.support.fake_nvml import FakeGpu, FakeNvml
+from harness.fake_nvml import FakeGpu, FakeNvml
 from tuner import config
 from tuner.actuators import gpu_power
 from tuner.errors import PermanentActuatorError

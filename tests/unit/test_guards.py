@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.fake_nvml import FakeGpu, FakeNvml
+from harness.fake_nvml import FakeGpu, FakeNvml
 from tuner.model import gpus, knobs
 from tuner.model.gpus import GpuReading
 from tuner.planning import guards, planner

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.support import vllm
+from harness import vllm
 
 
 def test_the_summary_keeps_each_distinct_error_with_its_count_and_drops_the_per_request_fields() -> None:

