@@ -41,6 +41,7 @@ CONCURRENCY = 32
 PROMPTS = 224
 INPUT_LEN = 128
 OUTPUT_LEN = 256
+RESTORED_PROMPTS, RESTORED_OUTPUT_LEN = 32, 32  # the restored phase's own load: 32 at once, > 16 per step
 DEADLINE_S = 600.0  # per wait; generous for a loaded 2-core box
 SETTLE_S = 1.0
 
@@ -268,6 +269,13 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
         ack = engine.ack(engine.request())  # nothing given: back to the startup values
         assert ack.is_applied and ack.effective["max_num_active_seqs"] == MAX_NUM_SEQS
         restored = begin("restored", MAX_NUM_SEQS)
+        # The restored phase brings its own load, sent after the phase began: how much of the first
+        # client's work is left by now depends on how fast the box ran the earlier phases (once, none
+        # was, and the phase had no step to judge).
+        result["restored"] = vllm.run_benchmark(
+            engine.server.base_url, engine.server.model_name, tokenizer=engine.model,
+            num_prompts=RESTORED_PROMPTS, max_concurrency=CONCURRENCY, input_len=INPUT_LEN,
+            output_len=RESTORED_OUTPUT_LEN, seed=2, timeout=1800)
         client.join(timeout=1800)
         assert not client.is_alive(), "benchmark did not finish"
         time.sleep(1.0)
@@ -275,6 +283,8 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
 
     assert "error" not in result, result.get("error")
     bench_result = result["bench"]
+    second = result["restored"]
+    assert second["completed"] == RESTORED_PROMPTS and not second.get("failed", 0), vllm.failures(second)
     if bench_result["completed"] != PROMPTS or bench_result.get("failed", 0):
         try:
             counters = f"before {before}, after {engine.metrics()}"
@@ -308,7 +318,7 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
 
     assert after["preemptions"] == before["preemptions"]  # drain-down, never preemption
     assert after["errored"] == before["errored"] and after["aborted"] == before["aborted"]
-    assert after["completed"] - before["completed"] == PROMPTS
+    assert after["completed"] - before["completed"] == PROMPTS + RESTORED_PROMPTS
     assert engine.server.alive() and engine.server.pid == engine.api_pid
     assert {a.pid for a in engine.acks_seen} == {core_pid}
 
