@@ -176,6 +176,14 @@ class Sampler:
             assert time.monotonic() < deadline, f"{what}: not within {deadline_s:.0f}s ({self.latest()})"
             time.sleep(0.1)
 
+    def wait_fresh(self, what: str, predicate, since: float, *, deadline_s: float = DEADLINE_S) -> None:
+        """Wait for a sample whose whole scrape began after ``since`` and satisfies ``predicate``."""
+        deadline = time.monotonic() + deadline_s
+        while not any(predicate(m) for began, _, m in list(self.samples) if began >= since):
+            assert self.engine.server.alive(), f"engine died:\n{self.engine.server.log_tail()}"
+            assert time.monotonic() < deadline, f"{what}: not within {deadline_s:.0f}s ({self.latest()})"
+            time.sleep(0.1)
+
     def window(self, t0: float, t1: float) -> list[dict[str, float]]:
         return [m for began, ended, m in self.samples if t0 <= began and ended <= t1]
 
@@ -260,6 +268,10 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
         drained = engine.ack_where(lowered, lambda a: a.effective["draining"] is False)
         drained_s = time.monotonic() - t_lowered
         assert drained.effective["running"] <= 8
+        # The API server writes /metrics and the step log in step order, behind the engine core: a gauge
+        # of at most 8 read after the drain means every step before it (16 running) is logged by now.
+        sampler.wait_fresh("the API server caught up with the drain", lambda m: m["running"] <= 8,
+                           since=time.monotonic())
         hold(begin("8", 8), 16)
 
         # An insecure control directory: the request is refused unread, nothing changes.
