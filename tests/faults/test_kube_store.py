@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from tests.support import fake_kube as fk
 from tuner import config
 from tuner.daemon import selfmetrics
+from tuner.kube import acting, electing, leading, store
 from tuner.kube import api as kapi
-from tuner.kube import electing, leading, store
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.sources import engines
@@ -286,6 +286,19 @@ def test_two_leaders_with_one_epoch_from_two_leases_the_first_to_write_keeps_it(
     with pytest.raises(store.Deposed):
         store_a.update(lambda d: {**d, "late": "1"}, epoch=5, leader="pod-a_1")
     assert "late" not in data(kube)
+
+
+def test_a_desired_key_deleted_by_hand_does_not_make_requests_look_carried_out(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    assert tuner_settings.kubernetes is not None
+    s = store.PoolStore(api)
+    s.report("vllm-a", {"state": "serving", "serial": 5, "generation": 5, "launcher_generation": 5,
+                        "overrides": [], "base_sha256": "b" * 64})
+    edit(kube, desired=None)  # the fix the message gives for a garbled one
+    pool = acting.PoolActions(s, api, tuner_settings.kubernetes, epoch=1, leader="pod-a_1", replicas=[])
+    serial = pool.request("vllm-a", drain=True)
+    assert serial == 6  # above what the pod's agent carried out already: it acts on it
+    assert not acting.carried_out(pool.report("vllm-a") or {}, serial)
 
 
 # --- generated: lifecycles, epochs, states and journal lines of many shapes -------------------------------
