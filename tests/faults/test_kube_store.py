@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from tests.support import fake_kube as fk
@@ -576,7 +576,9 @@ def shape(r: machine.Rollout | None) -> Any:
     return None if r is None else (r.id, tuple((p.name, p.state) for p in r.progress))
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=800, deadline=None)
+@example(finished=1, unfinished=1, garbling=[("replace", 1.0, '{"v":1,"seq":7,"kind":"note","note":"cut off'),
+                                             ("replace", 0.90625, "null")])  # a rollout's record and its one event
 @given(finished=st.integers(0, 3), unfinished=st.one_of(st.none(), st.integers(0, 19)),
        garbling=st.lists(st.tuples(st.sampled_from(["replace", "insert"]), st.floats(0, 1), BAD_LINES),
                          min_size=1, max_size=3))

@@ -13,15 +13,25 @@ key                  what                                                       
                      launcher is asked for now
 ``state``            the pool's decision history (cooldowns, hysteresis, budgets, crash memory)  leader
 ``journal``          the journal: JSON lines, the file journal's record format                   leader
+``journal.           journal lines that did not read, moved here verbatim (not JSON; one line     leader
+quarantine``         each): for a human to read, then delete
 ``report.<pod>``     that pod's agent's report: its launcher's status.json, condensed           its agent
 ===================  ===========================================================================  =========
 
 **Leader writes are compare-and-swap** on the ConfigMap's resourceVersion (a PUT with it; 409: re-read,
 apply the change again to what is there now, retry) and **fenced**: each carries the writer's epoch, and a
-write whose epoch is older than the ``epoch`` stored is refused (``Deposed``) before it is attempted. The
-CAS makes the check and the write one step: a deposed leader whose copy is stale gets 409, re-reads, and is
-refused then. **Agent reports** are JSON merge patches of their own key only (atomic on the server, no
-CAS: they touch nothing else).
+write whose epoch is older than the ``epoch`` stored — or the same, written by another leader — is refused
+(``Deposed``) before it is attempted. The CAS makes the check and the write one step: a deposed leader
+whose copy is stale gets 409, re-reads, and is refused then. **Agent reports** are JSON merge patches of
+their own key only (atomic on the server, no CAS: they touch nothing else).
+
+**Every key is read through the bounded reader** (``tuner.launcher.untrusted``): a human can edit the
+ConfigMap. The leader's keys are read strictly (``inspect``): one that does not read is a ``Problem``
+naming the key and its fix, and no leader writes at all until it reads (``PoolUnreadableError``) —
+neither fencing switched off by an unreadable epoch nor a history replaced by an empty one. A journal
+line that does not read is moved to ``journal.quarantine`` where it cannot hide a record of the
+unfinished rollout, and refuses the pool where it could (``parse_journal``). The agents' keys are read
+leniently (``loads``: absent or unreadable is the default, said once).
 
 The ConfigMap is at most 1 MiB: once the journal passes ``JOURNAL_BUDGET`` bytes, the records of finished
 rollouts (all but the last ``KEEP_ROLLOUTS``) and their decisions are dropped (``compact``), then fewer
@@ -244,13 +254,15 @@ def parse_journal(text: str) -> ParsedJournal:
     - at most one rollout replays as unfinished, and it is the last one begun (only one runs at a time: an
       earlier one that looks unfinished lost its last records);
     - no bad line comes after the start of the unfinished rollout (it may be one of its events);
-    - no bad line that is a rollout's record (``rollout``, ``event``, ``abort``) comes after the start of the
-      last rollout (it belongs to a rollout that may be unfinished).
+    - after the start of the last rollout (of the journal, where none replays) at most one bad line, and
+      not a rollout's record (``rollout``, ``event``, ``abort``): two could be a later rollout and its
+      events, garbled alike.
 
-    What is left when the lines are set aside is then what a leader killed just before writing them would
-    have left, or the same rollouts with finished history missing: a decision, a note, a finished
-    rollout's records. (A line that was the record of a rollout with no event yet is set aside too: no pod
-    was touched for it.)
+    A bad line before the start of the last rollout belongs to a time before it began, when any rollout
+    then running had to finish (else it looks unfinished: refused above). What is left when the lines are
+    set aside is then what a leader killed just before writing them would have left, or the same rollouts
+    with finished history missing: a decision, a note, a finished rollout's records — or the record of a
+    rollout that had no event yet (no pod was touched for it).
     """
     rollouts: dict[str, machine.Rollout] = {}
     begun: dict[str, int] = {}
@@ -296,10 +308,14 @@ def _refusal(rollouts: Mapping[str, machine.Rollout], begun: Mapping[str, int], 
     if running and bad[-1].number > begun[running[0]]:
         return (f"line {bad[-1].number} of the key 'journal' is unreadable and comes after the start of the "
                 f"unfinished rollout {running[0]} (line {begun[running[0]]}): it may be one of its records")
-    late = [b for b in bad if b.kind in ROLLOUT_KINDS and b.number > last]
-    if late:
-        return (f"line {late[0].number} of the key 'journal' is a record of kind {late[0].kind} that does not "
-                "replay, after the start of the last rollout: the rollout it belongs to may be unfinished")
+    late = [b for b in bad if b.number > last]
+    if any(b.kind in ROLLOUT_KINDS for b in late):
+        b = next(b for b in late if b.kind in ROLLOUT_KINDS)
+        return (f"line {b.number} of the key 'journal' is a record of kind {b.kind} that does not replay, after "
+                "the start of the last rollout: the rollout it belongs to may be unfinished")
+    if len(late) > 1:
+        return (f"lines {', '.join(str(b.number) for b in late)} of the key 'journal' are unreadable, after the "
+                "start of the last rollout: they may be a later rollout and its events")
     return None
 
 
