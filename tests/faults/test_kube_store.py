@@ -476,7 +476,7 @@ class Lifecycle:
                     self.stores[who].update(lambda d: {**d, "late": "1"}, epoch=term, leader=self.names[who])
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=6, max_size=24))
 def test_fencing_holds_through_generated_lifecycles(server: fk.FakeKube, api: kapi.KubeApi,
                                                     chart: list[dict[str, Any]], ops: list[tuple[Any, ...]]) -> None:
