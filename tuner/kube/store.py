@@ -57,8 +57,9 @@ from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 
-__all__ = ["QUARANTINE", "REPORT_PREFIX", "ConfigMapJournal", "Deposed", "PoolStore", "PoolUnreadableError",
-           "compact", "dumps", "inspect", "loads", "parse_journal"]
+__all__ = ["QUARANTINE", "REPORT_PREFIX", "BadLine", "ConfigMapJournal", "Deposed", "Inspection", "ParsedJournal",
+           "PoolStore", "PoolUnreadableError", "Problem", "compact", "dumps", "epoch_floor", "inspect",
+           "journal_text", "loads", "parse_journal", "quarantined", "set_aside"]
 
 log = logging.getLogger("tuner.kube.store")
 
