@@ -12,6 +12,7 @@
     │   └── PermanentActuatorError           do not retry; a human must look
     ├── JournalError           (rollout.journal) the journal cannot be read back consistently
     ├── JournalWriteError      (rollout.journal) a record could not be made durable; nothing of it is left
+    │   └── PoolUnreadableError  (kube.store) a key of the pool's ConfigMap does not read: no leader writes
     ├── LockedError            (rollout.locks) another process holds the state's lock
     ├── ApiError               (kube.api) a request to the Kubernetes API server failed (``code``)
     └── Deposed                (kube.store) a newer leader wrote to the pool's ConfigMap

@@ -6,23 +6,33 @@ a target whose read hangs is reported stuck for that cycle; at the next cycle it
 fresh worker and, if that read answers, it is collected as usual; no target ever has more than
 ``max_stuck`` reads hanging. And a real process whose collector is stuck in a blocking ``open`` of a
 FIFO (a syscall no timeout interrupts) exits on SIGTERM: its readers are daemon threads, which the
-interpreter does not join (a thread pool's workers, before this, kept it alive forever).
+interpreter does not join (a thread pool's workers, before this, kept it alive forever). The same for
+the launcher (PID 1 of the engine container, with a stub engine): desired.json a FIFO, the engine's
+/health a socket that accepts and never answers, a probe client that never finishes its request — each
+alone and all at once, it exits on SIGTERM as soon as the engine is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support import launcher as support
+from tests.support.launcher import LauncherProcess
+from tests.support.ports import free_port
 from tuner import config
 from tuner.daemon import collecting
 from tuner.model import live, snapshots
@@ -131,3 +141,65 @@ def test_a_reader_stuck_in_a_syscall_does_not_keep_the_process_alive_after_sigte
             proc.kill()
             proc.wait(timeout=10)
         proc.stdout.close()
+
+
+STUB_ENGINE = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"
+STUCK = ("desired.json is a FIFO", "the engine's /health accepts and never answers",
+         "a probe client sends its request one byte a second")
+
+
+@pytest.mark.parametrize("stuck", [(s,) for s in STUCK] + [STUCK], ids=["fifo", "health", "probe", "all"])
+def test_the_launcher_exits_promptly_on_sigterm_while_its_reads_are_stuck(tmp_path: Path,
+                                                                          stuck: tuple[str, ...]) -> None:
+    """PID 1 of the engine container: the kubelet's SIGTERM goes to the engine, and once the engine is gone
+    the launcher exits — within ``--stop-timeout`` + ``--kill-timeout`` (its documented bound, here 3 + 2 s),
+    whatever its readers are stuck in."""
+    state = tmp_path / "state"
+    state.mkdir()
+    if STUCK[0] in stuck:
+        os.mkfifo(state / "desired.json")  # a blocking open would wait for a writer forever
+    health = socket.socket()  # listens, never accepts: connects succeed, requests are never answered
+    health.bind(("127.0.0.1", 0))
+    health.listen(16)
+    options = ["--stop-timeout", "3", "--kill-timeout", "2", "--health-period", "0.5"]
+    if STUCK[1] in stuck:
+        options += ["--health-url", f"http://127.0.0.1:{health.getsockname()[1]}/health"]
+    port = free_port()
+    lp = LauncherProcess(state, [sys.executable, str(STUB_ENGINE), "--port", str(port)], options=options)
+    stop_trickle = threading.Event()
+    trickler: threading.Thread | None = None
+    try:
+        lp.start()
+        st = lp.wait(lambda s: s.get("pid") and s.get("state") in ("starting", "serving"), 30, "the engine runs")
+        engine = int(st["pid"])
+        if STUCK[1] not in stuck:
+            lp.wait_state("serving", 30)
+        if STUCK[0] in stuck:
+            assert "not a regular file" in (lp.status().get("desired_error") or "") or "FIFO" in lp.log_tail()
+        if STUCK[2] in stuck:
+            probe = socket.create_connection(("127.0.0.1", lp.probe_port), timeout=5)
+
+            def trickle() -> None:
+                for byte in b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"x" * 600:
+                    if stop_trickle.wait(1.0):
+                        break
+                    with contextlib.suppress(OSError):
+                        probe.send(bytes([byte]))
+                probe.close()
+
+            trickler = threading.Thread(target=trickle, daemon=True)
+            trickler.start()
+            stop_trickle.wait(2.5)  # the probe server's handler is now reading a request that never ends
+        started = time.monotonic()
+        lp.signal(signal.SIGTERM)
+        code = lp.wait_exit(3 + 2 + 2)
+        took = time.monotonic() - started
+        assert code == 0, lp.log_tail()
+        assert support.proc_state(engine) is None
+        assert took < 3, f"{took:.1f}s after SIGTERM (the stub engine stops at once)\n{lp.log_tail()}"
+    finally:
+        stop_trickle.set()
+        if trickler is not None:
+            trickler.join(5)
+        lp.kill_all()
+        health.close()

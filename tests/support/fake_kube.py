@@ -10,7 +10,8 @@ Stdlib only, so it also runs inside a podman pod under the host's Python (``pyth
   (``{"type": "ADDED|MODIFIED|DELETED", "object": …}``) after ``resourceVersion``, closed after
   ``timeoutSeconds``; ``labelSelector`` (=, !=, in, notin, exists, !exists) and ``fieldSelector``
   (metadata.name) filter lists and watches;
-- **Leases** are plain objects (expiry is the clients' business, as in Kubernetes);
+- **Leases** are plain objects (expiry is the clients' business, as in Kubernetes), with the API's check
+  that ``leaseTransitions`` is an int32 of at least 0;
 - **PodDisruptionBudgets** answer a ``status`` computed from the pods now (the disruption controller):
   ``disruptionsAllowed = Ready pods matched - (pods matched - maxUnavailable)`` (or ``minAvailable``);
 - **RBAC**: requests with the agent's token are authorized against the Role **rendered from the chart**
@@ -285,6 +286,7 @@ class FakeKube:
 def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body are two writes: Nagle + delayed ACK cost 40 ms each
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -405,6 +407,12 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                                                                  if k in ("labels", "annotations")}}
                 new.setdefault("apiVersion", current.get("apiVersion"))
                 new.setdefault("kind", current.get("kind"))
+                if res == "leases":  # the API's validation: leaseTransitions is an int32, not negative
+                    transitions = (new.get("spec") or {}).get("leaseTransitions")
+                    if transitions is not None and not (isinstance(transitions, int) and 0 <= transitions < 2**31):
+                        self._status(422, "Invalid", f'Lease "{name}" is invalid: spec.leaseTransitions: Invalid '
+                                                     f"value: {transitions}: must be an int32, at least 0")
+                        return
                 if res == "configmaps":
                     size = sum(len(k) + len(v) for k, v in (new.get("data") or {}).items())
                     if size > 1024 * 1024:

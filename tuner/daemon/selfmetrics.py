@@ -51,6 +51,16 @@ class TunerMetrics:
         self.last_cycle = Gauge(
             "tuner_last_cycle_timestamp_seconds", "When the last cycle finished (seconds since the epoch).",
             registry=r)
+        # the pool's ConfigMap on Kubernetes (tuner.kube), as the leader finds it
+        self.pool_unreadable = Gauge(
+            "tuner_pool_unreadable", "1 while the leader acts on nothing of the pool because this key of its "
+            "ConfigMap does not read (the log names the fix); 0 once it reads.", ["key"], registry=r)
+        self.journal_set_aside = Counter(
+            "tuner_pool_journal_set_aside", "Lines of the pool's journal that did not read, moved by the leader "
+            "to the ConfigMap's journal.quarantine key (no unfinished rollout needed them).", registry=r)
+        self.epoch_raised = Counter(
+            "tuner_pool_epoch_raised", "Times a leader's epoch was raised above the one the pool's ConfigMap "
+            "holds (a re-created Lease, an edited epoch).", registry=r)
         self._lock = threading.Lock()
         self._signal_labels: dict[str, set[str]] = {}
         self._arg_labels: dict[str, set[tuple[str, str, str]]] = {}

@@ -114,7 +114,11 @@ class PoolActions:
         def change(data: dict[str, str]) -> dict[str, str] | None:
             desired = desired_of(data)
             report = report_of(data, name) or {}
-            now = desired.get(name) or {"serial": 0, "overrides": report.get("overrides") or [],
+            # No entry (a new pod, or the key deleted by hand): what the pod reports, its serial included —
+            # a request under a serial the agent has passed already would be ignored, yet look carried out.
+            reported = report.get("serial")
+            now = desired.get(name) or {"serial": reported if isinstance(reported, int) and reported > 0 else 0,
+                                        "overrides": report.get("overrides") or [],
                                         "base_sha256": report.get("base_sha256"), "drain": bool(report.get("drain"))}
             new = dict(now)
             if overrides is not None:

@@ -13,6 +13,13 @@ The **epoch** is the ``leaseTransitions`` this agent's acquisition wrote: every 
 holder raises it, so it orders leaders. The pool's ConfigMap keeps the highest epoch that wrote to it and
 refuses older ones (``store``): a deposed leader that wakes up cannot write.
 
+A Lease deleted and created again (a Helm reinstall, an Argo CD replace) starts its ``leaseTransitions``
+at 0 again, while the ConfigMap keeps its epoch: so an acquisition writes ``max(leaseTransitions, the
+ConfigMap's epoch) + 1``, read just before. Where that read was behind (or two agents got one epoch from
+two Leases), the leader's first write is refused though the Lease is its own; ``advance`` then raises
+the Lease's ``leaseTransitions`` above the ConfigMap's epoch — a compare-and-swap that only the holder of
+the Lease as it is now can make, so a leader deposed for real never gets a new epoch this way.
+
 A leader that could not renew for ``renew_deadline_seconds`` (< the lease duration) stops acting
 (``is_leader`` turns false) before anybody else can take over. On a clean stop the leader releases the
 Lease (no holder) so the next one takes it at its next try instead of after the lease duration.
@@ -27,6 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from tuner.daemon import selfmetrics
+from tuner.kube import store
 from tuner.kube.api import ApiError, KubeApi, LeaseRecord
 
 log = logging.getLogger("tuner.kube.lease")
@@ -42,10 +51,12 @@ class Elector:
     def __init__(self, api: KubeApi, identity: str, *, lease_seconds: float, renew_deadline_seconds: float,
                  retry_seconds: float, monotonic: Callable[[], float] = time.monotonic,
                  wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
-                 on_change: Callable[[Leadership | None], None] | None = None) -> None:
+                 on_change: Callable[[Leadership | None], None] | None = None,
+                 metrics: selfmetrics.TunerMetrics | None = None) -> None:
         self.api, self.identity = api, identity
         self.lease_seconds, self.renew_deadline, self.retry = lease_seconds, renew_deadline_seconds, retry_seconds
-        self._mono, self._wall, self._on_change = monotonic, wall, on_change
+        self._mono, self._wall, self._on_change, self.metrics = monotonic, wall, on_change, metrics
+        self._failing: str | None = None  # the election's failure last said (said once, until it ends)
         self._observed: tuple[str | None, dt.datetime | None] | None = None
         self._observed_at = 0.0
         self._leadership: Leadership | None = None
@@ -81,23 +92,76 @@ class Elector:
                     self._renewed_at = now
             elif lease.holder is None or now - self._observed_at > self.lease_seconds or lease.holder == self.identity:
                 # free, expired, or ours from before this process (a restarted agent): take it, a new epoch
+                # above the Lease's and the ConfigMap's (a re-created Lease starts again at 0)
+                floor = store.epoch_floor(self.api.get_configmap().data)
                 wall = self._wall()
-                taken = self.api.update_lease(LeaseRecord(lease.resource_version, self.identity,
-                                                          round(self.lease_seconds), wall, wall, lease.transitions + 1))
+                taken = self.api.update_lease(LeaseRecord(lease.resource_version, self.identity, round(self.lease_seconds),
+                                                          wall, wall, max(lease.transitions, floor) + 1))
                 with self._lock:
                     self._leadership, self._renewed_at = Leadership(taken.transitions, now), now
                 self.holder = self.identity
                 log.info("leader of the pool (epoch %d), after %s", taken.transitions, lease.holder or "no holder")
+                if floor > lease.transitions:
+                    self._raised(floor, lease.transitions, taken.transitions)
             elif self._leadership is not None:
                 with self._lock:
                     self._leadership = None
+            if self._failing is not None:
+                log.info("leader election: the Lease answers again")
+                self._failing = None
         except ApiError as exc:
             if not exc.conflict:
-                log.warning("leader election: %s", exc)
+                self._fail(exc)
         after = self.leadership
         if after != before and self._on_change is not None:
             self._on_change(after)
         return after
+
+    def advance(self, past: int) -> Leadership | None:
+        """A new epoch above ``past`` (the ConfigMap's) for this agent's leadership: the Lease's
+        ``leaseTransitions`` raised to ``max(it, past) + 1``, a compare-and-swap made only while this agent
+        holds the Lease as it is now. None when it does not: it was deposed for real."""
+        for _attempt in range(3):
+            held = self.leadership
+            if held is None:
+                return None
+            try:
+                lease = self.api.get_lease()
+                if lease.holder != self.identity:
+                    return None
+                epoch = max(lease.transitions, past) + 1
+                self.api.update_lease(replace(lease, transitions=epoch, renewed_at=self._wall(),
+                                              duration_seconds=round(self.lease_seconds)))
+            except ApiError as exc:
+                if exc.conflict:  # a renewal of ours in between: read it again
+                    continue
+                log.warning("leader election: raising the epoch: %s", exc)
+                return None
+            with self._lock:
+                if self._leadership is None:
+                    return None
+                self._leadership, self._renewed_at = Leadership(epoch, held.since), self._mono()
+                raised = self._leadership
+            self._raised(past, lease.transitions, epoch)
+            return raised
+        return None
+
+    def _raised(self, floor: int, transitions: int, epoch: int) -> None:
+        log.warning("the pool's ConfigMap is at epoch %d, the Lease's leaseTransitions at %d (the Lease was "
+                    "re-created, or the epoch edited): this leader's epoch is %d", floor, transitions, epoch)
+        if self.metrics is not None:
+            self.metrics.epoch_raised.inc()
+
+    def _fail(self, exc: ApiError) -> None:
+        """One line while the same failure lasts (a deleted Lease would say it every retry period)."""
+        text = str(exc)
+        if text == self._failing:
+            return
+        self._failing = text
+        hint = ""
+        if exc.code == 404:  # deleted: the chart creates both (helm upgrade --install); the agents may not
+            hint = "; no agent leads until it exists again (the chart creates it: helm upgrade --install)"
+        log.warning("leader election: %s%s", exc, hint)
 
     def release(self) -> None:
         """Give the Lease up (a clean stop): no holder, so the next agent takes it at its next try."""

@@ -50,6 +50,31 @@ from tuner.sources import engines
 log = logging.getLogger("tuner.kube.leader")
 
 
+def claim(store: store_mod.PoolStore, epoch: int, *, identity: str,
+          advance: Callable[[int], Leadership | None] | None, attempts: int = 8) -> int:
+    """A leadership's first write: the ConfigMap's epoch becomes this leader's, so that older leaders' writes
+    are refused from then on; the epoch it holds.
+
+    Refused for a higher epoch, or for this one written by another leader (``Deposed``): while this agent
+    still holds the Lease, the Lease was re-created (its leaseTransitions began again at 0), the epoch was
+    edited, or another agent got the same epoch from another Lease and wrote first — ``advance`` (the
+    elector's) raises this leader's epoch above the ConfigMap's and the claim is made again, at most
+    ``attempts`` times. Where it does not hold the Lease, ``Deposed``. A key that does not read:
+    ``PoolUnreadableError``."""
+    advances = 0
+    while True:
+        store.refresh()
+        try:
+            store.update(lambda d: d, epoch=epoch, leader=identity)
+            return epoch
+        except store_mod.Deposed as exc:
+            raised = advance(exc.current) if advance is not None and advances < attempts else None
+            if raised is None:
+                raise
+            advances += 1
+            epoch = raised.epoch
+
+
 class Leader:
     def __init__(self, settings: config.TunerSettings, *, api: KubeApi, store: store_mod.PoolStore, identity: str,
                  rules: Sequence[Rule], client: engines.EngineClient,
@@ -68,24 +93,22 @@ class Leader:
         self.pool: acting.PoolActions | None = None  # this term's actions on the pods
         self.applying: running.Applying | None = None  # this term's dispatcher (apply mode)
         self._tracked = False  # the pods run with --enable-server-load-tracking
+        self._unreadable_said: tuple[str, ...] = ()  # the problems last said (once, until they change)
+        self._unreadable_keys: set[str] = set()
 
     # --- leading -------------------------------------------------------------------------------------
 
-    def lead(self, leadership: Leadership, stop: threading.Event) -> None:
-        """Cycles every ``scrape.interval_seconds`` until ``stop`` (set when the leadership ends)."""
-        epoch = leadership.epoch
-        try:
-            self.store.refresh()
-            self.store.update(lambda d: d, epoch=epoch, leader=self.identity)  # ours now: older epochs refused
-        except store_mod.Deposed as exc:
-            log.warning("%s: not leading", exc)
-            stop.wait(self.settings.scrape.interval_seconds)
-            return
-        journal = store_mod.ConfigMapJournal(self.store, epoch=epoch, leader=self.identity)
+    def lead(self, leadership: Leadership, stop: threading.Event, *,
+             advance: Callable[[int], Leadership | None] | None = None) -> None:
+        """Cycles every ``scrape.interval_seconds`` until ``stop`` (set when the leadership ends). First the
+        claim (``_claim``); ``advance`` is the elector's (a new epoch while this agent holds the Lease)."""
         for part in (self.state.targets, self.state.args, self.state.config_args):  # the same object: /status reads it
             part.clear()
         self.state.pending, self.state.rollout_state = None, {}
-        self._load_history()
+        epoch = self._claim(leadership.epoch, stop, advance)
+        if epoch is None:
+            return
+        journal = store_mod.ConfigMapJournal(self.store, epoch=epoch, leader=self.identity, metrics=self.metrics)
         self._build(journal, stop)
         log.info("leading the pool %s (epoch %d)", self.k.pool, epoch)
         first = True
@@ -94,9 +117,12 @@ class Leader:
             try:
                 self.cycle(journal, stop, recover=first)
                 first = False
+                self._readable()
             except store_mod.Deposed as exc:
                 log.warning("%s: no longer acting", exc)
                 return
+            except store_mod.PoolUnreadableError as exc:
+                self._unreadable(exc)
             except Exception:  # a failing cycle is reported and the next one tries again
                 log.exception("the leader's cycle failed")
             try:
@@ -104,6 +130,54 @@ class Leader:
             except store_mod.Deposed as exc:
                 log.warning("%s: no longer acting", exc)
                 return
+            except store_mod.PoolUnreadableError as exc:
+                self._unreadable(exc)
+                stop.wait(max(0.0, started + self.settings.scrape.interval_seconds - time.monotonic()))
+
+    def _claim(self, epoch: int, stop: threading.Event,
+               advance: Callable[[int], Leadership | None] | None) -> int | None:
+        """``claim``, then the pool's decision history loaded; the epoch this leadership holds. None when
+        deposed (not leading). A key that does not read: said once, and tried again every interval while
+        this agent leads — nothing is written until a human fixes it."""
+        while not stop.is_set():
+            try:
+                epoch = claim(self.store, epoch, identity=self.identity, advance=advance)
+                self._load_history()
+                self._readable()
+                return epoch
+            except store_mod.PoolUnreadableError as exc:
+                self._unreadable(exc)
+                stop.wait(self.settings.scrape.interval_seconds)
+            except store_mod.Deposed as exc:
+                log.warning("%s: not leading", exc)
+                stop.wait(self.settings.scrape.interval_seconds)
+                return None
+        return None
+
+    def _unreadable(self, exc: store_mod.PoolUnreadableError) -> None:
+        """A key of the pool's ConfigMap does not read: one line per problem when it begins (or changes),
+        and ``tuner_pool_unreadable{key}`` 1 while it lasts."""
+        lines = tuple(p.line(exc.configmap) for p in exc.problems)
+        if lines != self._unreadable_said:
+            for line in lines:
+                log.error("%s", line)
+            self._unreadable_said = lines
+        keys = {p.key for p in exc.problems}
+        if self.metrics is not None:
+            for key in self._unreadable_keys - keys:
+                self.metrics.pool_unreadable.labels(key=key).set(0)
+            for key in keys:
+                self.metrics.pool_unreadable.labels(key=key).set(1)
+        self._unreadable_keys = keys
+
+    def _readable(self) -> None:
+        if not self._unreadable_said:
+            return
+        log.info("the pool's ConfigMap %s reads again: the leader acts on the pool", self.store.name)
+        if self.metrics is not None:
+            for key in self._unreadable_keys:
+                self.metrics.pool_unreadable.labels(key=key).set(0)
+        self._unreadable_said, self._unreadable_keys = (), set()
 
     def _between(self, stop: threading.Event, *, until: float) -> None:
         """Until the next cycle is due: the rollout in flight goes on, every ``rollout.poll_seconds``."""
@@ -115,7 +189,7 @@ class Leader:
                         self.state.rollout_state = dict(outcome.state)
                         if self.metrics is not None:
                             views.count_finished(self.metrics, outcome)
-                except store_mod.Deposed:
+                except (store_mod.Deposed, store_mod.PoolUnreadableError):
                     raise
                 except Exception:  # the journal holds the rollout: the next cycle takes it up again
                     log.exception("advancing the rollout failed")
@@ -126,6 +200,11 @@ class Leader:
         listed = self.api.list_pods()
         pods = [p for p in listed if not p.deleting and p.ip and p.phase == "Running"]
         data = self.store.refresh()
+        found = store_mod.inspect(data)
+        if found.problems:
+            raise store_mod.PoolUnreadableError(self.store.name, found.problems)
+        if found.journal.bad:
+            journal.quarantine()
         unfinished = journaling.unfinished(journal.records)
         self._forget_gone({p.name for p in listed} | set(unfinished.replicas if unfinished is not None else ()),
                           journal)
@@ -263,12 +342,14 @@ class Leader:
         self.store.update(lambda d: {**d, "pool": text}, epoch=journal.epoch, leader=self.identity)
 
     def _load_history(self) -> None:
-        doc = store_mod.loads(self.store.data, "state", {})
-        for name, h in (doc.get("histories", {}) if isinstance(doc, dict) else {}).items():
-            try:
-                self.state.targets[name] = stepping.TargetState(history=history_mod.from_dict(h))
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("the pool's saved history of %s is unreadable (%s): starting it afresh", name, exc)
+        """The pool's decision history from the ConfigMap (``PoolUnreadableError`` where it does not read:
+        never replaced by an empty one)."""
+        found = store_mod.inspect(self.store.data)
+        state = [p for p in found.problems if p.key == "state"]
+        if state:
+            raise store_mod.PoolUnreadableError(self.store.name, state)
+        for name, history in found.histories.items():
+            self.state.targets[name] = stepping.TargetState(history=history)
 
     def _save_history(self, journal: store_mod.ConfigMapJournal) -> None:
         doc = {"histories": {n: history_mod.to_dict(t.history) for n, t in sorted(self.state.targets.items())}}

@@ -94,16 +94,16 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
             lead_stop.set()
         changed.set()
 
+    metrics = selfmetrics.TunerMetrics()
     elector = electing.Elector(api, identity, lease_seconds=k.lease_duration_seconds,
                                renew_deadline_seconds=k.renew_deadline_seconds, retry_seconds=k.retry_period_seconds,
-                               on_change=on_change)
+                               on_change=on_change, metrics=metrics)
     threads.append(threading.Thread(target=elector.run, args=(stop,), name="election", daemon=True))
     for t in threads:
         t.start()
 
     http = collecting.http_settings(settings.scrape, config_dir=config_dir)
     client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
-    metrics = selfmetrics.TunerMetrics()
     leader = leading.Leader(settings, api=api, store=store, identity=identity, rules=tuple(rules), client=client,
                             metrics=metrics)
     # /metrics, /status, /recommendations: the leader's cycles (a follower has none; it is healthy while it runs)
@@ -129,7 +129,7 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
             if elector.leadership is None:
                 continue
             try:
-                leader.lead(leadership, lead_stop)
+                leader.lead(leadership, lead_stop, advance=elector.advance)
             except Exception:  # the pod's loop and the election go on; the next leadership starts afresh
                 log.exception("leading the pool failed")
                 stop.wait(k.retry_period_seconds)

@@ -309,20 +309,26 @@ def replay(records: Iterable[Record]) -> dict[str, machine.Rollout]:
     """Every rollout in the journal, rebuilt through ``machine.handle``, in the order they began."""
     rollouts: dict[str, machine.Rollout] = {}
     for record in records:
-        kind = record["kind"]
-        if kind == "rollout":
-            r = _rollout_from(record["rollout"])
-            rollouts[r.id] = r
-        elif kind == "event":
-            rid = record["rollout_id"]
-            rollouts[rid] = machine.handle(
-                rollouts[rid], record["replica"], machine.Event(record["event"]),
-                now=record["at"], reason=record.get("reason", ""),
-            )
-        elif kind == "abort":
-            rid = record["rollout_id"]
-            rollouts[rid] = machine.abort(rollouts[rid], record.get("reason", ""))
+        fold(rollouts, record)
     return rollouts
+
+
+def fold(rollouts: dict[str, machine.Rollout], record: Record) -> None:
+    """One record into ``rollouts`` (a step of ``replay``). A record that does not replay raises
+    (``KeyError``, ``TypeError``, ``ValueError``, ``machine.RolloutError``) and changes nothing."""
+    kind = record["kind"]
+    if kind == "rollout":
+        r = _rollout_from(record["rollout"])
+        rollouts[r.id] = r
+    elif kind == "event":
+        rid = record["rollout_id"]
+        rollouts[rid] = machine.handle(
+            rollouts[rid], record["replica"], machine.Event(record["event"]),
+            now=record["at"], reason=record.get("reason", ""),
+        )
+    elif kind == "abort":
+        rid = record["rollout_id"]
+        rollouts[rid] = machine.abort(rollouts[rid], record.get("reason", ""))
 
 
 def unfinished(records: Iterable[Record]) -> machine.Rollout | None:
