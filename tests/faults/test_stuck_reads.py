@@ -30,9 +30,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.ports import free_port
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess
-from tests.support.ports import free_port
 from tuner import config
 from tuner.daemon import collecting
 from tuner.model import live, snapshots
