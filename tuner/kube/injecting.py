@@ -74,7 +74,7 @@ try:
 except OSError:
     pass
 if os.path.isfile(z):
-    os.execv(sys.executable, [sys.executable, z, *opts, "--", *cmd])
+    os.execv(sys.executable, [sys.executable, z, "--state-dir", d, *opts, "--", *cmd])
 os.execvp(cmd[0], cmd)
 """
 
