@@ -31,7 +31,11 @@ def test_the_containerfile_builds_an_image_that_runs_the_agents_cli() -> None:
         pytest.skip(f"VLLM_TUNER_IMAGE_BASE ({base or 'unset'}) is not an image podman has: set it to a local base "
                     "with python3 >= 3.11 and its venv module (e.g. debootstrap --include=python3-venv bookworm, "
                     "podman import)")
-    podman.run("build", "--network", "host", "-f", str(pm.REPO / "Containerfile"), "--build-arg",
+    trust = []  # the host's pip trust (a TLS-inspecting proxy's CA on some machines), for the build's pip
+    cert = os.environ.get("PIP_CERT")
+    if cert and os.path.isfile(cert):
+        trust = ["--volume", f"{cert}:/run/host-ca.crt:ro", "--env", "PIP_CERT=/run/host-ca.crt"]
+    podman.run("build", "--network", "host", *trust, "-f", str(pm.REPO / "Containerfile"), "--build-arg",
                f"BASE_IMAGE={base}", "-t", TAG, str(pm.REPO), timeout=900)
     config = podman.run("image", "inspect", TAG, "--format", "{{.Config.User}} {{.Config.Entrypoint}}").stdout
     assert config.split()[0] == "65532:0" and "vllm-tuner" in config

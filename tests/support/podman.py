@@ -289,7 +289,7 @@ def host_path(name: str, path: Path | str, mount: str | None = None) -> tuple[di
 
 def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence[str], env: dict[str, str],
                  zipapp_dir: Path, host_dirs: Sequence[Path], api_dir: Path, prepare_init: bool = True,
-                 config: str | None = "chart") -> tuple[list[dict[str, Any]], str]:
+                 config: str | None = "chart", state_dir: Path | None = None) -> tuple[list[dict[str, Any]], str]:
     """The example pool, made playable here (the rendered example is changed only where this machine
     needs it): one replica; ``engine`` (an argv) instead of the example's model command, after the
     component's launcher prefix; the skeleton image with the host's /usr and ``host_dirs`` as read-only
@@ -299,7 +299,10 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     such init container, the agent alongside the engine (a native sidecar without a startupProbe, as
     `vllm-tuner inject` makes it, when the agent cannot prepare anything). ``config``: ``"chart"``, the
     chart's ConfigMap; None, no ConfigMap at all (the pod's volume is optional); any other text, that
-    config.yaml. Returns the documents and the base argv's sha256."""
+    config.yaml. ``state_dir``: a fresh host directory as the shared state volume instead of the
+    emptyDir (podman 4.3 plays an emptyDir as a *named* volume, ``vllm-tuner-state``, kept and shared
+    by every pod it plays: an earlier pod's launcher.pyz and desired.json would still be there).
+    Returns the documents and the base argv's sha256."""
     import copy
 
     from tuner.launcher import argv as argvs
@@ -375,6 +378,10 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
             if field is not None:
                 var.pop("valueFrom")
                 var["value"] = {"metadata.name": POD_NAME, "metadata.namespace": NAMESPACE}.get(field, "podman")
+    if state_dir is not None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        spec["volumes"] = [{"name": "vllm-tuner-state", "hostPath": {"path": str(state_dir), "type": "Directory"}}
+                           if v["name"] == "vllm-tuner-state" else v for v in spec["volumes"]]
     if config is None:
         return [deployment], base_sha256
     cm = chart_configmap()
