@@ -7,7 +7,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-real test venv vllm-env system-deps lint typecheck unit e2e bench evaluate gpu-wheels clean launcher-zipapp
+.PHONY: demo demo-real test venv vllm-env system-deps lint typecheck unit e2e bench evaluate gpu-wheels clean launcher-zipapp image chart
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -73,6 +73,17 @@ test: venv vllm-env system-deps lint typecheck
 launcher-zipapp: venv
 	$(PY) -m tuner.launcher --build-zipapp dist/launcher.pyz
 	@echo "dist/launcher.pyz: python3 dist/launcher.pyz --help"
+
+# The agent's image (Containerfile) with podman; IMAGE and BASE_IMAGE can be overridden.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= vllm-tuner:$(VERSION)
+BASE_IMAGE ?= docker.io/library/python:3.12-slim
+image:
+	podman build -f Containerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(IMAGE) .
+
+# The chart as dist/vllm-tuner-<chart version>.tgz (Helm 4's packager, through helm-python-sdk).
+chart: venv
+	$(PY) -c "import helm_python; print(helm_python.package('deploy/helm/vllm-tuner', destination='dist'))"
 
 bench: venv
 	$(PY) -m bench.cycle_cost

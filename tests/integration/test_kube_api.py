@@ -181,7 +181,7 @@ def test_pods_and_the_pdb_as_the_leader_sees_them(api: kapi.KubeApi, kube: fk.Fa
 
 def test_the_chart_config_is_the_agents_config() -> None:
     (cm,) = [d for d in fk.chart_objects({"mode": "apply"}) if d["kind"] == "ConfigMap"
-             and d["metadata"]["name"] == "vllm-tuner-config"]
+             and d["metadata"]["name"] == "vllm-tuner-config-vllm"]
     s = config.parse(yaml.safe_load(cm["data"]["config.yaml"]), file="config.yaml")
     assert s.mode == "apply" and s.kubernetes is not None
     assert s.kubernetes.lease == "vllm-tuner-vllm" and s.kubernetes.journal_configmap == "vllm-tuner-journal-vllm"
@@ -190,7 +190,10 @@ def test_the_chart_config_is_the_agents_config() -> None:
 
 REFUSED: list[tuple[str, str, dict[str, Any] | None]] = [
     ("POST", "/api/v1/namespaces/llm/configmaps", {"metadata": {"name": "mine"}}),  # no create
-    ("PUT", "/api/v1/namespaces/llm/configmaps/vllm-tuner-config", {"metadata": {"name": "vllm-tuner-config"}}),
+    ("PUT", "/api/v1/namespaces/llm/configmaps/vllm-tuner-config-vllm", {"metadata": {"name": "vllm-tuner-config-vllm"}}),
+    ("GET", "/api/v1/namespaces/llm/pods?watch=true", None),  # no code watches pods
+    ("POST", "/api/v1/namespaces/llm/events", {"metadata": {"name": "e"}}),  # no code records Events
+    ("POST", "/apis/events.k8s.io/v1/namespaces/llm/events", {"metadata": {"name": "e"}}),
     ("GET", "/api/v1/namespaces/llm/configmaps", None),  # list: not by name
     ("GET", "/api/v1/namespaces/llm/configmaps?watch=true", None),  # a watch without the name selector
     ("GET", "/api/v1/namespaces/llm/secrets/anything", None),

@@ -70,3 +70,62 @@ def test_the_agent_relaunches_the_engine_in_place_from_the_pools_configmap(pod):
     assert report["argv"][-2:] == ["--max-num-seqs", "8"] and report["serial"] == leader.serial
     code, lease = leader.call("GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/vllm-tuner-vllm")
     assert code == 200 and lease["spec"]["holderIdentity"].startswith(pm.POD_NAME + "_")
+
+
+# --- fail open: the engine serves whatever happens to the tuner -----------------------------------------
+
+OPEN_POD = "vllm-open-pod-0"
+
+
+def in_engine(played: pm.PlayedPod, argv: list[str]) -> tuple[int, str]:
+    out = played.podman.exec(played.engine, argv, check=False, timeout=60)
+    return out.returncode, out.stdout + out.stderr
+
+
+def engine_http(played: pm.PlayedPod, url: str, body: dict | None = None) -> int:
+    import json
+
+    argv = ["python3", "-c", pm.PROBE, url] + ([json.dumps(body), "30"] if body is not None else [])
+    _, text = in_engine(played, argv)
+    first = text.partition("\n")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
+@pytest.mark.parametrize("case", ["no-configmap", "invalid-config"])
+def test_the_engine_serves_when_the_agent_cannot_start(case: str, tmp_path) -> None:
+    """The pod as `vllm-tuner inject` makes it (the agent a sidecar that gates nothing, its config volume
+    optional), with the pool's ConfigMap missing or holding a config that fails validation: the agent
+    exits at once and never writes the launcher; the engine starts on its own command line after the
+    wrapper's wait, serves, and the injected exec probes pass."""
+    required.need(pm.skip_reason(), "podman (kube play)")
+    packaging.build_zipapp(tmp_path / "zipapp" / "launcher.pyz")
+    podman = pm.Podman().prepare()
+    engine = ["python3", str(pm.REPO / "tests" / "support" / "stub_engine.py"), "--port", "8000",
+              "--shutdown-timeout", "5"]
+    rendered = pm.render_example(wait=5)
+    (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]
+    probes = {k: deployment["spec"]["template"]["spec"]["containers"][0][k]["exec"]["command"]
+              for k in ("readinessProbe", "livenessProbe")}
+    deployment["metadata"]["name"] = "vllm-open"
+    config = None if case == "no-configmap" else "mode: fast\nkubernetes: {pool: vllm}\n"
+    docs, _ = pm.playable_overlay(rendered, image=podman.import_skeleton(), engine=engine,
+                                  env={"PYTHONUNBUFFERED": "1"}, zipapp_dir=tmp_path / "zipapp",
+                                  host_dirs=[pm.REPO / "tests" / "support"],
+                                  api_dir=pm.write_api_state(tmp_path / "api", labels=pool_labels()),
+                                  prepare_init=False, config=config, state_dir=tmp_path / "state")
+    played = pm.PlayedPod(podman, pm.write_yaml(tmp_path / "pod.yaml", docs), name=OPEN_POD)
+    try:
+        played.play()
+        podman.wait(lambda: engine_http(played, "http://127.0.0.1:8000/health") == 200, 90, "the engine serving",
+                    detail=lambda: podman.logs(played.engine, 30) + podman.logs(played.agent, 30))
+        assert "no launcher in /var/run/vllm-tuner after 5s: the engine runs on its own" in podman.logs(played.engine)
+        assert (tmp_path / "state" / "plain").exists() and not (tmp_path / "state" / "launcher.pyz").exists()
+        agent_log = podman.logs(played.agent, 40)
+        assert ("config" in agent_log.lower()) and "error" in agent_log.lower(), agent_log
+        for name, command in probes.items():
+            code, text = in_engine(played, command)
+            assert code == 0, f"the injected {name} fails without the launcher: {text}"
+        assert engine_http(played, "http://127.0.0.1:8000/v1/completions",
+                           {"model": "stub-model", "prompt": "x", "max_tokens": 4}) == 200
+    finally:
+        played.down()

@@ -507,8 +507,12 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+CHART_DEFAULTS = {"pool": {"name": "vllm"}, "serviceAccount": {"name": "vllm"}}
+
+
 def chart_objects(values: Mapping[str, Any] | None = None, *, namespace: str = "llm") -> list[dict[str, Any]]:
-    """The Helm chart (deploy/helm/vllm-tuner) rendered: its Role, Lease, ConfigMaps, PDB…"""
+    """The Helm chart (deploy/helm/vllm-tuner) rendered for the pool ``vllm`` (its pods' ServiceAccount
+    ``vllm``): its Role, Lease, ConfigMaps, PDB…"""
     from pathlib import Path
 
     import helm_python
@@ -516,7 +520,7 @@ def chart_objects(values: Mapping[str, Any] | None = None, *, namespace: str = "
 
     chart = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "vllm-tuner"
     with helm_python.Chart.load(str(chart)) as c:
-        rendered = c.render(dict(values or {}), name="tuner", namespace=namespace)
+        rendered = c.render({**CHART_DEFAULTS, **(values or {})}, name="tuner", namespace=namespace)
     return [d for name, text in sorted(rendered.items()) if name.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 

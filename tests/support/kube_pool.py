@@ -2,7 +2,7 @@
 the chart installed, its Role enforced), and per pod a loopback IP of its own (127.0.0.X, so every engine
 listens on the same port, as pods do), a state directory (the pod's emptyDir), the real agent
 (``vllm-tuner agent``, a process) and the real launcher (the zipapp the agent put in the state directory,
-started only once desired.json is there: the native sidecar's startupProbe).
+started only once desired.json is there: the wrapper `vllm-tuner inject` puts in front of it waits for it).
 
 ``Kubelet`` plays the kubelet and the endpoints controller: every ``period`` seconds it GETs each pod's
 launcher ``/readyz`` and sets the pod's Ready condition in the API; ``on_ready`` is told each answer (the
@@ -213,7 +213,7 @@ class KubePool:
         return pod
 
     def _start_engine(self, pod: Pod) -> None:
-        """The startupProbe (launcher.pyz and desired.json in place), then the engine container."""
+        """The wrapper's wait (launcher.pyz and desired.json in place), then the engine container."""
         zipapp, desired = pod.state_dir / protocol.ZIPAPP, pod.state_dir / protocol.DESIRED
         deadline = time.monotonic() + 120
         while not (zipapp.exists() and zipapp.stat().st_size and desired.exists() and desired.stat().st_size):

@@ -234,7 +234,7 @@ class ProbeRecorder:
 
     def liveness_held(self, *, period: float = 10, failure_threshold: int = 6) -> tuple[bool, str]:
         """Whether a kubelet probing /livez with the component's settings (periodSeconds 10,
-        failureThreshold 6: deploy/kubernetes/component/pod.yaml) would have kept the container: /livez
+        failureThreshold 6: tuner/kube/injecting.py) would have kept the container: /livez
         answered 200, and no run of failed probes — an answer other than 200, or none (a timeout on a loaded
         box) — lasted as long as the kubelet's ``failure_threshold`` periods. (held, what was seen): the
         failed samples are named either way."""

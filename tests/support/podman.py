@@ -223,11 +223,17 @@ def kubectl() -> str:
     return str(candidate) if candidate.exists() else "kubectl"
 
 
-def render_example() -> list[dict[str, Any]]:
-    """``kubectl kustomize deploy/kubernetes/example``, as documents."""
+def render_example(*, wait: float = 30.0) -> list[dict[str, Any]]:
+    """``kubectl kustomize deploy/kubernetes/example | vllm-tuner inject``, as documents; ``wait``: how long
+    the engine waits for the agent before it starts on its own (``inject --wait``)."""
+    import sys
+
     import yaml
 
     out = subprocess.run([kubectl(), "kustomize", str(EXAMPLE)], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "tuner", "inject", "--require", "--image", "vllm-tuner:test",
+                          "--wait", f"{wait:g}"], input=out, capture_output=True, text=True, timeout=120,
                          check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -238,7 +244,8 @@ def chart_docs() -> list[dict[str, Any]]:
     import yaml
 
     with helm_python.Chart.load(str(CHART)) as chart:
-        rendered = chart.render({}, name="tuner", namespace=NAMESPACE)
+        rendered = chart.render({"pool": {"name": "vllm"}, "serviceAccount": {"name": "vllm"}}, name="tuner",
+                                namespace=NAMESPACE)
     return [d for name, text in sorted(rendered.items()) if name.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
@@ -247,7 +254,7 @@ def chart_configmap() -> dict[str, Any]:
     inside the pod."""
     import yaml
 
-    (cm,) = [d for d in chart_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-tuner-config"]
+    (cm,) = [d for d in chart_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-tuner-config-vllm"]
     cfg = yaml.safe_load(cm["data"]["config.yaml"])
     cfg["kubernetes"].update(api_server=f"http://127.0.0.1:{API_PORT}", token_file=f"{API_DIR}/token", ca_file=None,
                              retry_period_seconds=1, renew_deadline_seconds=4, lease_duration_seconds=6)
@@ -281,14 +288,21 @@ def host_path(name: str, path: Path | str, mount: str | None = None) -> tuple[di
 
 
 def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence[str], env: dict[str, str],
-                 zipapp_dir: Path, host_dirs: Sequence[Path], api_dir: Path) -> tuple[list[dict[str, Any]], str]:
+                 zipapp_dir: Path, host_dirs: Sequence[Path], api_dir: Path, prepare_init: bool = True,
+                 config: str | None = "chart", state_dir: Path | None = None) -> tuple[list[dict[str, Any]], str]:
     """The example pool, made playable here (the rendered example is changed only where this machine
     needs it): one replica; ``engine`` (an argv) instead of the example's model command, after the
     component's launcher prefix; the skeleton image with the host's /usr and ``host_dirs`` as read-only
     hostPath volumes; no GPU; no service-account token (the API server is the fake one, in the pod: module
     docstring); and the native sidecar as an init container (the real agent's start-up, ``--prepare-only``)
-    plus an ordinary container (the real agent); no ports or probes (below). Returns the documents and the
-    base argv's sha256."""
+    plus an ordinary container (the real agent); no ports or probes (below). ``prepare_init=False``: no
+    such init container, the agent alongside the engine (a native sidecar without a startupProbe, as
+    `vllm-tuner inject` makes it, when the agent cannot prepare anything). ``config``: ``"chart"``, the
+    chart's ConfigMap; None, no ConfigMap at all (the pod's volume is optional); any other text, that
+    config.yaml. ``state_dir``: a fresh host directory as the shared state volume instead of the
+    emptyDir (podman 4.3 plays an emptyDir as a *named* volume, ``vllm-tuner-state``, kept and shared
+    by every pod it plays: an earlier pod's launcher.pyz and desired.json would still be there).
+    Returns the documents and the base argv's sha256."""
     import copy
 
     from tuner.launcher import argv as argvs
@@ -317,8 +331,8 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
 
     (sidecar,) = spec["initContainers"]
     sidecar.pop("restartPolicy")
-    sidecar.pop("startupProbe")
-    sidecar.pop("securityContext", None)  # runAsUser 65532 cannot read the hostPath repository here
+    sidecar.pop("startupProbe", None)
+    sidecar.pop("securityContext", None)  # the image's non-root user cannot read the hostPath repository here
     sidecar["image"] = image
     api_volume, api_mount = host_path("vllm-tuner-api", api_dir, API_DIR)
     spec["volumes"].append(api_volume)
@@ -344,7 +358,7 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
                        "--state", f"{API_DIR}/state.json", "--namespace", NAMESPACE],
            "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
            "volumeMounts": _unique_mounts([*mounts, api_mount, repo_mount])}
-    spec["initContainers"] = [init]
+    spec["initContainers"] = [init] if prepare_init else []
     # podman 4.3 removes a finished "once" init container and sometimes races its exit ("cannot remove
     # container ... as it is running"); "always" keeps it (exited) instead. podman applies the pod's
     # restartPolicy to init containers too: with Always it reran the agent's start-up every few seconds
@@ -364,7 +378,16 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
             if field is not None:
                 var.pop("valueFrom")
                 var["value"] = {"metadata.name": POD_NAME, "metadata.namespace": NAMESPACE}.get(field, "podman")
-    return [deployment, chart_configmap()], base_sha256
+    if state_dir is not None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        spec["volumes"] = [{"name": "vllm-tuner-state", "hostPath": {"path": str(state_dir), "type": "Directory"}}
+                           if v["name"] == "vllm-tuner-state" else v for v in spec["volumes"]]
+    if config is None:
+        return [deployment], base_sha256
+    cm = chart_configmap()
+    if config != "chart":
+        cm["data"] = {"config.yaml": config}
+    return [deployment, cm], base_sha256
 
 
 def _unique_mounts(mounts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
