@@ -15,8 +15,8 @@ import os
 
 import pytest
 
+from harness import required
 from tests.support import podman as pm
-from tests.support import required
 
 pytestmark = pytest.mark.e2e
 TAG = "localhost/vllm-tuner:test"

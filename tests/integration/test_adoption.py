@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
+from harness import ports, waiting
 from tests.integration.test_deploy import CHART, VERSIONS, by_kind, kubectl, validate
-from tests.support import helm_shim, ports, waiting
+from tests.support import helm_shim
 from tuner.kube import injecting as inj
 from tuner.launcher import packaging, protocol
 
