@@ -328,3 +328,73 @@ def test_signal_all_reaches_each_process_of_the_group_once(tmp_path, monkeypatch
         processes.signal_all(leader.pid, signal.SIGKILL, root=leader.pid)
         leader.kill()
         leader.wait()
+
+
+def test_without_desired_json_the_engine_starts_on_its_own_command_line_after_the_wait(state):
+    """An agent that never writes desired.json (it failed, or there is none) never keeps the engine from
+    starting: after --desired-wait the base command line runs, as a first start (not a candidate)."""
+    port = free_port()
+    started = time.monotonic()
+    with LauncherProcess(state, fake_engine_argv(port), options=["--desired-wait", "1.5"]) as lp:
+        assert lp.wait(lambda s: s.get("state"), 10, "status.json")["state"] == "waiting"
+        st = lp.wait_state("serving", 30)
+        assert time.monotonic() - started >= 1.5 and st["candidate"] is False and st["generation"] is None
+        assert "no desired.json after 1.5s" in lp.log_tail()
+        generation = lp.request([("--max-num-seqs", "8")])  # the agent, late, is still carried out
+        lp.wait(lambda s: s["running_generation"] == generation and s["ready"], 30, "the late request")
+
+
+def test_desired_json_written_during_the_wait_starts_the_engine_with_it_at_once(state):
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4"), options=["--desired-wait", "60"])
+    with lp:
+        lp.wait(lambda s: s.get("state") == "waiting", 10, "waiting")
+        lp.request([("--max-num-seqs", "16")])
+        st = lp.wait_state("serving", 20)  # well before the 60 s
+        assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "16"] and st["planned_restarts"] == 0
+
+
+def test_readiness_has_hysteresis_and_a_wedged_engine_fails_liveness(state, tmp_path):
+    """A /health that fails every other answer (a loaded engine) never takes readiness away; three failures
+    in a row do, two good answers bring it back. An engine that accepts /health and never answers (wedged
+    but running) fails /livez after --liveness-engine-health; a relaunch to a slow-starting candidate does not."""
+    health = tmp_path / "health"
+    port = free_port()
+    options = ["--health-period", "0.2", "--unready-after", "3", "--ready-after", "2",
+               "--liveness-engine-health", "3"]
+    with LauncherProcess(state, fake_engine_argv(port, "--health-file", str(health)), options=options) as lp:
+        lp.wait(lambda s: s["ready"], 30, "ready")
+        recorder = ProbeRecorder(lp.url, period=0.05).start().wait_first()
+        try:
+            health.write_text("flap")
+            time.sleep(3)
+            assert set(recorder.codes("/readyz")) == {200}, "one failed /health answer in two must not flap readiness"
+            health.write_text("503")
+            st = lp.wait(lambda s: not s["ready"], 10, "readiness lost")
+            assert st["health"]["fail_streak"] >= 3 and "503" in st["ready_reason"]
+            assert lp.probe("/livez")[0] == 200  # the engine answers: not wedged
+            health.write_text("ok")
+            st = lp.wait(lambda s: s["ready"], 10, "readiness back")
+            assert st["health"]["ok_streak"] >= 2
+            health.write_text("hang")
+            lp.wait(lambda s: not s["ready"], 20, "readiness lost to a wedged engine")
+            deadline = time.monotonic() + 20
+            while lp.probe("/livez")[0] != 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            code, body = lp.probe("/livez")
+            assert code == 503 and "wedged engine" in body, body
+            assert "liveness fails" in lp.log_tail(60)
+            health.write_text("ok")
+            lp.wait(lambda s: s["ready"], 20, "the engine answers again")
+            assert lp.probe("/livez")[0] == 200
+        finally:
+            recorder.stop()
+        # a relaunch whose candidate takes longer to start than the liveness threshold: /livez holds
+        recorder = ProbeRecorder(lp.url, period=0.1).start().wait_first()
+        try:
+            generation = lp.request([("--start-seconds", "5")])
+            lp.wait(lambda s: s["running_generation"] == generation and s["ready"], 40, "the slow candidate")
+        finally:
+            recorder.stop()
+        assert set(recorder.codes("/livez")) == {200}, "liveness through a relaunch and a slow start"
+

@@ -43,8 +43,9 @@ class LauncherProcess:
         self.engine_argv = list(engine_argv)
         self.probe_port = free_port()
         entry = [str(zipapp)] if zipapp is not None else ["-m", "tuner.launcher"]
+        # --desired-wait 0: no agent here, the engine starts at once unless a test wrote desired.json first
         self.argv = [*wrapper, python, *entry, "--state-dir", str(self.state_dir), "--probe-port",
-                     str(self.probe_port), "--poll", "0.2", *options, "--", *self.engine_argv]
+                     str(self.probe_port), "--poll", "0.2", "--desired-wait", "0", *options, "--", *self.engine_argv]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = log_path or self.state_dir / "launcher.log"
         self.proc: subprocess.Popen[bytes] | None = None

@@ -8,10 +8,12 @@ server, the health poller and the log pump only read or report.
 States (``status.json`` ``state``) and what moves them: the table in ``states`` (a pure
 ``step(pod, observation, now)``); this module observes, calls it, and carries out its effects.
 
-Readiness (``/readyz``) is true only in serving, with a fresh ``/health`` 200 from this engine, no drain,
-and the running command line equal to the one desired.json asks for. Liveness (``/livez``) is true while
-the loop turns (also through a planned relaunch), and false only when it stalls for ``wedge_seconds`` or
-the engine's processes survive SIGKILL that long.
+Readiness (``/readyz``) is true only in serving, with this engine's ``/health`` good (it goes away after
+``unready_after`` failed answers in a row and comes back after ``ready_after`` good ones: the table's
+hysteresis), no drain, and the running command line equal to the one desired.json asks for. Liveness
+(``/livez``) is true while the loop turns (also through a planned relaunch), and false when it stalls for
+``wedge_seconds``, when the engine's processes survive SIGKILL that long, or when a serving engine's
+``/health`` has failed without a break for ``liveness_engine_seconds`` (``states.liveness``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,16 @@ class Settings:
     """How often the engine's /health is read once it serves (vLLM logs every request it answers)."""
     wedge_seconds: float = 30.0
     status_every_seconds: float = 5.0
+    desired_wait_seconds: float = 30.0
+    """No desired.json at start: wait this long for the agent to write it, then start the base command line
+    (an agent that failed, or none at all, never keeps the engine from starting)."""
+    unready_after: int = 3
+    """Readiness goes away after this many failed /health answers in a row (one slow answer is not an outage)."""
+    ready_after: int = 2
+    """... and comes back after this many good ones."""
+    liveness_engine_seconds: float | None = 60.0
+    """/livez fails when a serving engine's /health has failed without a break this long (a wedged engine
+    that still runs); never while it starts or through a planned relaunch. None: liveness is the loop's only."""
 
 
 def log(message: str) -> None:
@@ -96,13 +108,17 @@ def probe_health(url: str, *, timeout: float) -> tuple[bool, str]:
 
 
 class HealthPoller:
-    """Polls the current engine's /health every ``period`` seconds in its own thread."""
+    """Polls the current engine's /health every ``period`` seconds in its own thread. It only observes:
+    every answer is kept until the loop takes it (``take``), and the table judges them."""
+
+    MAX_KEPT = 64  # answers not taken yet (the loop takes them every 0.2 s)
 
     def __init__(self, period: float) -> None:
         self.period = period
         self._lock = threading.Lock()
         self._target: tuple[int, str] | None = None
         self._last: tuple[int, bool, float, str] | None = None  # serial, ok, when (monotonic), detail
+        self._answers: list[bool] = []  # for the watched serial, not taken yet
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="health", daemon=True)
@@ -113,6 +129,7 @@ class HealthPoller:
         with self._lock:
             self._target = (serial, url) if url else None
             self._last = None
+            self._answers = []
         self._wake.set()
 
     def last(self, serial: int) -> tuple[bool, float, str] | None:
@@ -120,6 +137,14 @@ class HealthPoller:
             if self._last is None or self._last[0] != serial:
                 return None
             return self._last[1], self._last[2], self._last[3]
+
+    def take(self, serial: int) -> tuple[bool, ...]:
+        """The answers for ``serial`` since the last call, oldest first."""
+        with self._lock:
+            if self._target is None or self._target[0] != serial:
+                return ()
+            out, self._answers = tuple(self._answers), []
+            return out
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -130,6 +155,7 @@ class HealthPoller:
                 with self._lock:
                     if self._target == target:
                         self._last = (target[0], ok, time.monotonic(), detail)
+                        self._answers = [*self._answers[-(self.MAX_KEPT - 1):], ok]
             self._wake.wait(self.period)
             self._wake.clear()
 
@@ -170,9 +196,12 @@ class Launcher:
         self.status_path = self.state_dir / protocol.STATUS
         self.health = HealthPoller(settings.poll_seconds)
         self.limits = states.Limits(settings.start_timeout_seconds, settings.stop_timeout_seconds,
-                                    settings.kill_timeout_seconds, settings.force_after_seconds)
-        self.pod = states.Pod()
-        self.state = states.STARTING
+                                    settings.kill_timeout_seconds, settings.force_after_seconds,
+                                    desired_wait_seconds=settings.desired_wait_seconds,
+                                    unready_after=settings.unready_after, ready_after=settings.ready_after,
+                                    liveness_engine_seconds=settings.liveness_engine_seconds)
+        self.pod = states.waiting(time.monotonic())
+        self.state = states.WAITING
         self.state_since = time.time()
         self.started_at = time.time()
         self.engine: Engine | None = None
@@ -191,6 +220,7 @@ class Launcher:
         self._relaunch: dict[str, Any] | None = None
         self._serial = 0
         self._started_once = False
+        self._unlive: str | None = None  # why /livez fails for the engine's sake (logged once per run)
         self._fresh_request = False
         self._term = False
         self._desired_stat: tuple[int, int, int] | None = None
@@ -209,13 +239,17 @@ class Launcher:
 
     # -- probes (called from the server's threads) ------------------------------------------------
     def live(self) -> probes.Answer:
-        age = time.monotonic() - self.heartbeat
+        now = time.monotonic()
+        age = now - self.heartbeat
         if age > self.settings.wedge_seconds:
             return False, f"the launcher's loop has not turned for {age:.0f}s"
-        stop = self.stop
-        if stop is not None and stop.killed and stop.survivors and \
-                time.monotonic() > stop.kill_deadline + self.settings.wedge_seconds:
+        pod = self.pod
+        stop = pod.stop
+        if stop is not None and stop.killed and stop.survivors and now > stop.kill_deadline + self.settings.wedge_seconds:
             return False, f"engine processes survived SIGKILL: {list(stop.survivors)}"
+        wedged = states.liveness(pod, now, self.limits)
+        if wedged is not None:
+            return False, wedged
         return True, f"alive ({self.state})"
 
     def ready(self) -> probes.Answer:
@@ -260,10 +294,7 @@ class Launcher:
         self.health.start()
         try:
             self._poll_desired(force=True)
-            if self._term:
-                self.exit_code = 0
-            else:
-                self._start()
+            self.tick()  # desired.json there (or no wait): the engine starts now
             while self.exit_code is None:
                 self._wait(0.2)
                 self.tick()
@@ -296,17 +327,21 @@ class Launcher:
                 self.reaped_orphans += 1
         self._poll_desired()
         e = self.engine
-        last = self.health.last(e.serial) if e is not None else None
         ending = e is not None and (self.pod.stop is not None or self._term or e.exit_code is not None)
         obs = states.Observation(
-            exit_code=e.exit_code if e is not None else None, healthy=last is not None and last[0],
+            exit_code=e.exit_code if e is not None else None, health=self.health.take(e.serial) if e else (),
             left=tuple(processes.remaining(e.pid)) if e is not None and ending else (),
             other_argv=e is not None and self.wanted()[0] != e.argv, fresh_request=self._fresh_request,
-            drained=self.drained(), term=self._term, generation=self.observed_generation)
+            drained=self.drained(), term=self._term, generation=self.observed_generation,
+            desired_seen=self.desired is not None or self._desired_stat is not None)
         self.pod, effects = states.step(self.pod, obs, now, self.limits)
         self._set_state(self.pod.state)
         self._carry_out(effects, now)
         self.readiness = self._readiness(now)
+        unlive = states.liveness(self.pod, now, self.limits)
+        if unlive is not None and self._unlive is None:
+            log(f"liveness fails: {unlive}; the kubelet restarts the container")
+        self._unlive = unlive
         self._write_status()
 
     # -- desired.json -------------------------------------------------------------------------------
@@ -414,6 +449,8 @@ class Launcher:
             elif do is states.Do.KILL_GROUP and e is not None:
                 log(f"SIGKILL after {self.settings.stop_timeout_seconds:g}s: {processes.remaining(e.pid)}")
                 processes.signal_all(e.pid, signal.SIGKILL)
+            elif do in (states.Do.UNREADY, states.Do.READY_AGAIN) and e is not None:
+                log(f"engine pid {e.pid}: readiness {'lost' if do is states.Do.UNREADY else 'back'}: {fx.reason}")
             elif do is states.Do.HEALTHY and e is not None:
                 e.healthy_at = now
                 self.health.period = self.settings.health_period_seconds
@@ -434,6 +471,8 @@ class Launcher:
             elif do is states.Do.STOPPED and fx.stop is not None:
                 self._stopped(e, fx.stop, now)
             elif do is states.Do.START:
+                if fx.reason and not self._started_once:
+                    log(f"first start: {fx.reason}")
                 self._start()
             elif do is states.Do.CANDIDATE_FAILED:
                 tail = self._scrub(e.log.lines()) if e is not None else []
@@ -468,7 +507,7 @@ class Launcher:
 
     # -- readiness and status -----------------------------------------------------------------------
     def _readiness(self, now: float) -> probes.Answer:
-        e = self.engine
+        e, pod = self.engine, self.pod
         if self.state not in ("serving", "draining") or e is None:
             return False, f"not serving ({self.state})"
         if self.drained():
@@ -476,14 +515,13 @@ class Launcher:
         if self.wanted()[0] != e.argv:
             return False, "the running command line is not the desired one yet"
         last = self.health.last(e.serial)
+        detail = last[2] if last is not None else "no answer"
+        if not pod.healthy:
+            return False, f"engine {detail} ({pod.fail_streak} failed, {pod.ok_streak} good /health answers in a row)"
+        # the poller itself stuck: each answer takes at most its timeout, so answers come at least this often
         max_age = 4 * max(self.settings.poll_seconds, self.settings.health_period_seconds) + 5.0
-        if last is None:
-            return False, "no /health answer from the engine yet"
-        ok, at, detail = last
-        if not ok:
-            return False, f"engine {detail}"
-        if now - at > max_age:
-            return False, f"the engine's last /health answer is {now - at:.0f}s old"
+        if pod.answered_at is not None and now - pod.answered_at > max_age:
+            return False, f"the engine's last /health answer is {now - pod.answered_at:.0f}s old"
         return True, "ready"
 
     def status(self) -> dict[str, Any]:
@@ -515,6 +553,9 @@ class Launcher:
             "candidate_failure": self.candidate_failure,
             "stopping": {"reason": self.stop.reason, "killed": self.stop.killed,
                          "survivors": list(self.stop.survivors)} if self.stop is not None else None,
+            "health": {"ok_streak": self.pod.ok_streak, "fail_streak": self.pod.fail_streak,
+                       "failing_seconds": round(time.monotonic() - self.pod.failing_since, 1)
+                       if self.pod.failing_since is not None else None},
             "reaped_orphans": self.reaped_orphans,
             "engine_started_at": e.spawned_wall if e is not None else None,
             "started_at": self.started_at,
