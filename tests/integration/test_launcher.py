@@ -4,6 +4,7 @@ inside a real pod: tests/e2e/test_podman_pod.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ from harness.ports import free_port
 from harness.waiting import wait_for
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
-from tuner.launcher import packaging, protocol
+from tuner.launcher import packaging, probes, protocol
 
 
 @pytest.fixture
@@ -397,4 +398,74 @@ def test_readiness_has_hysteresis_and_a_wedged_engine_fails_liveness(state, tmp_
         finally:
             recorder.stop()
         assert set(recorder.codes("/livez")) == {200}, "liveness through a relaunch and a slow start"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def _probe_server(host: str) -> probes.ProbeServer:
+    return probes.ProbeServer(host, 0, live=lambda: (True, "alive"), ready=lambda: (False, "starting"),
+                              status=lambda: {}).start()
+
+
+def _get(family: int, address: str, port: int, path: str) -> bytes:
+    with socket.socket(family) as s:
+        s.settimeout(5)
+        s.connect((address, port))
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        return s.recv(4096)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_wildcard_probe_host_answers_on_ipv4_and_ipv6(host):
+    server = _probe_server(host)
+    try:
+        assert server.dual_stack and server.where.endswith("(IPv4 and IPv6)")
+        assert _get(socket.AF_INET, "127.0.0.1", server.port, "/livez").startswith(b"HTTP/1.1 200")
+        assert _get(socket.AF_INET6, "::1", server.port, "/readyz").startswith(b"HTTP/1.1 503")
+    finally:
+        server.stop()
+
+
+def test_a_wildcard_probe_host_falls_back_to_ipv4_on_a_host_without_ipv6(monkeypatch):
+    class NoIPv6(probes._DualStackServer):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+
+    monkeypatch.setattr(probes, "_DualStackServer", NoIPv6)
+    server = _probe_server("0.0.0.0")
+    try:
+        assert not server.dual_stack and server.server.address_family == socket.AF_INET
+        assert server.where == f"0.0.0.0:{server.port}"
+        assert _get(socket.AF_INET, "127.0.0.1", server.port, "/livez").startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+    monkeypatch.setattr(probes.socket, "has_ipv6", False)  # Python built without IPv6
+    server = _probe_server("::")
+    try:
+        assert not server.dual_stack and server.server.address_family == socket.AF_INET
+    finally:
+        server.stop()
+
+
+def test_a_specific_probe_host_is_that_address_alone():
+    server = _probe_server("127.0.0.1")
+    try:
+        assert not server.dual_stack and server.where == f"127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+    if _ipv6_loopback():
+        server = _probe_server("[::1]")
+        try:
+            assert server.where == f"[::1]:{server.port}"
+            assert _get(socket.AF_INET6, "::1", server.port, "/livez").startswith(b"HTTP/1.1 200")
+        finally:
+            server.stop()
 

@@ -41,7 +41,8 @@ class Settings:
     state_dir: Path
     probe_host: str = "127.0.0.1"
     """Where /livez, /readyz and /status listen. The kubelet probes the pod IP, so the manifests say
-    0.0.0.0; the launcher's own default keeps them on loopback."""
+    0.0.0.0 (every address, IPv6 too where the host has it: ``probes.ProbeServer``); the launcher's own
+    default keeps them on loopback."""
     probe_port: int = 8081
     health_url: str | None = None
     """The engine's health endpoint; None: http://127.0.0.1:<--port, default 8000>/health of the running
@@ -289,7 +290,7 @@ class Launcher:
         self.server.start()
         if not processes.become_subreaper():
             log("warning: not PID 1 and cannot become a child subreaper: orphans of the engine are not reaped here")
-        log(f"probes on http://{self.settings.probe_host}:{self.server.port} (/livez /readyz /status); "
+        log(f"probes on {self.server.where} (/livez /readyz /status); "
             f"state in {self.state_dir}; base sha256 {self.base_sha256[:12]}")
         self.health.start()
         try:
