@@ -469,3 +469,45 @@ def test_a_specific_probe_host_is_that_address_alone():
         finally:
             server.stop()
 
+
+def test_overrides_outside_the_allow_list_are_refused_and_the_engine_keeps_its_arguments(state):
+    """Whoever can write desired.json (the pool's ConfigMap, through the agent) cannot set a flag the rules
+    do not turn, nor one outside its bounds; the launcher keeps the allow-list it started with."""
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4")) as lp:
+        lp.wait_state("serving", 30)
+        generation = lp.request([("--max-num-seqs", "8")])
+        st = lp.wait(lambda s: s["running_generation"] == generation and s["ready"], 30, "an allowed override")
+        pid = st["pid"]
+        assert st["allowed_flags"]["--max-num-seqs"] == "[1, 65536]" and st["overrides_refused"] is None
+        for bad, why in [([("--max-num-seqs", "8"), ("--trust-remote-code", True)], "--trust-remote-code is not"),
+                         ([("--max-num-seqs", "--trust-remote-code")], "takes an integer"),
+                         ([("--max-num-seqs", "99999999")], "is outside [1, 65536]")]:
+            refused = lp.request(bad, drain=False)
+            st = lp.wait(lambda s, g=refused: s["generation"] == g, 10, f"generation {refused} taken")
+            assert why in st["overrides_refused"] and "keeps the arguments it has" in st["overrides_refused"]
+            assert st["pid"] == pid and st["ready"] and st["planned_restarts"] == 1
+            assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "8"] and "--trust-remote-code" not in \
+                engine_info(port)["argv"]
+        drained = lp.request([("--model", "evil")], drain=True)  # the drain is taken, the override is not
+        st = lp.wait(lambda s: s["generation"] == drained and not s["ready"], 10, "drained")
+        assert st["drain"] and "--model is not" in st["overrides_refused"] and st["pid"] == pid
+        # a wider allow-list written now is not taken: the first one found holds
+        protocol.write_allowed(state, protocol.Allowed({**support.TEST_ALLOWED.flags,
+                                                        "--trust-remote-code": protocol.Bound("bool")}))
+        again = lp.request([("--trust-remote-code", True)])
+        st = lp.wait(lambda s: s["generation"] == again, 10, "generation taken")
+        assert "--trust-remote-code is not" in st["overrides_refused"] and st["pid"] == pid
+        fine = lp.request([("--max-num-seqs", "16")])
+        st = lp.wait(lambda s: s["running_generation"] == fine and s["ready"], 30, "allowed again")
+        assert st["overrides_refused"] is None and engine_info(port)["argv"][-2:] == ["--max-num-seqs", "16"]
+
+
+def test_without_an_allow_list_no_override_passes_and_the_base_starts(state):
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4"), allowed=None)
+    lp.request([("--max-num-seqs", "16")])
+    with lp:
+        st = lp.wait_state("serving", 30)
+        assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "4"] and st["candidate"] is False
+        assert "no allow-list" in st["overrides_refused"] and st["allowed_flags"] is None

@@ -220,7 +220,7 @@ class KubePool:
             if time.monotonic() > deadline or pod.deleted:
                 return
             time.sleep(0.1)
-        launcher = LauncherProcess(pod.state_dir, pod.base_argv, python=self.launcher_python, zipapp=zipapp,
+        launcher = LauncherProcess(pod.state_dir, pod.base_argv, python=self.launcher_python, zipapp=zipapp, allowed=None,
                                    env={**self.launcher_env, "POD_IP": pod.ip},
                                    log_path=self.work / f"{pod.name}.launcher.log")
         launcher.argv = [self.launcher_python, str(zipapp), "--state-dir", str(pod.state_dir), "--probe-host", pod.ip,

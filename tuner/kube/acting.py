@@ -215,6 +215,8 @@ class KubeActuator:
         def dropped(r: Mapping[str, Any]) -> str | None:
             if carried_out(r, serial) and r.get("overrides_dropped"):
                 return f"the launcher dropped the overrides: {r['overrides_dropped']}"
+            if carried_out(r, serial) and r.get("overrides_refused"):  # not an allowed flag, or out of bounds
+                return f"the launcher refused the overrides: {r['overrides_refused']}"
             return None
 
         # The old engine stops first (its --shutdown-timeout at most), then the new one is spawned.

@@ -5,7 +5,9 @@ Start-up (before the native sidecar's startupProbe passes, so before the engine 
 
 1. ``launcher.pyz`` into the shared directory (built from this package: reproducible, so the file says
    which version runs), atomically;
-2. ``desired.json``, unless one is there already (a restarted agent keeps what it asked for last): the
+2. ``allowed-flags.json``: the flags the agent's own rules may change, with their bounds
+   (``allow_list``); the launcher lets no other override pass, whatever the pool's ConfigMap says;
+3. ``desired.json``, unless one is there already (a restarted agent keeps what it asked for last): the
    pod's own entry in the pool's ConfigMap if the leader wrote one, else the pool's **verified arguments**
    (``pool``: overrides + the base hash they were computed for; the launcher drops them when this pod's
    base differs: the user wins). When the ConfigMap cannot be read within ``startup_timeout`` seconds,
@@ -24,7 +26,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +34,59 @@ from tuner.kube import acting
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError
 from tuner.launcher import packaging, protocol
+from tuner.model import knobs
+from tuner.planning import guards
+from tuner.rules.schema import Rule
 
 log = logging.getLogger("tuner.kube.pod")
 
 REPORTED = ("state", "ready", "ready_reason", "running_generation", "pid", "argv", "base_argv", "base_sha256",
-            "overrides", "drain", "overrides_dropped", "desired_error", "planned_restarts", "last_relaunch")
+            "overrides", "drain", "overrides_dropped", "overrides_refused", "desired_error", "planned_restarts",
+            "last_relaunch")
+
+
+def allow_list(rules: Sequence[Rule], *, kind: knobs.EngineKind,
+               thermal: guards.ThermalSettings | None = None) -> protocol.Allowed:
+    """The flags the tuner may change on this engine, each within the widest bounds any enabled rule (or
+    the thermal step-down) could take it to: the rule's ``min``/``max``, else the knob's hard range (a
+    dynamic bound, ``max_from``, is not known here: the hard range stands in). Every spelling vLLM
+    accepts for the flag is listed."""
+    spans: dict[str, tuple[float | None, float | None]] = {}  # knob → (low, high), None: its hard bound
+
+    def widen(knob: knobs.Knob, low: float | None, high: float | None) -> None:
+        if knob.range is not None:
+            low = knob.range.low if low is None else low
+            high = knob.range.high if high is None else high
+        if knob.name in spans:
+            lo, hi = spans[knob.name]
+            low = None if low is None or lo is None else min(low, lo)
+            high = None if high is None or hi is None else max(high, hi)
+        spans[knob.name] = (low, high)
+
+    for rule in rules:
+        if rule.enabled and kind in rule.engines:
+            widen(rule.then.knob, rule.then.min, rule.then.max)
+    if thermal is not None and thermal.step_down:
+        widen(knobs.KNOBS["max_num_seqs"], thermal.step_down_min, None)
+    flags: dict[str, protocol.Bound] = {}
+    sglang_chunking = kind == "sglang" and "chunked_prefill" in spans
+    for name, (low, high) in spans.items():
+        knob = knobs.KNOBS[name]
+        flag = knob.flag(kind)
+        if flag is None or (sglang_chunking and name == "chunked_prefill"):
+            continue
+        if knob.type == "bool":
+            bound = protocol.Bound("bool")
+        else:
+            low_open = knob.range is not None and knob.range.low_open and low == knob.range.low
+            bound = protocol.Bound(knob.type, low, high, low_open)
+        for spelling in (flag, *(knob.aliases if kind == "vllm" else ())):
+            flags[spelling] = bound
+    if sglang_chunking:  # SGLang's chunked prefill: --chunked-prefill-size -1 (off), or the flag removed (on)
+        flag = "--chunked-prefill-size"
+        budget = flags.get(flag, protocol.Bound("int"))
+        flags[flag] = protocol.Bound("int", budget.low, budget.high, also=("-1",), removable=True)
+    return protocol.Allowed(flags)
 
 
 def condensed(status: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,8 +103,10 @@ def condensed(status: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class PodAgent:
-    def __init__(self, store: store_mod.PoolStore, *, pod: str, state_dir: Path, zipapp: Path | None = None) -> None:
+    def __init__(self, store: store_mod.PoolStore, *, pod: str, state_dir: Path, zipapp: Path | None = None,
+                 allowed: protocol.Allowed | None = None) -> None:
         self.store, self.pod, self.state_dir, self.zipapp = store, pod, Path(state_dir), zipapp
+        self.allowed = allowed  # written at start-up, before desired.json
         self.serial = 0  # the last desired serial carried out
         self.generation = 0  # the last desired.json generation written
         self._reported: dict[str, Any] | None = None
@@ -65,6 +117,8 @@ class PodAgent:
     def prepare(self, *, startup_timeout: float = 120.0, stop: threading.Event | None = None) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._install_launcher()
+        if self.allowed is not None:  # before desired.json: the launcher reads it before its first start
+            protocol.write_allowed(self.state_dir, self.allowed)
         existing = self._read_desired()
         if existing is not None:
             self.generation = existing.generation

@@ -78,7 +78,8 @@ def run_agent(config_path: str, *, state_dir: str | None = None, pod: str | None
     # The image's own copy of the launcher (deploy/docker/Dockerfile), else one built from this package.
     shipped = os.environ.get("VLLM_TUNER_LAUNCHER_ZIPAPP")
     zipapp = Path(shipped) if shipped and Path(shipped).is_file() else None
-    agent = podside.PodAgent(store, pod=pod, state_dir=Path(state_dir or k.state_dir), zipapp=zipapp)
+    allowed = podside.allow_list(tuple(rules), kind=k.engine_kind, thermal=settings.decisions.thermal)
+    agent = podside.PodAgent(store, pod=pod, state_dir=Path(state_dir or k.state_dir), zipapp=zipapp, allowed=allowed)
     agent.prepare(startup_timeout=startup_timeout, stop=stop)
     if prepare_only:  # an init container's job where native sidecars are not available (Kubernetes < 1.29)
         api.close()

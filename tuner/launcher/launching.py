@@ -19,6 +19,7 @@ hysteresis), no drain, and the running command line equal to the one desired.jso
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import os
 import select
@@ -209,6 +210,9 @@ class Launcher:
         self.desired: protocol.Desired | None = None
         self.desired_error: str | None = None
         self.overrides_dropped: str | None = None
+        self.overrides_refused: str | None = None
+        self.allowed: protocol.Allowed | None = None  # the first allow-list found, kept for good
+        self.allowed_error: str | None = None
         self.observed_generation: int | None = None
         self.planned_restarts = 0
         self.reaped_orphans = 0
@@ -294,6 +298,7 @@ class Launcher:
             f"state in {self.state_dir}; base sha256 {self.base_sha256[:12]}")
         self.health.start()
         try:
+            self._load_allowed()
             self._poll_desired(force=True)
             self.tick()  # desired.json there (or no wait): the engine starts now
             while self.exit_code is None:
@@ -374,9 +379,42 @@ class Launcher:
             self.desired_error = (f"desired.json generation {desired.generation} is not greater than "
                                   f"{self.observed_generation}: ignored")
             return
+        refused = self._refusal(desired)
+        if refused is not None:  # the generation is taken (its drain too); the engine keeps what it runs
+            previous = self.desired
+            self.overrides_refused = (f"desired.json generation {desired.generation}: {refused}; the engine keeps "
+                                      "the arguments it has")
+            log(f"refusing the overrides: {self.overrides_refused}")
+            desired = dataclasses.replace(desired, overrides=previous.overrides if previous else (),
+                                          base_sha256=previous.base_sha256 if previous else None)
+        else:
+            self.overrides_refused = None
         self.desired, self.observed_generation, self.desired_error = desired, desired.generation, None
         self._fresh_request = True
         log(f"desired generation {desired.generation}: {len(desired.overrides)} override(s), drain={desired.drain}")
+
+    def _load_allowed(self) -> None:
+        """The allow-list, read at start and, while there is none, again before overrides are judged; the
+        first one found is kept for good (a later file never widens it)."""
+        if self.allowed is not None:
+            return
+        try:
+            self.allowed = protocol.read_allowed(self.state_dir)
+            self.allowed_error = None
+        except protocol.ProtocolError as exc:
+            self.allowed_error = str(exc)
+        if self.allowed is not None:
+            log(f"allowed overrides: {self.allowed.describe()}")
+
+    def _refusal(self, desired: protocol.Desired) -> str | None:
+        """Why ``desired``'s overrides may not pass the allow-list (None: they may, or there are none)."""
+        if not desired.overrides:
+            return None
+        self._load_allowed()
+        if self.allowed is None:
+            return (f"no allow-list ({self.allowed_error or f'{protocol.ALLOWED} is missing'}): no override may "
+                    "pass (the agent writes it from its rules before the engine starts)")
+        return self.allowed.refusal(desired.overrides)
 
     def wanted(self) -> tuple[list[str], list[tuple[str, argvs.Value]]]:
         """The command line desired.json asks for, and the overrides in it."""
@@ -545,6 +583,8 @@ class Launcher:
             "base_argv": secrets.DEFAULT.argv(self.base),
             "base_sha256": self.base_sha256,
             "overrides_dropped": self.overrides_dropped,
+            "overrides_refused": self.overrides_refused,
+            "allowed_flags": self.allowed.describe() if self.allowed is not None else None,
             "desired_error": self.desired_error,
             "candidate": e.candidate if e is not None else None,
             "planned_restarts": self.planned_restarts,
