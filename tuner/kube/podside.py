@@ -10,8 +10,13 @@ Start-up (before the native sidecar's startupProbe passes, so before the engine 
 3. ``desired.json``, unless one is there already (a restarted agent keeps what it asked for last): the
    pod's own entry in the pool's ConfigMap if the leader wrote one, else the pool's **verified arguments**
    (``pool``: overrides + the base hash they were computed for; the launcher drops them when this pod's
-   base differs: the user wins). When the ConfigMap cannot be read within ``startup_timeout`` seconds,
-   the engine starts on its own command line (no overrides): safe, and logged.
+   base differs: the user wins). When the ConfigMap cannot be read within ``startup_timeout`` seconds
+   (at once when waiting cannot help: 401, 403, 404), the engine starts on its own command line (no
+   overrides): safe, and reported (``prepare`` says why; ``running`` raises the agent's degraded gauge).
+
+An agent that cannot start at all (``running.run_agent``: its configuration invalid or missing, no pod
+name...) still does 1 and writes ``desired.json`` with no overrides (``start_on_own_args``): whatever goes
+wrong on the agent's side, the engine starts.
 
 Then, at every change of the ConfigMap (and every ``poll`` seconds): a newer ``desired[<pod>].serial`` is
 written to desired.json (generation + 1, the serial kept in the file), and the launcher's status.json,
@@ -30,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tuner.kube import acting
+from tuner.kube import acting, reporting
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError
 from tuner.launcher import packaging, protocol
@@ -102,6 +107,51 @@ def condensed(status: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+OWN_ARGS: Mapping[str, Any] = {"serial": 0, "overrides": [], "base_sha256": None, "drain": False}
+"""The desired state of an engine on its own command line (no overrides, not drained)."""
+
+
+def install_launcher(state_dir: Path, zipapp: Path | None) -> None:
+    """``launcher.pyz`` into the shared directory, atomically (``zipapp``: the image's copy; else built
+    from this package, reproducibly)."""
+    target = state_dir / protocol.ZIPAPP
+    fd, tmp = tempfile.mkstemp(prefix=".launcher.", suffix=".pyz", dir=str(state_dir))
+    os.close(fd)
+    try:
+        if zipapp is not None:
+            Path(tmp).write_bytes(zipapp.read_bytes())
+        else:
+            packaging.build_zipapp(Path(tmp))
+        if target.exists() and target.read_bytes() == Path(tmp).read_bytes():
+            return
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_desired(state_dir: Path) -> protocol.Desired | None:
+    try:
+        return protocol.read_desired(state_dir / protocol.DESIRED)
+    except protocol.ProtocolError as exc:
+        log.warning("desired.json is unreadable (%s): writing it again", exc)
+        return None
+
+
+def start_on_own_args(state_dir: Path, *, zipapp: Path | None) -> str:
+    """What any start-up problem of the agent leaves: ``launcher.pyz`` and, unless a readable desired.json is
+    there already (a restarted agent: the engine keeps what it was asked for), one with no overrides. The
+    launcher then starts the engine's own command line. Says what it did."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    install_launcher(state_dir, zipapp)
+    existing = read_desired(state_dir)
+    if existing is not None:
+        return f"desired.json generation {existing.generation} is kept"
+    protocol.write_json(state_dir / protocol.DESIRED, {**protocol.Desired(1).document(), "serial": 0})
+    return "desired.json written with no overrides: the engine starts on its own command line"
+
+
 class PodAgent:
     def __init__(self, store: store_mod.PoolStore, *, pod: str, state_dir: Path, zipapp: Path | None = None,
                  allowed: protocol.Allowed | None = None) -> None:
@@ -114,9 +164,11 @@ class PodAgent:
 
     # --- start-up ------------------------------------------------------------------------------------
 
-    def prepare(self, *, startup_timeout: float = 120.0, stop: threading.Event | None = None) -> None:
+    def prepare(self, *, startup_timeout: float = 15.0, stop: threading.Event | None = None) -> str | None:
+        """The start-up (module docstring). None when the engine starts on what the pool says; else why it
+        starts on its own command line."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._install_launcher()
+        install_launcher(self.state_dir, self.zipapp)
         if self.allowed is not None:  # before desired.json: the launcher reads it before its first start
             protocol.write_allowed(self.state_dir, self.allowed)
         existing = self._read_desired()
@@ -125,7 +177,7 @@ class PodAgent:
             serial = existing.extra.get("serial")
             self.serial = serial if isinstance(serial, int) else 0
             log.info("desired.json generation %d is in place (a restarted agent keeps it)", self.generation)
-            return
+            return None
         stop = stop or threading.Event()
         deadline = time.monotonic() + startup_timeout
         data: Mapping[str, str] | None = None
@@ -133,46 +185,25 @@ class PodAgent:
             try:
                 data = self.store.refresh()
             except ApiError as exc:
-                if time.monotonic() > deadline or stop.is_set():
-                    log.warning("the pool's ConfigMap is not readable (%s): the engine starts on its own command "
-                                "line", exc)
-                    self._write({"serial": 0, "overrides": [], "base_sha256": None, "drain": False})
-                    return
+                hopeless = exc.code in (401, 403, 404)  # no token, no permission, no ConfigMap: waiting cannot help
+                if hopeless or time.monotonic() > deadline or stop.is_set():
+                    self._write(OWN_ARGS)
+                    return f"the pool's ConfigMap is not readable ({exc})"  # said by the caller, once
                 log.warning("reading the pool's ConfigMap: %s; again in 2s", exc)
                 stop.wait(2.0)
         entry = acting.desired_of(data).get(self.pod)
         if entry is not None:
             self._write(entry)
-            return
+            return None
         pool = store_mod.loads(data, "pool", {})
         pool = pool if isinstance(pool, dict) else {}
         self._write({"serial": 0, "overrides": pool.get("overrides") or [], "base_sha256": pool.get("base_sha256"),
                      "drain": False})
         log.info("the engine starts on the pool's verified arguments: %s", pool.get("overrides") or "its own")
-
-    def _install_launcher(self) -> None:
-        target = self.state_dir / protocol.ZIPAPP
-        fd, tmp = tempfile.mkstemp(prefix=".launcher.", suffix=".pyz", dir=str(self.state_dir))
-        os.close(fd)
-        try:
-            if self.zipapp is not None:
-                Path(tmp).write_bytes(self.zipapp.read_bytes())
-            else:
-                packaging.build_zipapp(Path(tmp))
-            if target.exists() and target.read_bytes() == Path(tmp).read_bytes():
-                return
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        return None
 
     def _read_desired(self) -> protocol.Desired | None:
-        try:
-            return protocol.read_desired(self.state_dir / protocol.DESIRED)
-        except protocol.ProtocolError as exc:
-            log.warning("desired.json is unreadable (%s): writing it again", exc)
-            return None
+        return read_desired(self.state_dir)
 
     def _write(self, entry: Mapping[str, Any]) -> None:
         overrides = [tuple(o) for o in entry.get("overrides") or []]
@@ -201,14 +232,18 @@ class PodAgent:
             self._reported = report
             self.reports += 1
 
-    def run(self, stop: threading.Event, *, poll: float = 0.5) -> None:
+    def run(self, stop: threading.Event, *, poll: float = 0.5, reporter: reporting.Reporter | None = None) -> None:
         rv = None
         while not stop.is_set():
             try:
                 self.step()
+                if reporter is not None and self.store.resource_version is not None:
+                    reporter.resolved("api")  # the ConfigMap answers: a start-up without it is behind us
             except ApiError as exc:
                 log.warning("reporting %s's status: %s", self.pod, exc)
                 self._reported = None  # report again
             except Exception:  # the pod's loop must outlive any surprise
                 log.exception("the pod's loop failed")
+            if reporter is not None:
+                reporter.flush()
             rv = self.store.wait_change(rv, poll)
