@@ -1,5 +1,5 @@
 """A pool of "pods" on this machine, for the agent's tests: the fake API server (tests/support/fake_kube.py,
-the chart installed, its Role enforced), and per pod a loopback IP of its own (127.0.0.X, so every engine
+the chart installed, its Role enforced), and per pod a loopback IP of its own (127.A.B.X, so every engine
 listens on the same port, as pods do), a state directory (the pod's emptyDir), the real agent
 (``vllm-tuner agent``, a process) and the real launcher (the zipapp the agent put in the state directory,
 started only once desired.json is there: the native sidecar's startupProbe).
@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -187,6 +188,8 @@ class KubePool:
         self.engine_port, self.launcher_python = engine_port, launcher_python
         self.launcher_options, self.launcher_env = list(launcher_options), dict(launcher_env or {})
         self.pods: dict[str, Pod] = {}
+        # a /24 of the loopback range of its own: pools of tests running at once (on one machine) never meet
+        self._net = f"127.{random.randint(1, 254)}.{random.randint(0, 255)}"
         self._next_ip = 11
         self._starter: list[threading.Thread] = []
 
@@ -201,7 +204,7 @@ class KubePool:
                 config_path: Path | None = None, startup_timeout: float = 30) -> Pod:
         """A pod: its object in the API, its agent (``config_path``: another configuration than the pool's),
         then its engine once the agent's start-up is done."""
-        ip = f"127.0.0.{self._next_ip}"
+        ip = f"{self._net}.{self._next_ip}"
         self._next_ip += 1
         state_dir = self.work / name
         state_dir.mkdir(parents=True)
