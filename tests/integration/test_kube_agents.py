@@ -303,7 +303,10 @@ def test_a_missing_or_invalid_configuration_leaves_the_engine_on_its_own_args_an
     pool.write_config(cfg, daemon={"listen_port": metrics_port})
     kp.wait_for(lambda: pool.report("vllm-a").get("state") == "serving", 40, "the agent's report",
                 detail=pool.diagnostics)
-    kp.wait_for(lambda: "tuner_agent_degraded{" not in agent_metrics(metrics_port), 30, "not degraded")
+    kp.wait_for(lambda: "tuner_agent_leader 1.0" in agent_metrics(metrics_port), 30, "the leader gauge")
+    text = agent_metrics(metrics_port)
+    assert "tuner_agent_degraded{" not in text and "tuner_agent_refused_writes_total 0.0" in text, text
+    assert "tuner_agent_leader_epoch 1.0" in text and "tuner_agent_pool_epoch 1.0" in text, text
     assert pod.status()["pid"] == pid and (pod.state_dir / "allowed-flags.json").exists()
     # The allow-list holds against the pool's ConfigMap: a flag no rule turns is refused by the launcher.
     base = pod.status()["base_sha256"]

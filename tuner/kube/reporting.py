@@ -6,7 +6,16 @@
                                     no API server to talk to; ``state-dir``: the shared directory is not
                                     writable; ``api``: the pool's ConfigMap was not readable at start-up);
                                     absent otherwise
+``tuner_agent_leader``              1 while this agent leads the pool, else 0
+``tuner_agent_leader_epoch``        its leadership's epoch (the Lease's ``leaseTransitions``); absent
+                                    while it does not lead
+``tuner_agent_pool_epoch``          the highest epoch that wrote the pool's ConfigMap, as last seen
+``tuner_agent_refused_writes``      the leader's writes the ConfigMap's epoch refused (a deposed leader's)
+``tuner_agent_configmap_conflicts`` compare-and-swap writes that lost to another writer (and were retried)
 ==================================  =====================================================================
+
+The leadership and ConfigMap series are read when ``/metrics`` is scraped (``watch``): the elector and the
+store keep their own counts, nothing is mirrored.
 
 A problem (``Reporter.problem``) is logged, raises its gauge and becomes one Event (type Warning, reason
 ``TunerDegraded``) on the agent's pod — sent when the API server answers, retried a few times (an
@@ -18,9 +27,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from tuner.kube.api import ApiError, KubeApi
 
@@ -31,6 +43,39 @@ MAX_PENDING = 8  # Events not sent yet (an unreachable API server): the oldest g
 MAX_ATTEMPTS = 30  # tries per Event (one per flush: every few seconds)
 
 
+@dataclass(frozen=True)
+class Pool:
+    """Where the leadership and ConfigMap series are read from, at scrape time."""
+
+    is_leader: Callable[[], bool]
+    leader_epoch: Callable[[], int | None]
+    pool_epoch: Callable[[], int]
+    refused_writes: Callable[[], int]
+    conflicts: Callable[[], int]
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        p = self.pool
+        yield GaugeMetricFamily("tuner_agent_leader", "1 while this agent leads the pool, else 0.",
+                                value=1 if p.is_leader() else 0)
+        epoch = p.leader_epoch()
+        leader_epoch = GaugeMetricFamily("tuner_agent_leader_epoch", "The epoch this agent leads with (the "
+                                         "Lease's leaseTransitions); absent while it does not lead.")
+        if epoch is not None:
+            leader_epoch.add_metric([], epoch)
+        yield leader_epoch
+        yield GaugeMetricFamily("tuner_agent_pool_epoch", "The highest leader epoch that wrote the pool's "
+                                "ConfigMap, as this agent last saw it.", value=p.pool_epoch())
+        yield CounterMetricFamily("tuner_agent_refused_writes", "Writes to the pool's ConfigMap refused because a "
+                                  "newer leader's epoch is there (this agent was deposed).", value=p.refused_writes())
+        yield CounterMetricFamily("tuner_agent_configmap_conflicts", "Compare-and-swap writes to the pool's "
+                                  "ConfigMap that lost to another writer (then retried).", value=p.conflicts())
+
+
 class AgentMetrics:
     """The agent's series, in the registry the agent's ``/metrics`` serves (``TunerMetrics.registry``)."""
 
@@ -39,6 +84,13 @@ class AgentMetrics:
         self.degraded = Gauge("tuner_agent_degraded", "1 while a start-up problem of the agent holds, by reason "
                               "(the engine started on its own command line); absent otherwise.", ["reason"],
                               registry=registry)
+        self._pool: _PoolCollector | None = None
+
+    def watch(self, pool: Pool) -> None:
+        """Read the leadership and ConfigMap series from ``pool`` at every scrape."""
+        if self._pool is None:
+            self._pool = _PoolCollector(pool)
+            self.registry.register(self._pool)
 
 
 @dataclass

@@ -196,6 +196,10 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
     client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
     leader = leading.Leader(settings, api=api, store=store, identity=identity, rules=w.rules, client=client,
                             metrics=metrics)
+    agent_metrics.watch(reporting.Pool(
+        is_leader=elector.is_leader, leader_epoch=lambda: (lambda ld: ld.epoch if ld else None)(elector.leadership),
+        pool_epoch=lambda: store_mod.epoch_of(store.data), refused_writes=lambda: store.refused,
+        conflicts=lambda: store.conflicts))
     # /metrics, /status, /recommendations: the leader's cycles (a follower has none; it is healthy while it runs)
     server = TunerHttpServer(metrics=metrics, state=leader.state, is_alive=lambda: not stop.is_set(),
                              is_busy=lambda: not elector.is_leader(),
