@@ -32,6 +32,7 @@ from tests.support.launcher import fake_engine_argv
 from tuner.launcher import packaging, protocol
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.sources import live_knobs
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 
@@ -53,10 +54,13 @@ def sim_argv(port: int, *extra: str) -> list[str]:
 class SimPool:
     """A pool and its kubelet; the simulator's own users follow readiness (the Service's routing)."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, *, live: bool = False) -> None:
         self.port = free_port()
-        self.pool = kp.KubePool(work, config=config(self.port), engine_argv=sim_argv(self.port),
-                                engine_port=self.port)
+        cfg, argv = config(self.port), sim_argv(self.port)
+        if live:  # started wide (256 slots), the admission cap at a bad 8 (test below): a live change fixes it
+            cfg = {**cfg, "live": {"enabled": True, "ack_timeout_seconds": 20, "verify_seconds": 6}}
+            argv = [a if a != "8" else "256" for a in argv]
+        self.pool = kp.KubePool(work, config=cfg, engine_argv=argv, engine_port=self.port)
         self.kubelet = kp.Kubelet(self.pool, on_ready=self.route, period=0.3).start()
 
     def route(self, pod: kp.Pod, ready: bool) -> None:
@@ -349,3 +353,49 @@ def test_an_unreachable_api_server_leaves_the_engine_on_its_own_args_until_it_an
     finally:
         pod.agent.stop(timeout=20)
         kube.stop()
+
+
+# --- the live path: a live change through each pod's agent, no drain, no relaunch ---------------------------
+
+
+@pytest.fixture
+def live_sims(tmp_path: Path) -> Iterator[SimPool]:
+    s = SimPool(tmp_path, live=True)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_a_live_change_reaches_every_pods_engine_through_its_agent(live_sims: SimPool) -> None:
+    """The leader cannot reach a pod's files: its live request goes into desired[pod].live, the pod's agent
+    writes it into the control directory in the pod's emptyDir (the launcher pointed the engine's
+    VLLM_TUNER_CONTROL_DIR there), and reports what the engine-side plugin acknowledges. The one rollout
+    machine carries it, live rows only: nothing drained, stopped or started."""
+    pool = live_sims.pool
+    pods = [pool.add_pod(n, wait=False) for n in ("vllm-a", "vllm-b")]
+    kp.wait_for(lambda: all(p.status().get("ready") for p in pods), 60, "the engines serving", detail=pool.diagnostics)
+    for p in pods:  # the bad start: the admission cap at 8 of 256 (the test plays an operator here)
+        control = p.state_dir / "control"
+        assert oct(control.stat().st_mode & 0o777) == "0o700"
+        live_knobs.write_request(control, 1, max_num_active_seqs=8)
+    kp.wait_for(lambda: all((pool.report(p.name).get("live") or {}).get("values", {}).get("max_num_seqs") == 8
+                            for p in pods), 30, "the cap of 8 reported by both agents", detail=pool.diagnostics)
+    pids = {p.name: p.status()["pid"] for p in pods}
+
+    def finished_live() -> list[machine.Rollout]:
+        return [r for r in journaling.replay(pool.records()).values()
+                if r.kind is machine.Kind.LIVE and machine.outcome(r) is not machine.Outcome.RUNNING]
+
+    (end,) = kp.wait_for(finished_live, 180, "a live change judged", detail=pool.diagnostics)
+    assert machine.outcome(end) is machine.Outcome.DONE, machine.describe(end)
+    value = end.new_values["vllm-a"]["max_num_seqs"]
+    assert value > 8 and end.new_values == {p.name: {"max_num_seqs": value} for p in pods}
+    for p in pods:
+        (ack,) = live_knobs.read_acks(p.state_dir / "control")
+        assert ack.effective["max_num_active_seqs"] == value and ack.envelope["max_num_seqs"] == 256
+        st = p.status()
+        assert st["pid"] == pids[p.name] and st["planned_restarts"] == 0 and seqs(p) == "256"
+        assert (pool.doc("desired") or {})[p.name]["live"]["values"] == {"max_num_seqs": value}
+    assert {e["to"] for e in live.events(pool.records(), end.id)} == {"requesting", "verifying", "done"}
+    assert_rbac_clean(pool, leader_verbs=False)

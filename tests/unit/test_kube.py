@@ -188,3 +188,21 @@ def test_left_is_allowed_from_the_back_leg_and_nowhere_terminal() -> None:
     done = machine.handle(machine.handle(r, "a", machine.Event.LEFT, now=3.0), "b", machine.Event.LEFT, now=4.0)
     with pytest.raises(machine.RolloutError):
         machine.handle(done, "a", machine.Event.LEFT, now=5.0)
+
+
+# --- the live knobs, relayed by a pod's agent ------------------------------------------------------------
+
+
+def test_a_relayed_live_state_roundtrips_and_garbage_is_not_believed() -> None:
+    from tuner.model import live
+
+    state = live.LiveState(available=True, envelope={"max_num_seqs": 256}, values={"max_num_seqs": 80},
+                           not_live={"max_num_batched_tokens": "not live here"}, seq=7, pids=(11, 12))
+    assert live.LiveState.from_dict(state.as_dict()) == state
+    hostile = {"available": "yes", "envelope": {"max_num_seqs": 10**12, "trust_remote_code": 1},
+               "values": {"max_num_seqs": True}, "not_live": {"x": "y"}, "seq": -1, "pids": ["1", 2],
+               "why_not": "x" * 10_000, "via": "anything"}
+    got = live.LiveState.from_dict(hostile)
+    assert not got.available and got.envelope == {} and got.values == {} and got.not_live == {}
+    assert got.seq is None and got.pids == (2,) and len(got.why_not or "") == 300 and got.via == "plugin"
+    assert live.LiveState.from_dict(None).why_not == "no live state reported"

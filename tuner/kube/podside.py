@@ -7,7 +7,9 @@ Start-up (before the native sidecar's startupProbe passes, so before the engine 
    which version runs), atomically;
 2. ``allowed-flags.json``: the flags the agent's own rules may change, with their bounds
    (``allow_list``); the launcher lets no other override pass, whatever the pool's ConfigMap says;
-3. ``desired.json``, unless one is there already (a restarted agent keeps what it asked for last): the
+3. with ``live.enabled``, the live knobs' control directory (``control/``, 0700: the engine-side plugin
+   refuses anything others can write); the launcher points the engine's ``VLLM_TUNER_CONTROL_DIR`` at it;
+4. ``desired.json``, unless one is there already (a restarted agent keeps what it asked for last): the
    pod's own entry in the pool's ConfigMap if the leader wrote one, else the pool's **verified arguments**
    (``pool``: overrides + the base hash they were computed for; the launcher drops them when this pod's
    base differs: the user wins). When the ConfigMap cannot be read within ``startup_timeout`` seconds
@@ -19,8 +21,10 @@ name...) still does 1 and writes ``desired.json`` with no overrides (``start_on_
 wrong on the agent's side, the engine starts.
 
 Then, at every change of the ConfigMap (and every ``poll`` seconds): a newer ``desired[<pod>].serial`` is
-written to desired.json (generation + 1, the serial kept in the file), and the launcher's status.json,
-condensed, is written to ``report.<pod>`` whenever it changed (a merge patch of that one key).
+written to desired.json (generation + 1, the serial kept in the file), a new live request
+(``desired[<pod>].live``: ``{"seq", "values"}``, the leader's ``acting.RelayedPlugin``) to the control
+directory's ``control.json``, and the launcher's status.json, condensed, with what the plugin acknowledges
+(``live``), is written to ``report.<pod>`` whenever it changed (a merge patch of that one key).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tuner.errors import SourceError
 from tuner.kube import acting, reporting
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError
@@ -42,6 +47,7 @@ from tuner.launcher import packaging, protocol
 from tuner.model import knobs
 from tuner.planning import guards
 from tuner.rules.schema import Rule
+from tuner.sources import live_knobs
 
 log = logging.getLogger("tuner.kube.pod")
 
@@ -154,9 +160,12 @@ def start_on_own_args(state_dir: Path, *, zipapp: Path | None) -> str:
 
 class PodAgent:
     def __init__(self, store: store_mod.PoolStore, *, pod: str, state_dir: Path, zipapp: Path | None = None,
-                 allowed: protocol.Allowed | None = None) -> None:
+                 allowed: protocol.Allowed | None = None, live: bool = False) -> None:
         self.store, self.pod, self.state_dir, self.zipapp = store, pod, Path(state_dir), zipapp
         self.allowed = allowed  # written at start-up, before desired.json
+        # live knobs: the plugin's control directory in the shared emptyDir, and the last request carried there
+        self.control = live_knobs.Files(self.state_dir / protocol.CONTROL_DIR) if live else None
+        self.live_seq: int | None = None
         self.serial = 0  # the last desired serial carried out
         self.generation = 0  # the last desired.json generation written
         self._reported: dict[str, Any] | None = None
@@ -171,6 +180,12 @@ class PodAgent:
         install_launcher(self.state_dir, self.zipapp)
         if self.allowed is not None:  # before desired.json: the launcher reads it before its first start
             protocol.write_allowed(self.state_dir, self.allowed)
+        if self.control is not None:  # before desired.json too: the engine finds it when it starts
+            try:
+                live_knobs.prepare_control_dir(self.control.control_dir)
+                self.live_seq = live_knobs.request_seq(self.control.control_dir)  # a restarted agent's
+            except SourceError as exc:
+                log.warning("no live knobs: %s", exc)
         existing = self._read_desired()
         if existing is not None:
             self.generation = existing.generation
@@ -223,14 +238,33 @@ class PodAgent:
         entry = acting.desired_of(self.store.data).get(self.pod)
         if entry is not None and int(entry.get("serial") or 0) > self.serial:
             self._write(entry)
+        if entry is not None and self.control is not None:
+            self._carry_live(entry.get("live"))
         status = protocol.read_status(self.state_dir)
         if status is None:
             return
         report = {**condensed(status), "serial": self.serial, "generation": self.generation}
+        if self.control is not None:
+            report["live"] = self.control.read().as_dict()
         if report != self._reported:
             self.store.report(self.pod, {**report, "at": round(time.time(), 3)})
             self._reported = report
             self.reports += 1
+
+    def _carry_live(self, request: Any) -> None:
+        """A live request of the leader not carried out yet → ``control.json`` (once per ``seq``)."""
+        if not isinstance(request, dict) or not isinstance(request.get("values"), dict):
+            return
+        seq = request.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq == self.live_seq:
+            return
+        assert self.control is not None
+        why = self.control.request(seq, request["values"])
+        self.live_seq = seq  # a refused request is not retried: the leader sees it unanswered and decides
+        if why is not None:
+            log.warning("live request %d not handed to the engine: %s", seq, why)
+        else:
+            log.info("live request %d: %s", seq, request["values"])
 
     def run(self, stop: threading.Event, *, poll: float = 0.5, reporter: reporting.Reporter | None = None) -> None:
         rv = None

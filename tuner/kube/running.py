@@ -161,7 +161,7 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
     # The image's own copy of the launcher (deploy/docker/Dockerfile), else one built from this package.
     allowed = podside.allow_list(w.rules, kind=k.engine_kind, thermal=settings.decisions.thermal)
     agent = podside.PodAgent(store, pod=w.pod, state_dir=Path(state_dir or k.state_dir), zipapp=shipped_zipapp(),
-                             allowed=allowed)
+                             allowed=allowed, live=settings.live.enabled)
     try:
         unread = agent.prepare(startup_timeout=startup_timeout, stop=stop)
     except OSError as exc:  # the state directory: nothing the engine could start from was written

@@ -445,8 +445,12 @@ class Launcher:
         self._started_once = True
         self._serial += 1
         url = self.settings.health_url or derive_health_url(argv)
+        env = self.env
+        control = self.state_dir / protocol.CONTROL_DIR
+        if protocol.ENV_CONTROL_DIR not in env and control.is_dir():  # the agent's live knobs (plugin/README.md)
+            env = {**env, protocol.ENV_CONTROL_DIR: str(control)}
         try:
-            spawned = processes.spawn(argv, self.env)
+            spawned = processes.spawn(argv, env)
         except OSError as exc:
             reason = f"cannot run {argv[0]!r}: {exc.strerror or exc}"
             log(reason)
