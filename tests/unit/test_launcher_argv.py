@@ -187,12 +187,19 @@ flag_names = st.one_of(st.sampled_from(["--max-num-seqs", "--max_num_seqs", "--t
 override_values = st.one_of(st.none(), st.booleans(), st.integers(-5, 3000).map(str),
                             st.sampled_from(["0.9", "0.49", "-1", "--trust-remote-code", "8 9", "", "0x10", "1e2"]),
                             st.text(max_size=8))
+# mostly pairs near what passes (the allowed flags, values on both sides of their bounds), some of anything
+near_allowed = st.one_of(
+    st.tuples(st.sampled_from(["--max-num-seqs", "--max_num_seqs"]), st.integers(-1, 1100).map(str)),
+    st.tuples(st.just("--gpu-memory-utilization"), st.sampled_from(["0.5", "0.9", "0.95", "0.951", "0.49", ".9"])),
+    st.tuples(st.just("--enable-chunked-prefill"), st.one_of(st.booleans(), st.none())),
+    st.tuples(st.just("--chunked-prefill-size"), st.one_of(st.none(), st.just("-1"), st.integers(0, 9000).map(str))))
+pairs = st.one_of(near_allowed, near_allowed, near_allowed, st.tuples(flag_names, override_values))
 BASE_LINE = ["vllm", "serve", "/m", "--max-num-seqs", "4", "--port", "8000", "--enable-chunked-prefill", "--host",
              "0.0.0.0"]
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.tuples(flag_names, override_values), min_size=1, max_size=5))
+@given(st.lists(pairs, min_size=1, max_size=4))
 def test_whatever_passes_changes_only_allowed_flags_to_allowed_values(overrides):
     """The property the allow-list is for: a set of overrides that passes makes a command line that differs
     from the base only in allowed flags, each with a value inside its bounds — whatever the pairs (repeated
