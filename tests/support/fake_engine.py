@@ -13,6 +13,9 @@
                           the launcher (PID 1 or subreaper), exits 0.5 s later and must be reaped there
 - ``--term-delay S``      on SIGTERM, keep serving S more seconds (draining), then exit 0
 - ``--unhealthy``         /health answers 503
+- ``--health-file F``     /health follows F's content, read at every request: ``ok`` (or no file) 200,
+                          ``503`` 503, ``hang`` accepts and never answers (a wedged engine), ``flap`` 503 on
+                          every other request
 """
 
 from __future__ import annotations
@@ -66,6 +69,17 @@ def main(argv: list[str]) -> int:
     if "--orphan" in argv:
         subprocess.run([sys.executable, "-c", ORPHAN], check=True)
     healthy = "--unhealthy" not in argv
+    health_file = opt(argv, "--health-file")
+    flaps = [0]
+
+    def health_mode() -> str:
+        if health_file is None:
+            return "ok"
+        try:
+            with open(health_file) as f:
+                return f.read().strip() or "ok"
+        except OSError:
+            return "ok"
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -75,7 +89,12 @@ def main(argv: list[str]) -> int:
 
         def do_GET(self) -> None:
             if self.path == "/health":
-                code, body = (200, b"") if healthy else (503, b"unhealthy")
+                mode = health_mode()
+                if mode == "hang":
+                    time.sleep(3600)
+                flaps[0] += 1
+                failing = not healthy or mode == "503" or (mode == "flap" and flaps[0] % 2 == 0)
+                code, body = (503, b"unhealthy") if failing else (200, b"")
             elif self.path == "/argv":
                 code, body = 200, json.dumps({"argv": argv, "pid": os.getpid(),
                                               "children": [c.pid for c in children]}).encode()

@@ -196,9 +196,11 @@ class FakeKube:
             self.events.append((self.rv, (group, resource, ns), kind, copy.deepcopy(obj)))
         self.cond.notify_all()
 
-    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    def create(self, obj: Mapping[str, Any], *, where: tuple[str, str] | None = None) -> dict[str, Any]:
+        """Store a new object; ``where``: its (API group, resource) when the kind alone does not say (an Event
+        is core or events.k8s.io, as the request's path says)."""
         obj = copy.deepcopy(dict(obj))
-        group, resource = RESOURCE_OF[obj["kind"]]
+        group, resource = where or RESOURCE_OF[obj["kind"]]
         meta = obj.setdefault("metadata", {})
         meta.setdefault("namespace", self.namespace)
         meta.setdefault("uid", str(uuid.uuid4()))
@@ -362,7 +364,7 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                 body = self._body()
                 body.setdefault("metadata", {})["namespace"] = ns
                 try:
-                    self._send(201, kube.create(body))
+                    self._send(201, kube.create(body, where=(group, res)))
                 except KeyError:
                     self._status(409, "AlreadyExists", f'{res} "{body["metadata"].get("name")}" already exists')
             elif verb in ("update", "patch"):

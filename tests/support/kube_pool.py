@@ -1,5 +1,5 @@
 """A pool of "pods" on this machine, for the agent's tests: the fake API server (tests/support/fake_kube.py,
-the chart installed, its Role enforced), and per pod a loopback IP of its own (127.0.0.X, so every engine
+the chart installed, its Role enforced), and per pod a loopback IP of its own (127.A.B.X, so every engine
 listens on the same port, as pods do), a state directory (the pod's emptyDir), the real agent
 (``vllm-tuner agent``, a process) and the real launcher (the zipapp the agent put in the state directory,
 started only once desired.json is there: the wrapper `vllm-tuner inject` puts in front of it waits for it).
@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -53,9 +54,9 @@ wait_for = functools.partial(waiting.wait_for, poll=0.2)
 class AgentProcess:
     """``vllm-tuner agent`` for one pod, in its own process group."""
 
-    def __init__(self, config: Path, *, pod: str, state_dir: Path, log_path: Path) -> None:
+    def __init__(self, config: Path, *, pod: str, state_dir: Path, log_path: Path, startup_timeout: float = 30) -> None:
         self.argv = [sys.executable, "-m", "tuner", "agent", "--config", str(config), "--state-dir", str(state_dir),
-                     "--pod", pod, "--startup-timeout", "30"]
+                     "--pod", pod, "--startup-timeout", str(startup_timeout)]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "POD_NAMESPACE": NAMESPACE,
                     "POD_NAME": pod}
         self.log_path, self.pod = log_path, pod
@@ -181,25 +182,35 @@ class KubePool:
              "token_file": str(self.token), "ca_file": None, **config.get("kubernetes", {})}
         self.config = {**config, "kubernetes": k,
                        "daemon": {"listen_port": 0, **config.get("daemon", {})}}  # every agent on this machine
-        self.config_path = work / "config.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self.config_path = self.write_config(work / "config.yaml")
         # every pod's command line: the engine's, through on_pod_ip.py (--host $POD_IP), as one Deployment runs it
         self.engine_argv = [launcher_python, str(ON_POD_IP), *engine_argv]
         self.engine_port, self.launcher_python = engine_port, launcher_python
         self.launcher_options, self.launcher_env = list(launcher_options), dict(launcher_env or {})
         self.pods: dict[str, Pod] = {}
+        # a /24 of the loopback range of its own: pools of tests running at once (on one machine) never meet
+        self._net = f"127.{random.randint(1, 254)}.{random.randint(0, 255)}"
         self._next_ip = 11
         self._starter: list[threading.Thread] = []
 
+    def write_config(self, path: Path, **changes: Any) -> Path:
+        """The pool's configuration with top-level ``changes`` (a section given whole), as a file."""
+        path.write_text(yaml.safe_dump({**self.config, **changes}, sort_keys=False))
+        return path
+
     # --- pods ----------------------------------------------------------------------------------------
 
-    def add_pod(self, name: str, *, base_argv: list[str] | None = None, wait: bool = True) -> Pod:
-        ip = f"127.0.0.{self._next_ip}"
+    def add_pod(self, name: str, *, base_argv: list[str] | None = None, wait: bool = True,
+                config_path: Path | None = None, startup_timeout: float = 30) -> Pod:
+        """A pod: its object in the API, its agent (``config_path``: another configuration than the pool's),
+        then its engine once the agent's start-up is done."""
+        ip = f"{self._net}.{self._next_ip}"
         self._next_ip += 1
         state_dir = self.work / name
         state_dir.mkdir(parents=True)
         argv = list(base_argv if base_argv is not None else self.engine_argv)
-        agent = AgentProcess(self.config_path, pod=name, state_dir=state_dir, log_path=self.work / f"{name}.agent.log")
+        agent = AgentProcess(config_path or self.config_path, pod=name, state_dir=state_dir,
+                             log_path=self.work / f"{name}.agent.log", startup_timeout=startup_timeout)
         pod = Pod(name, ip, state_dir, argv, agent)
         self.pods[name] = pod
         self.kube.add_pod(name, ip=ip, labels=LABELS)
@@ -220,7 +231,7 @@ class KubePool:
             if time.monotonic() > deadline or pod.deleted:
                 return
             time.sleep(0.1)
-        launcher = LauncherProcess(pod.state_dir, pod.base_argv, python=self.launcher_python, zipapp=zipapp,
+        launcher = LauncherProcess(pod.state_dir, pod.base_argv, python=self.launcher_python, zipapp=zipapp, allowed=None,
                                    env={**self.launcher_env, "POD_IP": pod.ip},
                                    log_path=self.work / f"{pod.name}.launcher.log")
         launcher.argv = [self.launcher_python, str(zipapp), "--state-dir", str(pod.state_dir), "--probe-host", pod.ip,

@@ -31,6 +31,12 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
 
 
+# What the tests' overrides may set (the agent writes the real list from its rules: tuner.kube.podside).
+TEST_ALLOWED = protocol.Allowed({"--max-num-seqs": protocol.Bound("int", 1, 65536),
+                                 "--max-model-len": protocol.Bound("int", 1, 2**24),
+                                 "--start-seconds": protocol.Bound("float", 0, 3600)})
+
+
 def fake_engine_argv(port: int, *extra: str, python: str = sys.executable) -> list[str]:
     return [python, str(FAKE_ENGINE), "--port", str(port), *extra]
 
@@ -38,13 +44,16 @@ def fake_engine_argv(port: int, *extra: str, python: str = sys.executable) -> li
 class LauncherProcess:
     def __init__(self, state_dir: Path, engine_argv: Sequence[str], *, python: str = sys.executable,
                  zipapp: Path | None = None, options: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 log_path: Path | None = None, wrapper: Sequence[str] = ()) -> None:
+                 log_path: Path | None = None, wrapper: Sequence[str] = (),
+                 allowed: protocol.Allowed | None = TEST_ALLOWED) -> None:
         self.state_dir = Path(state_dir)
+        self.allowed = allowed  # written at start() unless one is there (None: none)
         self.engine_argv = list(engine_argv)
         self.probe_port = free_port()
         entry = [str(zipapp)] if zipapp is not None else ["-m", "tuner.launcher"]
+        # --desired-wait 0: no agent here, the engine starts at once unless a test wrote desired.json first
         self.argv = [*wrapper, python, *entry, "--state-dir", str(self.state_dir), "--probe-port",
-                     str(self.probe_port), "--poll", "0.2", *options, "--", *self.engine_argv]
+                     str(self.probe_port), "--poll", "0.2", "--desired-wait", "0", *options, "--", *self.engine_argv]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = log_path or self.state_dir / "launcher.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -62,6 +71,8 @@ class LauncherProcess:
         if self.proc is not None:
             raise RuntimeError("this launcher was already started")
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.allowed is not None and not (self.state_dir / protocol.ALLOWED).exists():
+            protocol.write_allowed(self.state_dir, self.allowed)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, cwd=str(REPO), start_new_session=True)

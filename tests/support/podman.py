@@ -251,7 +251,7 @@ def chart_docs() -> list[dict[str, Any]]:
 
 def chart_configmap() -> dict[str, Any]:
     """The Helm chart's ConfigMap (what the component mounts at /etc/vllm-tuner), pointed at the API server
-    inside the pod."""
+    inside the pod, with the live knobs on (the engine's plugin, where its Python has it: .venv-vllm)."""
     import yaml
 
     (cm,) = [d for d in chart_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-tuner-config-vllm"]
@@ -259,6 +259,7 @@ def chart_configmap() -> dict[str, Any]:
     cfg["kubernetes"].update(api_server=f"http://127.0.0.1:{API_PORT}", token_file=f"{API_DIR}/token", ca_file=None,
                              retry_period_seconds=1, renew_deadline_seconds=4, lease_duration_seconds=6)
     cfg["scrape"] = {"interval_seconds": 5}
+    cfg["live"] = {"enabled": True}
     cm["data"]["config.yaml"] = yaml.safe_dump(cfg, sort_keys=False)
     return cm
 
@@ -496,6 +497,7 @@ class ApiLeader:
         from tests.support import fake_kube
 
         self.pod, self.base_sha256, self.serial = pod, base_sha256, 0
+        self.entry: dict[str, Any] = {}  # the pod's desired state as last written
         self.script = API_CALL % (API_PORT, fake_kube.ADMIN_TOKEN)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -525,9 +527,18 @@ class ApiLeader:
         self.serial += 1
         entry = {"serial": self.serial, "overrides": [list(o) for o in overrides], "base_sha256": self.base_sha256,
                  "drain": drain}
-        code, answer = self.call("PATCH", self.JOURNAL, {"data": {"desired": json.dumps({POD_NAME: entry})}})
-        assert code == 200, (code, answer)
+        self._write(entry)
         desired = self.pod.podman.wait(lambda: (lambda d: d if d.get("serial") == self.serial else None)(
             self.desired_file()), timeout, f"the agent to carry out request {self.serial}", poll=1.0,
             detail=lambda: self.pod.podman.logs(self.pod.agent, 40))
         return int(desired["generation"])
+
+    def request_live(self, seq: int, values: dict[str, int | None]) -> None:
+        """A live request for the pod's engine-side plugin, as the leader's ``acting.RelayedPlugin`` writes it:
+        ``desired[pod].live`` (no new serial: nothing is relaunched)."""
+        self._write({**self.entry, "live": {"seq": seq, "values": values}})
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        code, answer = self.call("PATCH", self.JOURNAL, {"data": {"desired": json.dumps({POD_NAME: entry})}})
+        assert code == 200, (code, answer)
+        self.entry = entry

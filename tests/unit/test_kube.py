@@ -11,8 +11,10 @@ from tuner import config
 from tuner.errors import ConfigError
 from tuner.kube import acting, podside, store
 from tuner.launcher import argv as argvs
+from tuner.planning import guards
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.rules import schema
 
 BASE = ["vllm", "serve", "m", "--port", "8000", "--max-num-seqs=8", "--enable-prefix-caching", "--api-key", "<redacted>"]
 
@@ -73,6 +75,45 @@ def test_the_report_leaves_out_log_lines_and_timestamps() -> None:
     assert report["launcher_generation"] == 3 and report["candidate_failure"] == {"generation": 2, "reason": "r",
                                                                                    "exit_code": 1}
     assert "log_tail" not in report and "updated_at" not in report
+
+
+# --- the allow-list the agent writes for its launcher ------------------------------------------------------
+
+
+def _rule(rid: str, then: dict[str, Any], **extra: Any) -> schema.Rule:
+    return schema.Rule.model_validate({"id": rid, "when": {"all": [{"signal": "requests_waiting_max", "op": ">=",
+                                                                   "value": 1}]}, "then": then, **extra})
+
+
+def test_the_allow_list_is_the_rules_flags_with_their_widest_bounds() -> None:
+    rules = [_rule("up", {"flag": "--max-num-seqs", "op": "scale", "factor": 2, "min": 8, "max": 512}),
+             _rule("down", {"flag": "--max_num_seqs", "op": "scale", "factor": 0.5, "min": 4, "max": 256}),
+             _rule("mem", {"flag": "--gpu-memory-utilization", "op": "set", "value": 0.9}),
+             _rule("chunk", {"flag": "--enable-chunked-prefill", "op": "toggle"}),
+             _rule("off", {"flag": "--max-model-len", "op": "set", "value": 4096}, enabled=False),
+             _rule("sg", {"flag": "--block-size", "op": "set", "value": 32}, engines=["sglang"])]
+    allowed = podside.allow_list(rules, kind="vllm")
+    assert allowed.describe() == {"--max-num-seqs": "[4, 512]", "--gpu-memory-utilization": "(0, 1]",
+                                  "--device-memory-utilization": "(0, 1]", "--enable-chunked-prefill": "true|false"}
+    assert allowed.refusal([("--max-num-seqs", "600")]) is not None  # above every rule's max
+    assert allowed.refusal([("--max-model-len", "4096")]) is not None  # a disabled rule changes nothing
+    assert allowed.refusal([("--gpu-memory-utilization", "0")]) is not None  # the hard range is (0, 1]
+    # a rule without a bound reaches the knob's hard range; the thermal step-down counts as a rule
+    open_ended = podside.allow_list([_rule("up", {"flag": "--max-num-seqs", "op": "scale", "factor": 2})], kind="vllm")
+    assert open_ended.describe()["--max-num-seqs"] == "[1, 65536]"
+    hot = guards.ThermalSettings(step_down=True, step_down_min=2)
+    assert podside.allow_list([], kind="vllm", thermal=hot).describe() == {"--max-num-seqs": "[2, 65536]"}
+    assert podside.allow_list([], kind="vllm").flags == {}  # no rules: no override passes
+
+
+def test_the_allow_list_for_sglang_takes_its_spellings_and_chunking_switch() -> None:
+    rules = [_rule("seqs", {"flag": "--max-num-seqs", "op": "scale", "factor": 2, "max": 256}),
+             _rule("chunk", {"flag": "--enable-chunked-prefill", "op": "toggle", "value": False})]
+    allowed = podside.allow_list(rules, kind="sglang")
+    assert allowed.describe() == {"--max-running-requests": "[1, 256]", "--chunked-prefill-size": "-1 | null"}
+    assert allowed.refusal([("--chunked-prefill-size", "-1")]) is None
+    assert allowed.refusal([("--chunked-prefill-size", None)]) is None
+    assert allowed.refusal([("--chunked-prefill-size", "4096")]) is not None  # no rule sets the budget
 
 
 # --- the kubernetes: section ------------------------------------------------------------------------------
@@ -147,3 +188,21 @@ def test_left_is_allowed_from_the_back_leg_and_nowhere_terminal() -> None:
     done = machine.handle(machine.handle(r, "a", machine.Event.LEFT, now=3.0), "b", machine.Event.LEFT, now=4.0)
     with pytest.raises(machine.RolloutError):
         machine.handle(done, "a", machine.Event.LEFT, now=5.0)
+
+
+# --- the live knobs, relayed by a pod's agent ------------------------------------------------------------
+
+
+def test_a_relayed_live_state_roundtrips_and_garbage_is_not_believed() -> None:
+    from tuner.model import live
+
+    state = live.LiveState(available=True, envelope={"max_num_seqs": 256}, values={"max_num_seqs": 80},
+                           not_live={"max_num_batched_tokens": "not live here"}, seq=7, pids=(11, 12))
+    assert live.LiveState.from_dict(state.as_dict()) == state
+    hostile = {"available": "yes", "envelope": {"max_num_seqs": 10**12, "trust_remote_code": 1},
+               "values": {"max_num_seqs": True}, "not_live": {"x": "y"}, "seq": -1, "pids": ["1", 2],
+               "why_not": "x" * 10_000, "via": "anything"}
+    got = live.LiveState.from_dict(hostile)
+    assert not got.available and got.envelope == {} and got.values == {} and got.not_live == {}
+    assert got.seq is None and got.pids == (2,) and len(got.why_not or "") == 300 and got.via == "plugin"
+    assert live.LiveState.from_dict(None).why_not == "no live state reported"

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuner.launcher import argv as argvs
@@ -126,6 +127,109 @@ def test_a_malformed_desired_document_is_one_clear_line(doc, message):
     with pytest.raises(protocol.ProtocolError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
         protocol.parse_desired(text)
     assert "\n" not in str(info.value)
+
+
+# --- allowed-flags.json: what an override may set ------------------------------------------------------
+
+ALLOWED = protocol.Allowed({"--max-num-seqs": protocol.Bound("int", 1, 1024),
+                            "--gpu-memory-utilization": protocol.Bound("float", 0.5, 0.95),
+                            "--enable-chunked-prefill": protocol.Bound("bool"),
+                            "--chunked-prefill-size": protocol.Bound("int", 64, 8192, also=("-1",), removable=True)})
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ([("--max-num-seqs", "64")], None),
+    ([("--max_num_seqs", "1024")], None),  # vLLM's other spelling is the same flag
+    ([("--gpu-memory-utilization", "0.9")], None),
+    ([("--enable-chunked-prefill", False)], None),
+    ([("--chunked-prefill-size", "-1")], None),
+    ([("--chunked-prefill-size", None)], None),
+    ([("--max-num-seqs", "8"), ("--max-num-seqs", "16")], None),
+    ([("--trust-remote-code", True)], "--trust-remote-code is not a flag the rules may change"),
+    ([("--model", "evil/model")], "--model is not a flag"),
+    ([("--max-num-seqs", "8"), ("--trust-remote-code", True)], "overrides[1]: --trust-remote-code"),  # all or nothing
+    ([("--no-enable-chunked-prefill", True)], "is not a flag"),  # --no- forms are [flag, false]
+    ([("--max-num-seqs=8", "8")], "is not a flag"),
+    ([("--max-num-seqs", "0")], "'0' is outside [1, 1024]"),
+    ([("--max-num-seqs", "1025")], "outside"),
+    ([("--max-num-seqs", "8"), ("--max-num-seqs", "99999")], "overrides[1]: --max-num-seqs '99999' is outside"),
+    ([("--max-num-seqs", "--trust-remote-code")], "takes an integer as the tuner writes it"),  # a flag as a value
+    ([("--max-num-seqs", "8 --trust-remote-code")], "takes an integer"),
+    ([("--max-num-seqs", "-8")], "takes an integer"),
+    ([("--max-num-seqs", "8.0")], "takes an integer"),
+    ([("--max-num-seqs", "1e3")], "takes an integer"),
+    ([("--max-num-seqs", " 8")], "takes an integer"),
+    ([("--max-num-seqs", "８")], "takes an integer"),  # a full-width digit: not what the tuner writes
+    ([("--max-num-seqs", True)], "takes a number, not true"),
+    ([("--max-num-seqs", None)], "may not be removed"),
+    ([("--gpu-memory-utilization", "nan")], "takes a number"),
+    ([("--gpu-memory-utilization", "1.5")], "outside [0.5, 0.95]"),
+    ([("--enable-chunked-prefill", "true")], "takes true or false only"),
+    ([("--chunked-prefill-size", "-2")], "takes an integer"),
+])
+def test_only_allowed_flags_inside_their_bounds_pass(overrides, why):
+    refusal = ALLOWED.refusal(overrides)
+    assert refusal is None if why is None else (refusal is not None and why in refusal), refusal
+
+
+def test_a_refusal_never_quotes_a_value_it_does_not_know_to_be_a_number():
+    refusal = ALLOWED.refusal([("--max-num-seqs", "hf_s3cret_token")])
+    assert refusal is not None and "s3cret" not in refusal and "str of length 15" in refusal
+    long_flag = "--" + "x" * 500
+    refusal = ALLOWED.refusal([(long_flag, "1")])
+    assert refusal is not None and len(refusal) < 400
+
+
+flag_names = st.one_of(st.sampled_from(["--max-num-seqs", "--max_num_seqs", "--trust-remote-code", "--model",
+                                        "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--port",
+                                        "--chunked-prefill-size", "--gpu-memory-utilization", "--host"]),
+                       st.from_regex(r"--[a-z][a-z_-]{0,20}", fullmatch=True))
+override_values = st.one_of(st.none(), st.booleans(), st.integers(-5, 3000).map(str),
+                            st.sampled_from(["0.9", "0.49", "-1", "--trust-remote-code", "8 9", "", "0x10", "1e2"]),
+                            st.text(max_size=8))
+# mostly pairs near what passes (the allowed flags, values on both sides of their bounds), some of anything
+near_allowed = st.one_of(
+    st.tuples(st.sampled_from(["--max-num-seqs", "--max_num_seqs"]), st.integers(-1, 1100).map(str)),
+    st.tuples(st.just("--gpu-memory-utilization"), st.sampled_from(["0.5", "0.9", "0.95", "0.951", "0.49", ".9"])),
+    st.tuples(st.just("--enable-chunked-prefill"), st.one_of(st.booleans(), st.none())),
+    st.tuples(st.just("--chunked-prefill-size"), st.one_of(st.none(), st.just("-1"), st.integers(0, 9000).map(str))))
+pairs = st.one_of(near_allowed, near_allowed, near_allowed, st.tuples(flag_names, override_values))
+BASE_LINE = ["vllm", "serve", "/m", "--max-num-seqs", "4", "--port", "8000", "--enable-chunked-prefill", "--host",
+             "0.0.0.0"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(pairs, min_size=1, max_size=4))
+def test_whatever_passes_changes_only_allowed_flags_to_allowed_values(overrides):
+    """The property the allow-list is for: a set of overrides that passes makes a command line that differs
+    from the base only in allowed flags, each with a value inside its bounds — whatever the pairs (repeated
+    flags, values that look like flags, other spellings)."""
+    if ALLOWED.refusal(overrides) is not None:
+        return
+    base = {i.key: i for i in argvs.parse(BASE_LINE) if i.key is not None}
+    result = argvs.parse(argvs.apply(BASE_LINE, overrides))
+    assert [i.value for i in result if i.key is None] == ["vllm", "serve", "/m"]  # no positional added or moved
+    for item in result:
+        if item.key is None or base.get(item.key) == item:
+            continue
+        key = item.key[:2] + item.key[5:] if item.key.startswith("--no-") else item.key
+        bound = ALLOWED.flags.get(key)
+        assert bound is not None, f"{item.key} changed: {overrides}"
+        value: argvs.Value = (not item.key.startswith("--no-")) if item.form == "bare" else item.value
+        assert bound.problem(value) is None, (item, overrides)
+
+
+def test_the_allow_list_file_roundtrips_and_a_malformed_one_is_one_clear_line(tmp_path):
+    protocol.write_allowed(tmp_path, ALLOWED)
+    assert protocol.read_allowed(tmp_path) == ALLOWED
+    assert protocol.read_allowed(tmp_path / "nowhere") is None
+    for doc, message in [({"v": 1}, "expected an object"),
+                         ({"v": 1, "flags": {"x": {"type": "int"}}}, "a --long-flag"),
+                         ({"v": 1, "flags": {"--x": {"type": "str"}}}, "type must be bool, int or float"),
+                         ({"v": 1, "flags": {"--x": {"type": "int", "min": 1}}}, "give both min and max"),
+                         ({"v": 1, "flags": {"--x": {"type": "int", "min": True, "max": 2}}}, "min must be a number")]:
+        with pytest.raises(protocol.ProtocolError, match=re.escape(message)):
+            protocol.parse_allowed(json.dumps(doc))
 
 
 # --- the launcher stays stdlib-only ------------------------------------------------------------------

@@ -13,8 +13,10 @@ from tuner.launcher import states
 from tuner.launcher.states import Do, Observation, Pod
 
 LIMITS = states.Limits(start_timeout_seconds=100, stop_timeout_seconds=30, kill_timeout_seconds=5,
-                       force_after_seconds=10)
+                       force_after_seconds=10, desired_wait_seconds=30, unready_after=3, ready_after=2,
+                       liveness_engine_seconds=60)
 See = Observation
+OK, FAIL = (True,), (False,)
 
 
 def does(effects: tuple[states.Effect, ...]) -> list[Do]:
@@ -26,11 +28,11 @@ def started(candidate: bool = True, now: float = 0.0) -> Pod:
 
 
 def test_a_start_becomes_serving_or_draining_when_healthy() -> None:
-    pod, fx = states.step(started(), See(healthy=True), 5, LIMITS)
+    pod, fx = states.step(started(), See(health=OK), 5, LIMITS)
     assert (pod.state, does(fx)) == (states.SERVING, [Do.HEALTHY])
-    pod, fx = states.step(started(), See(healthy=True, drained=True), 5, LIMITS)
+    pod, fx = states.step(started(), See(health=OK, drained=True), 5, LIMITS)
     assert pod.state == states.DRAINING
-    pod, fx = states.step(pod, See(healthy=True), 6, LIMITS)
+    pod, fx = states.step(pod, See(health=OK), 6, LIMITS)
     assert (pod.state, does(fx)) == (states.SERVING, [Do.TAKEN])  # the drain is lifted
 
 
@@ -52,7 +54,7 @@ def test_a_start_that_exits_or_times_out_fails_a_candidate_or_ends_a_first_start
 
 
 def test_a_relaunch_stops_every_process_then_starts_the_desired_command_line() -> None:
-    pod, _ = states.step(started(), See(healthy=True), 1, LIMITS)
+    pod, _ = states.step(started(), See(health=OK), 1, LIMITS)
     pod, fx = states.step(pod, See(other_argv=True, fresh_request=True, generation=4), 2, LIMITS)
     assert does(fx) == [Do.TAKEN, Do.RELAUNCH, Do.STOPPING, Do.TERM_LEADER]
     assert fx[2].reason == "relaunch for desired generation 4"
@@ -69,7 +71,7 @@ def test_a_relaunch_stops_every_process_then_starts_the_desired_command_line() -
 
 
 def test_an_unplanned_exit_of_a_serving_engine_ends_the_launcher_with_its_code() -> None:
-    pod, _ = states.step(started(), See(healthy=True), 1, LIMITS)
+    pod, _ = states.step(started(), See(health=OK), 1, LIMITS)
     pod, fx = states.step(pod, See(exit_code=7), 2, LIMITS)
     assert does(fx) == [Do.UNPLANNED_EXIT, Do.STOPPING, Do.TERM_GROUP]
     pod, fx = states.step(pod, See(exit_code=7), 3, LIMITS)
@@ -77,7 +79,7 @@ def test_an_unplanned_exit_of_a_serving_engine_ends_the_launcher_with_its_code()
 
 
 def test_the_kubelets_sigterm_stops_the_engine_and_exits_with_its_code_never_forced() -> None:
-    pod, _ = states.step(started(), See(healthy=True), 1, LIMITS)
+    pod, _ = states.step(started(), See(health=OK), 1, LIMITS)
     pod, fx = states.step(pod, See(term=True), 2, LIMITS)
     assert pod.state == states.TERMINATING and does(fx) == [Do.STOPPING, Do.TERM_LEADER]
     pod, fx = states.step(pod, See(term=True, left=(10,)), 20, LIMITS)
@@ -85,7 +87,7 @@ def test_the_kubelets_sigterm_stops_the_engine_and_exits_with_its_code_never_for
     pod, fx = states.step(pod, See(term=True, exit_code=0), 21, LIMITS)
     assert does(fx) == [Do.STOPPED, Do.EXIT] and fx[-1].code == 0
     # a SIGTERM during a relaunch's stop: no start after it
-    pod, _ = states.step(started(), See(healthy=True), 1, LIMITS)
+    pod, _ = states.step(started(), See(health=OK), 1, LIMITS)
     pod, _ = states.step(pod, See(other_argv=True), 2, LIMITS)
     pod, fx = states.step(pod, See(term=True, exit_code=0), 3, LIMITS)
     assert does(fx) == [Do.STOPPED, Do.EXIT] and pod.state == states.TERMINATING
@@ -96,7 +98,8 @@ def test_the_kubelets_sigterm_stops_the_engine_and_exits_with_its_code_never_for
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.builds(Observation, exit_code=st.none() | st.integers(-9, 3), healthy=st.booleans(),
+@given(st.lists(st.tuples(st.builds(Observation, exit_code=st.none() | st.integers(-9, 3),
+                                    health=st.lists(st.booleans(), max_size=4).map(tuple),
                                     left=st.lists(st.integers(1, 3), max_size=2).map(tuple),
                                     other_argv=st.booleans(), fresh_request=st.booleans(), drained=st.booleans(),
                                     term=st.booleans()),
@@ -120,3 +123,88 @@ def test_whatever_happens_a_stop_ends_in_one_start_failure_or_exit_and_sigterm_i
         if Do.EXIT in kinds:
             exited = True
             pod = dataclasses.replace(pod, engine=False)
+
+
+def health_fx(effects: tuple[states.Effect, ...]) -> list[Do]:
+    return [d for d in does(effects) if d in (Do.UNREADY, Do.READY_AGAIN)]
+
+
+def serving(now: float = 1.0) -> Pod:
+    pod, _ = states.step(started(), See(health=OK), now, LIMITS)
+    assert pod.state == states.SERVING and pod.healthy
+    return pod
+
+
+def test_without_desired_json_the_base_starts_after_the_wait_and_at_once_when_it_appears() -> None:
+    pod = states.waiting(0.0)
+    pod, fx = states.step(pod, See(), 29, LIMITS)
+    assert fx == () and pod.state == states.WAITING
+    pod, fx = states.step(pod, See(), 30, LIMITS)
+    assert does(fx) == [Do.START] and "no desired.json after 30s" in fx[0].reason
+    pod, fx = states.step(states.waiting(0.0), See(desired_seen=True), 0.2, LIMITS)
+    assert does(fx) == [Do.START]
+    pod, fx = states.step(states.waiting(0.0), See(term=True), 1, LIMITS)  # the kubelet's SIGTERM first
+    assert does(fx) == [Do.EXIT] and fx[0].code == 0
+    no_wait = dataclasses.replace(LIMITS, desired_wait_seconds=0)
+    assert does(states.step(states.waiting(5.0), See(), 5.0, no_wait)[1]) == [Do.START]
+
+
+@pytest.mark.parametrize("answers", [
+    [FAIL, OK, FAIL, FAIL, OK, FAIL, FAIL],  # a loaded engine's slow answers: never 3 failures in a row
+    [(False, True), (False, False, True)],  # several answers in one tick count one by one
+    [FAIL, FAIL],
+])
+def test_readiness_outlives_failed_answers_fewer_than_unready_after(answers: list[tuple[bool, ...]]) -> None:
+    pod = serving()
+    for i, health in enumerate(answers):
+        pod, fx = states.step(pod, See(health=health), 2 + i, LIMITS)
+        assert pod.healthy and health_fx(fx) == []
+
+
+def test_readiness_goes_after_unready_after_failures_and_comes_back_after_ready_after_successes() -> None:
+    pod = serving()
+    pod, fx = states.step(pod, See(health=(False, False)), 2, LIMITS)
+    assert pod.healthy and health_fx(fx) == []
+    pod, fx = states.step(pod, See(health=FAIL), 3, LIMITS)
+    assert not pod.healthy and health_fx(fx) == [Do.UNREADY] and "3 failed" in fx[0].reason
+    pod, fx = states.step(pod, See(health=OK), 4, LIMITS)
+    assert not pod.healthy and health_fx(fx) == []  # one good answer is not enough
+    pod, fx = states.step(pod, See(health=(False, True)), 5, LIMITS)
+    assert not pod.healthy
+    pod, fx = states.step(pod, See(health=OK), 6, LIMITS)
+    assert pod.healthy and health_fx(fx) == [Do.READY_AGAIN]
+    # a burst inside one tick: lost and back again, both said
+    pod, fx = states.step(pod, See(health=(False, False, False, True, True)), 7, LIMITS)
+    assert pod.healthy and health_fx(fx) == [Do.UNREADY, Do.READY_AGAIN]
+
+
+def test_liveness_fails_for_a_wedged_serving_engine_only() -> None:
+    pod = serving()
+    pod, _ = states.step(pod, See(health=FAIL), 10, LIMITS)
+    pod, _ = states.step(pod, See(health=(False, False)), 69, LIMITS)
+    assert states.liveness(pod, 69.9, LIMITS) is None  # 59.9 s of failures
+    why = states.liveness(pod, 70, LIMITS)
+    assert why is not None and "failed for 60s without a break (3 answers)" in why
+    drained = dataclasses.replace(pod, state=states.DRAINING)
+    assert states.liveness(drained, 70, LIMITS) is not None  # drained but wedged is still wedged
+    assert states.liveness(pod, 70, dataclasses.replace(LIMITS, liveness_engine_seconds=None)) is None  # off
+    # one good answer breaks the run
+    back, _ = states.step(pod, See(health=OK), 70, LIMITS)
+    assert states.liveness(back, 200, LIMITS) is None and back.failing_since is None
+
+
+def test_liveness_never_fails_while_starting_relaunching_or_after_a_failed_candidate() -> None:
+    pod, _ = states.step(started(now=0), See(health=(False,) * 50), 90, LIMITS)  # a slow start
+    assert pod.state == states.STARTING and states.liveness(pod, 99, LIMITS) is None
+    pod = serving()
+    pod, _ = states.step(pod, See(health=FAIL), 2, LIMITS)
+    pod, _ = states.step(pod, See(other_argv=True, fresh_request=True, health=FAIL), 3, LIMITS)  # a relaunch
+    assert pod.state == states.STOPPING
+    pod, _ = states.step(pod, See(health=FAIL, left=(10,)), 200, LIMITS)
+    assert states.liveness(pod, 200, LIMITS) is None
+    pod, fx = states.step(pod, See(exit_code=0), 201, LIMITS)
+    assert does(fx) == [Do.STOPPED, Do.START]
+    pod = states.spawned(pod, now=201, candidate=True)  # a new engine: its /health record starts afresh
+    assert pod.failing_since is None and pod.fail_streak == 0 and not pod.healthy
+    failed = dataclasses.replace(pod, state=states.CANDIDATE_FAILED, engine=False, failing_since=0.0)
+    assert states.liveness(failed, 500, LIMITS) is None

@@ -9,10 +9,14 @@ from typing import Any
 def cmd_agent(args: argparse.Namespace) -> int:
     from tuner import config
     from tuner.daemon import logs
+    from tuner.errors import TunerError
     from tuner.kube import running
 
-    settings = config.load(args.config)
-    logs.configure(json_logs=settings.daemon.json_logs or args.json_logs)
+    try:
+        json_logs = config.load(args.config).daemon.json_logs
+    except TunerError:  # the agent fails open: it says why in its log, on /metrics and in an Event
+        json_logs = False
+    logs.configure(json_logs=json_logs or args.json_logs)
     return running.run_agent(args.config, state_dir=args.state_dir, pod=args.pod,
                              startup_timeout=args.startup_timeout, prepare_only=args.prepare_only)
 
@@ -23,9 +27,9 @@ def register(sub: Any) -> None:
     p.add_argument("--config", required=True, help="the tuner's YAML configuration, with a `kubernetes:` section")
     p.add_argument("--state-dir", help="the directory shared with the launcher (default kubernetes.state_dir)")
     p.add_argument("--pod", help="this pod's name (default $POD_NAME)")
-    p.add_argument("--startup-timeout", type=float, default=120.0, metavar="SECONDS",
+    p.add_argument("--startup-timeout", type=float, default=15.0, metavar="SECONDS",
                    help="how long to wait for the pool's ConfigMap before the engine starts on its own command "
-                        "line (default 120)")
+                        "line (default 15; at once when the API server says no: 401, 403, 404)")
     p.add_argument("--prepare-only", action="store_true",
                    help="only the start-up (launcher.pyz and desired.json in the state directory), then exit: an "
                         "init container's job where native sidecars are not available")

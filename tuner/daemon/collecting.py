@@ -17,7 +17,7 @@ from tuner.launcher import untrusted
 from tuner.model import dcgm, dialects, live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
-from tuner.sources import engines, scraping
+from tuner.sources import engines, live_knobs, scraping
 
 
 def http_settings(scrape: config.ScrapeSettings, *, config_dir: Path | None = None) -> scraping.HttpSettings:
@@ -74,6 +74,18 @@ def base_url(target: config.Target) -> str:
     return target.base_url or scraping.base_url(target.metrics_url)
 
 
+def collector_for(target: config.Target, settings: config.TunerSettings, *, client: engines.EngineClient,
+                  live: Callable[[str], live_knobs.Channel] | None = None) -> Collector:
+    """One target's collector as ``vllm-tuner run`` and the Kubernetes leader both build it: GET /load with
+    sleep mode, the slow reads every ``scrape.gpu_interval_seconds``, and with ``live.enabled`` the live
+    knobs through ``live(name)`` (the target's control directory by default)."""
+    channel = None
+    if settings.live.enabled:
+        channel = live(target.name) if live is not None else live_knobs.Files(settings.live.dir_for(target.name))
+    return Collector(target, client=client, server_load=settings.decisions.idle.sleep_after_seconds is not None,
+                     live=channel, slow_every_seconds=settings.scrape.gpu_interval_seconds)
+
+
 class Collector:
     """Reads every source of one target. Owns no state across cycles except the NVML handle and, with
     ``slow_every_seconds``, the last GPU readings and engine info: the engine's /metrics is read every cycle,
@@ -81,16 +93,15 @@ class Collector:
     a failed read is retried the next cycle). GPU signals judge staleness by each reading's own time."""
 
     def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False,
-                 live_dir: str | None = None, live_knobs: bool | None = None,
-                 slow_every_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 live: live_knobs.Channel | None = None, slow_every_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
         self.base_url = base_url(target)
-        self.live_dir = live_dir  # live knobs on: the engine's control directory
-        # read the live knobs (default: where a control directory is given; without one, only vLLM's
-        # runtime_config can answer — on Kubernetes the leader has no access to a pod's files)
-        self.live_knobs = live_dir is not None if live_knobs is None else live_knobs
+        # live knobs on: where the engine's plugin is reached (its control directory, or its pod's agent);
+        # vLLM's own runtime_config is asked first either way
+        self.live = live
         self._nvml: object | None = None
         self._slow_every = slow_every_seconds
         self._clock = clock
@@ -101,9 +112,9 @@ class Collector:
         return kept is not None and self._clock() - kept[0] < self._slow_every
 
     def read_live(self) -> live.LiveState:
-        if not self.live_knobs:
+        if self.live is None:
             return live.NONE
-        return self.client.live_state(self.base_url, self.live_dir)
+        return self.client.live_state(self.base_url, self.live)
 
     def scrape_engine(self) -> snapshots.Snapshot:
         return self.client.scrape(self.target.metrics_url,

@@ -40,7 +40,7 @@ from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Event, Step
-from tuner.sources import engines
+from tuner.sources import engines, live_knobs
 
 log = logging.getLogger("tuner.rollout")
 
@@ -105,17 +105,18 @@ class LiveControl(Protocol):
 
 
 class EngineLive:
-    """``LiveControl`` over the engine client: vLLM's runtime_config, else the plugin's control files."""
+    """``LiveControl`` over the engine client: vLLM's runtime_config, else the plugin (``plugin(name)``: the
+    replica's control files, or its pod's agent; None: runtime_config only)."""
 
     def __init__(self, client: engines.EngineClient, *, kind: str,
-                 control_dir: Callable[[str], str | None]) -> None:
-        self._client, self._kind, self._dir = client, kind, control_dir
+                 plugin: Callable[[str], live_knobs.Channel | None]) -> None:
+        self._client, self._kind, self._plugin = client, kind, plugin
 
     def _state(self, replica: base.Replica) -> live.LiveState:
-        return self._client.live_state(replica.base_url, self._dir(replica.name))
+        return self._client.live_state(replica.base_url, self._plugin(replica.name))
 
     def ask(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> str | None:
-        return self._client.set_live(replica.base_url, self._dir(replica.name), seq=seq, values=values,
+        return self._client.set_live(replica.base_url, self._plugin(replica.name), seq=seq, values=values,
                                      via=self._state(replica).via)
 
     def answer(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> tuple[bool, str | None]:

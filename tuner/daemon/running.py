@@ -289,14 +289,10 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     rules = loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir))
     log.info("effective configuration: %s", json.dumps(settings.redacted_dump(redactor)))
     client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
-    sleep_mode = settings.decisions.idle.sleep_after_seconds is not None
     if settings.live.enabled:  # the engines' control directories, private to this uid
         for t in settings.targets:
             live_knobs.prepare_control_dir(settings.live.dir_for(t.name))
-    collectors = [collecting.Collector(t, client=client, server_load=sleep_mode,
-                                       live_dir=settings.live.dir_for(t.name) if settings.live.enabled else None,
-                                       slow_every_seconds=settings.scrape.gpu_interval_seconds)
-                  for t in settings.targets]
+    collectors = [collecting.collector_for(t, settings, client=client) for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
     state_path = state_path if state_path.is_absolute() else config_dir / state_path
     state = TunerState.load(state_path, settings.targets, redactor=redactor)
@@ -428,7 +424,8 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
                                           power_limit_w=settings.gpu_control.power_limit_w)
     return dispatcher(settings, state, client, actuator=actuator, drainer=drainer, journal=journal, kind=kind,
                       stop_event=stop_event, server_load=tracked, drains=settings.drain.kind != "none",
-                      control_dir=settings.live.dir_for if settings.live.enabled else lambda name: None,
+                      plugin=(lambda name: live_knobs.Files(settings.live.dir_for(name))) if settings.live.enabled
+                      else lambda name: None,
                       on_transition=on_transition, restore=restore, power=power)
 
 
@@ -436,7 +433,7 @@ def dispatcher(settings: config.TunerSettings, state: TunerState, client: engine
                actuator: base.Actuator, drainer: base.Drainer, journal: journaling.JournalLike,
                kind: knobs.EngineKind, stop_event: threading.Event, server_load: bool | Callable[[], bool],
                drains: bool,
-               control_dir: Callable[[str], str | None],
+               plugin: Callable[[str], live_knobs.Channel | None],
                on_transition: Callable[[machine.Rollout], None] | None = None,
                restore: Callable[[machine.Rollout], machine.Rollout] | None = None,
                admission: Callable[[machine.Rollout, str], str | None] | None = None,
@@ -444,8 +441,9 @@ def dispatcher(settings: config.TunerSettings, state: TunerState, client: engine
                power: Any = None, clock: Callable[[], float] = time.time) -> Applying:
     """The dispatcher over one actuator, drainer and journal — the daemon's (``vllm-tuner run``) and the
     Kubernetes leader's (``kube.leading``) are built here, the same way: one driver for restarts and
-    live changes (``control_dir``: a replica's live control directory, None where vLLM's runtime_config
-    is the only way), the same verifier, confirmation and masked logs."""
+    live changes (``plugin``: where a replica's engine-side plugin is reached — its control directory, its
+    pod's agent — None where vLLM's runtime_config is the only way), the same verifier, confirmation and
+    masked logs."""
     redactor = state.redactor
     verifier = verifying.SignalVerifier(client, kind=kind)
     r = settings.rollout
@@ -458,7 +456,7 @@ def dispatcher(settings: config.TunerSettings, state: TunerState, client: engine
                                                         " ".join(redactor.argv(argv)), why),
         on_transition=on_transition, stop_event=stop_event, drains=drains, restore=restore, admission=admission,
         departed=departed, clock=clock,
-        live_control=rolling.EngineLive(client, kind=kind, control_dir=control_dir),
+        live_control=rolling.EngineLive(client, kind=kind, plugin=plugin),
     )
     return Applying(settings, state, driver, client, journal, kind=kind, verifier=verifier, power=power, clock=clock)
 

@@ -36,6 +36,7 @@ from tuner.errors import PermanentActuatorError, TemporaryActuatorError
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError, KubeApi, PodView
 from tuner.launcher import argv as argvs
+from tuner.model import live
 from tuner.rollout import machine
 
 log = logging.getLogger("tuner.kube.acting")
@@ -141,6 +142,26 @@ class PoolActions:
             raise TemporaryActuatorError(f"{name}: {exc}", delay=2.0) from exc
         return out["serial"]
 
+    def request_live(self, name: str, *, seq: int, values: Mapping[str, int | None]) -> str | None:
+        """Live request ``seq`` for the pod's engine-side plugin (``desired[name].live``, carried into the
+        pod's control directory by its agent); None once written, else why not. Not a new serial: nothing
+        is relaunched or drained."""
+        def change(data: dict[str, str]) -> dict[str, str] | None:
+            desired = desired_of(data)
+            report = report_of(data, name) or {}
+            now = desired.get(name) or {"serial": 0, "overrides": report.get("overrides") or [],
+                                        "base_sha256": report.get("base_sha256"), "drain": bool(report.get("drain"))}
+            new = {**now, "live": {"seq": seq, "values": dict(values)}}
+            if new == now:
+                return None
+            return {**data, "desired": store_mod.dumps({**desired, name: new})}
+
+        try:
+            self.store.update(change, epoch=self.epoch, leader=self.leader)
+        except ApiError as exc:
+            return f"{name}: {exc}"
+        return None
+
     def wait_report(self, name: str, ok: Callable[[Mapping[str, Any]], bool], what: str, *,
                     timeout: float | None = None,
                     fail: Callable[[Mapping[str, Any]], str | None] | None = None) -> Mapping[str, Any]:
@@ -160,6 +181,27 @@ class PoolActions:
                 raise TemporaryActuatorError(f"{name}: {what} not reported by its agent within {timeout:g}s "
                                              f"(launcher: {report.get('state', 'no report')})", delay=2.0)
             self.store.wait_change(rv, min(left, 1.0))
+
+
+class RelayedPlugin:
+    """``live_knobs.Channel`` to a pod's engine-side plugin through its agent: the leader cannot reach a
+    pod's files, its agent can. A request goes into ``desired[pod].live`` (fenced, as every leader write);
+    the agent writes it to the control directory in the pod's emptyDir and reports what the plugin
+    acknowledges in ``report.<pod>.live``."""
+
+    def __init__(self, pool: PoolActions, name: str) -> None:
+        self.pool, self.name = pool, name
+
+    def read(self) -> live.LiveState:
+        report = self.pool.report(self.name)
+        if report is None:
+            return live.LiveState(why_not="no report from the pod's agent yet")
+        if "live" not in report:
+            return live.LiveState(why_not="the pod's agent reports no live knobs (live.enabled in its configuration)")
+        return live.LiveState.from_dict(report["live"])
+
+    def request(self, seq: int, values: Mapping[str, int | None]) -> str | None:
+        return self.pool.request_live(self.name, seq=seq, values=values)
 
 
 class KubeActuator:
@@ -219,6 +261,8 @@ class KubeActuator:
         def dropped(r: Mapping[str, Any]) -> str | None:
             if carried_out(r, serial) and r.get("overrides_dropped"):
                 return f"the launcher dropped the overrides: {r['overrides_dropped']}"
+            if carried_out(r, serial) and r.get("overrides_refused"):  # not an allowed flag, or out of bounds
+                return f"the launcher refused the overrides: {r['overrides_refused']}"
             return None
 
         # The old engine stops first (its --shutdown-timeout at most), then the new one is spawned.

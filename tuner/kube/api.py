@@ -9,6 +9,8 @@ get, update (CAS), patch, watch    configmaps, by name: get, update, patch, watc
 the pool's ConfigMap               carries ``fieldSelector=metadata.name=<name>``)
 list the pool's pods, get one      pods: get, list (read only)
 get the pool's PDB                 poddisruptionbudgets, by name: get
+create an Event on the agent's     events (core v1): create (``reporting``: a start-up problem)
+own pod
 =================================  ==========================================================
 
 Errors become ``ApiError`` (the status code kept: 409 is a lost compare-and-swap, 403 a request the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +32,10 @@ from lightkube import operators
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.models.coordination_v1 import LeaseSpec
+from lightkube.models.core_v1 import EventSource, ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import ConfigMap, Pod
+from lightkube.resources.core_v1 import ConfigMap, Event, Pod
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
 
@@ -194,6 +198,21 @@ class KubeApi:
 
     def get_pod(self, name: str) -> PodView:
         return pod_view(self._call(f"get pod {name}", self._client.get, Pod, name, namespace=self.namespace))
+
+    # --- Events ---------------------------------------------------------------------------------------
+
+    def create_event(self, *, pod: str, pod_uid: str | None, reason: str, message: str, type: str,
+                     component: str) -> None:
+        """One Event about the agent's own pod (``kubectl describe pod`` shows it)."""
+        now = dt.datetime.now(dt.UTC)
+        event = Event(
+            metadata=ObjectMeta(name=f"{pod}.{uuid.uuid4().hex[:16]}", namespace=self.namespace),
+            involvedObject=ObjectReference(apiVersion="v1", kind="Pod", name=pod, namespace=self.namespace,
+                                           uid=pod_uid or None),
+            reason=reason, message=message[:1024], type=type, count=1, firstTimestamp=now, lastTimestamp=now,
+            source=EventSource(component=component), reportingComponent=f"vllm-tuner.io/{component}",
+            reportingInstance=pod)
+        self._call(f"create Event on pod {pod}", self._client.create, event)
 
     def disruptions_allowed(self) -> int | None:
         """The PDB's status.disruptionsAllowed; None when none is configured."""

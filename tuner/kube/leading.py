@@ -20,8 +20,11 @@ A new leader first resumes the rollout the journal holds unfinished (machine Rul
 deposed leader left — with every pod in flight put back on a step that is safe to repeat.
 
 The dispatcher (``running.dispatcher``, built as the daemon builds it) lives as long as the leadership
-term: a rollout — a restart or a live change (vLLM's runtime_config: the leader cannot reach a pod's
-files) — is advanced at every cycle and between cycles, so cycles go on while it is verified.
+term: a rollout — a restart or a live change — is advanced at every cycle and between cycles, so cycles
+go on while it is verified. A live change goes to vLLM's runtime_config on the pod's IP where the engine
+has it, else to the pod's engine-side plugin through the pod's agent (``acting.RelayedPlugin``: the
+leader cannot reach a pod's files); the collectors read the live knobs the same way
+(``collecting.collector_for``, as ``vllm-tuner run`` builds them).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Leader:
         self.cycles = 0
         self.pool: acting.PoolActions | None = None  # this term's actions on the pods
         self.applying: running.Applying | None = None  # this term's dispatcher (apply mode)
+        self.collectors: dict[str, collecting.Collector] = {}  # by pod, rebuilt when its target changes
         self._tracked = False  # the pods run with --enable-server-load-tracking
         self._unreadable_said: tuple[str, ...] = ()  # the problems last said (once, until they change)
         self._unreadable_keys: set[str] = set()
@@ -241,8 +245,7 @@ class Leader:
             log.info("cycle: no pod of the pool %s reports yet", self.k.pool)
             return
         settings = self.settings.model_copy(update={"targets": targets})
-        result = cycle.run_cycle(self.state, settings=settings, collectors=[
-            collecting.Collector(t, client=self.client, live_knobs=self.settings.live.enabled) for t in targets],
+        result = cycle.run_cycle(self.state, settings=settings, collectors=self._collectors(targets),
             rules=self.rules, rollout=applying if hold is None or (applying is not None and applying.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
             gatherer=self.gatherer, now=now, should_stop=stop.is_set)
         if hold is not None:
@@ -253,10 +256,26 @@ class Leader:
 
     # --- pieces --------------------------------------------------------------------------------------
 
+    def _collectors(self, targets: Sequence[config.Target]) -> list[collecting.Collector]:
+        """One per pod, kept while its target stays the same (its slow reads are cached across cycles)."""
+        out = []
+        for t in targets:
+            kept = self.collectors.get(t.name)
+            if kept is None or kept.target != t:
+                kept = collecting.collector_for(t, self.settings, client=self.client, live=self._plugin)
+            out.append(kept)
+        self.collectors = {c.target.name: c for c in out}
+        return out
+
+    def _plugin(self, name: str) -> acting.RelayedPlugin:
+        assert self.pool is not None  # built at the start of the term
+        return acting.RelayedPlugin(self.pool, name)
+
     def _build(self, journal: store_mod.ConfigMapJournal, stop: threading.Event) -> None:
         """This term's pod actions and, in apply mode, its dispatcher (the pods are filled in per cycle)."""
         self.pool = acting.PoolActions(self.store, self.api, self.k, epoch=journal.epoch, leader=self.identity,
                                        replicas=[], stop=stop)
+        self.collectors = {}  # their live channel goes through this term's pool actions
         if self.settings.mode != "apply":
             self.applying = None
             return
@@ -264,7 +283,8 @@ class Leader:
         self.applying = running.dispatcher(
             self.settings, self.state, self.client, actuator=acting.KubeActuator(self.pool),
             drainer=acting.KubeDrainer(self.pool), journal=journal, kind=self.k.engine_kind, stop_event=stop,
-            server_load=lambda: self._tracked, drains=True, control_dir=lambda name: None,
+            server_load=lambda: self._tracked, drains=True,
+            plugin=self._plugin if self.settings.live.enabled else lambda name: None,
             admission=acting.DisruptionCheck(self.api, self.k, allow_downtime=r.allow_downtime),
             departed=acting.departed(self.api))
 

@@ -33,6 +33,12 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a count >= 1: {text!r}")
+    return int(text)
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"not a port: {text!r}")
@@ -66,10 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
         ("--health-period", 2.0, "how often the engine's /health is read once it serves (default 2; while it "
                                  "starts: --poll)"),
         ("--wedge-seconds", 30.0, "/livez fails when the launcher's loop stalls this long (default 30)"),
+        ("--desired-wait", 30.0, "no desired.json at start: wait this long for the agent to write it, then start "
+                                 "the engine on its own command line (default 30; 0: at once)"),
+        ("--liveness-engine-health", 60.0, "/livez fails when a serving engine's /health has failed without a "
+                                           "break this long: a wedged engine gets its container restarted; never "
+                                           "while it starts or relaunches (default 60; 0: off, liveness is the "
+                                           "launcher's loop only)"),
     )
+    zero_allowed = ("--force-after", "--desired-wait", "--liveness-engine-health")
     for flag, default, what in durations:
-        p.add_argument(flag, type=_non_negative if flag == "--force-after" else _positive, default=default,
+        p.add_argument(flag, type=_non_negative if flag in zero_allowed else _positive, default=default,
                        metavar="SECONDS", help=what)
+    p.add_argument("--unready-after", type=_count, default=3, metavar="N",
+                   help="readiness goes away after N failed /health answers in a row (default 3)")
+    p.add_argument("--ready-after", type=_count, default=2, metavar="N",
+                   help="... and comes back after N good ones (default 2)")
     p.add_argument("--build-zipapp", metavar="OUT.pyz",
                    help="write the launcher as a zipapp to OUT.pyz and exit (no engine command needed)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the engine's command line")
@@ -105,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_timeout_seconds=args.start_timeout, stop_timeout_seconds=args.stop_timeout,
         kill_timeout_seconds=args.kill_timeout, force_after_seconds=args.force_after or None,
         poll_seconds=args.poll, health_period_seconds=args.health_period,
-        wedge_seconds=args.wedge_seconds)
+        wedge_seconds=args.wedge_seconds, desired_wait_seconds=args.desired_wait,
+        unready_after=args.unready_after, ready_after=args.ready_after,
+        liveness_engine_seconds=args.liveness_engine_health or None)
     launcher = launching.Launcher(settings, command)
     try:
         launcher.listen()

@@ -8,15 +8,18 @@ server, the health poller and the log pump only read or report.
 States (``status.json`` ``state``) and what moves them: the table in ``states`` (a pure
 ``step(pod, observation, now)``); this module observes, calls it, and carries out its effects.
 
-Readiness (``/readyz``) is true only in serving, with a fresh ``/health`` 200 from this engine, no drain,
-and the running command line equal to the one desired.json asks for. Liveness (``/livez``) is true while
-the loop turns (also through a planned relaunch), and false only when it stalls for ``wedge_seconds`` or
-the engine's processes survive SIGKILL that long.
+Readiness (``/readyz``) is true only in serving, with this engine's ``/health`` good (it goes away after
+``unready_after`` failed answers in a row and comes back after ``ready_after`` good ones: the table's
+hysteresis), no drain, and the running command line equal to the one desired.json asks for. Liveness
+(``/livez``) is true while the loop turns (also through a planned relaunch), and false when it stalls for
+``wedge_seconds``, when the engine's processes survive SIGKILL that long, or when a serving engine's
+``/health`` has failed without a break for ``liveness_engine_seconds`` (``states.liveness``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import os
 import select
@@ -39,7 +42,8 @@ class Settings:
     state_dir: Path
     probe_host: str = "127.0.0.1"
     """Where /livez, /readyz and /status listen. The kubelet probes the pod IP, so the manifests say
-    0.0.0.0; the launcher's own default keeps them on loopback."""
+    0.0.0.0 (every address, IPv6 too where the host has it: ``probes.ProbeServer``); the launcher's own
+    default keeps them on loopback."""
     probe_port: int = 8081
     health_url: str | None = None
     """The engine's health endpoint; None: http://127.0.0.1:<--port, default 8000>/health of the running
@@ -61,6 +65,16 @@ class Settings:
     """How often the engine's /health is read once it serves (vLLM logs every request it answers)."""
     wedge_seconds: float = 30.0
     status_every_seconds: float = 5.0
+    desired_wait_seconds: float = 30.0
+    """No desired.json at start: wait this long for the agent to write it, then start the base command line
+    (an agent that failed, or none at all, never keeps the engine from starting)."""
+    unready_after: int = 3
+    """Readiness goes away after this many failed /health answers in a row (one slow answer is not an outage)."""
+    ready_after: int = 2
+    """... and comes back after this many good ones."""
+    liveness_engine_seconds: float | None = 60.0
+    """/livez fails when a serving engine's /health has failed without a break this long (a wedged engine
+    that still runs); never while it starts or through a planned relaunch. None: liveness is the loop's only."""
 
 
 def log(message: str) -> None:
@@ -96,13 +110,17 @@ def probe_health(url: str, *, timeout: float) -> tuple[bool, str]:
 
 
 class HealthPoller:
-    """Polls the current engine's /health every ``period`` seconds in its own thread."""
+    """Polls the current engine's /health every ``period`` seconds in its own thread. It only observes:
+    every answer is kept until the loop takes it (``take``), and the table judges them."""
+
+    MAX_KEPT = 64  # answers not taken yet (the loop takes them every 0.2 s)
 
     def __init__(self, period: float) -> None:
         self.period = period
         self._lock = threading.Lock()
         self._target: tuple[int, str] | None = None
         self._last: tuple[int, bool, float, str] | None = None  # serial, ok, when (monotonic), detail
+        self._answers: list[bool] = []  # for the watched serial, not taken yet
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="health", daemon=True)
@@ -113,6 +131,7 @@ class HealthPoller:
         with self._lock:
             self._target = (serial, url) if url else None
             self._last = None
+            self._answers = []
         self._wake.set()
 
     def last(self, serial: int) -> tuple[bool, float, str] | None:
@@ -120,6 +139,14 @@ class HealthPoller:
             if self._last is None or self._last[0] != serial:
                 return None
             return self._last[1], self._last[2], self._last[3]
+
+    def take(self, serial: int) -> tuple[bool, ...]:
+        """The answers for ``serial`` since the last call, oldest first."""
+        with self._lock:
+            if self._target is None or self._target[0] != serial:
+                return ()
+            out, self._answers = tuple(self._answers), []
+            return out
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -130,6 +157,7 @@ class HealthPoller:
                 with self._lock:
                     if self._target == target:
                         self._last = (target[0], ok, time.monotonic(), detail)
+                        self._answers = [*self._answers[-(self.MAX_KEPT - 1):], ok]
             self._wake.wait(self.period)
             self._wake.clear()
 
@@ -170,15 +198,21 @@ class Launcher:
         self.status_path = self.state_dir / protocol.STATUS
         self.health = HealthPoller(settings.poll_seconds)
         self.limits = states.Limits(settings.start_timeout_seconds, settings.stop_timeout_seconds,
-                                    settings.kill_timeout_seconds, settings.force_after_seconds)
-        self.pod = states.Pod()
-        self.state = states.STARTING
+                                    settings.kill_timeout_seconds, settings.force_after_seconds,
+                                    desired_wait_seconds=settings.desired_wait_seconds,
+                                    unready_after=settings.unready_after, ready_after=settings.ready_after,
+                                    liveness_engine_seconds=settings.liveness_engine_seconds)
+        self.pod = states.waiting(time.monotonic())
+        self.state = states.WAITING
         self.state_since = time.time()
         self.started_at = time.time()
         self.engine: Engine | None = None
         self.desired: protocol.Desired | None = None
         self.desired_error: str | None = None
         self.overrides_dropped: str | None = None
+        self.overrides_refused: str | None = None
+        self.allowed: protocol.Allowed | None = None  # the first allow-list found, kept for good
+        self.allowed_error: str | None = None
         self.observed_generation: int | None = None
         self.planned_restarts = 0
         self.reaped_orphans = 0
@@ -191,6 +225,7 @@ class Launcher:
         self._relaunch: dict[str, Any] | None = None
         self._serial = 0
         self._started_once = False
+        self._unlive: str | None = None  # why /livez fails for the engine's sake (logged once per run)
         self._fresh_request = False
         self._term = False
         self._desired_stat: tuple[int, int, int] | None = None
@@ -209,13 +244,17 @@ class Launcher:
 
     # -- probes (called from the server's threads) ------------------------------------------------
     def live(self) -> probes.Answer:
-        age = time.monotonic() - self.heartbeat
+        now = time.monotonic()
+        age = now - self.heartbeat
         if age > self.settings.wedge_seconds:
             return False, f"the launcher's loop has not turned for {age:.0f}s"
-        stop = self.stop
-        if stop is not None and stop.killed and stop.survivors and \
-                time.monotonic() > stop.kill_deadline + self.settings.wedge_seconds:
+        pod = self.pod
+        stop = pod.stop
+        if stop is not None and stop.killed and stop.survivors and now > stop.kill_deadline + self.settings.wedge_seconds:
             return False, f"engine processes survived SIGKILL: {list(stop.survivors)}"
+        wedged = states.liveness(pod, now, self.limits)
+        if wedged is not None:
+            return False, wedged
         return True, f"alive ({self.state})"
 
     def ready(self) -> probes.Answer:
@@ -255,15 +294,13 @@ class Launcher:
         self.server.start()
         if not processes.become_subreaper():
             log("warning: not PID 1 and cannot become a child subreaper: orphans of the engine are not reaped here")
-        log(f"probes on http://{self.settings.probe_host}:{self.server.port} (/livez /readyz /status); "
+        log(f"probes on {self.server.where} (/livez /readyz /status); "
             f"state in {self.state_dir}; base sha256 {self.base_sha256[:12]}")
         self.health.start()
         try:
+            self._load_allowed()
             self._poll_desired(force=True)
-            if self._term:
-                self.exit_code = 0
-            else:
-                self._start()
+            self.tick()  # desired.json there (or no wait): the engine starts now
             while self.exit_code is None:
                 self._wait(0.2)
                 self.tick()
@@ -296,17 +333,21 @@ class Launcher:
                 self.reaped_orphans += 1
         self._poll_desired()
         e = self.engine
-        last = self.health.last(e.serial) if e is not None else None
         ending = e is not None and (self.pod.stop is not None or self._term or e.exit_code is not None)
         obs = states.Observation(
-            exit_code=e.exit_code if e is not None else None, healthy=last is not None and last[0],
+            exit_code=e.exit_code if e is not None else None, health=self.health.take(e.serial) if e else (),
             left=tuple(processes.remaining(e.pid)) if e is not None and ending else (),
             other_argv=e is not None and self.wanted()[0] != e.argv, fresh_request=self._fresh_request,
-            drained=self.drained(), term=self._term, generation=self.observed_generation)
+            drained=self.drained(), term=self._term, generation=self.observed_generation,
+            desired_seen=self.desired is not None or self._desired_stat is not None)
         self.pod, effects = states.step(self.pod, obs, now, self.limits)
         self._set_state(self.pod.state)
         self._carry_out(effects, now)
         self.readiness = self._readiness(now)
+        unlive = states.liveness(self.pod, now, self.limits)
+        if unlive is not None and self._unlive is None:
+            log(f"liveness fails: {unlive}; the kubelet restarts the container")
+        self._unlive = unlive
         self._write_status()
 
     # -- desired.json -------------------------------------------------------------------------------
@@ -338,9 +379,42 @@ class Launcher:
             self.desired_error = (f"desired.json generation {desired.generation} is not greater than "
                                   f"{self.observed_generation}: ignored")
             return
+        refused = self._refusal(desired)
+        if refused is not None:  # the generation is taken (its drain too); the engine keeps what it runs
+            previous = self.desired
+            self.overrides_refused = (f"desired.json generation {desired.generation}: {refused}; the engine keeps "
+                                      "the arguments it has")
+            log(f"refusing the overrides: {self.overrides_refused}")
+            desired = dataclasses.replace(desired, overrides=previous.overrides if previous else (),
+                                          base_sha256=previous.base_sha256 if previous else None)
+        else:
+            self.overrides_refused = None
         self.desired, self.observed_generation, self.desired_error = desired, desired.generation, None
         self._fresh_request = True
         log(f"desired generation {desired.generation}: {len(desired.overrides)} override(s), drain={desired.drain}")
+
+    def _load_allowed(self) -> None:
+        """The allow-list, read at start and, while there is none, again before overrides are judged; the
+        first one found is kept for good (a later file never widens it)."""
+        if self.allowed is not None:
+            return
+        try:
+            self.allowed = protocol.read_allowed(self.state_dir)
+            self.allowed_error = None
+        except protocol.ProtocolError as exc:
+            self.allowed_error = str(exc)
+        if self.allowed is not None:
+            log(f"allowed overrides: {self.allowed.describe()}")
+
+    def _refusal(self, desired: protocol.Desired) -> str | None:
+        """Why ``desired``'s overrides may not pass the allow-list (None: they may, or there are none)."""
+        if not desired.overrides:
+            return None
+        self._load_allowed()
+        if self.allowed is None:
+            return (f"no allow-list ({self.allowed_error or f'{protocol.ALLOWED} is missing'}): no override may "
+                    "pass (the agent writes it from its rules before the engine starts)")
+        return self.allowed.refusal(desired.overrides)
 
     def wanted(self) -> tuple[list[str], list[tuple[str, argvs.Value]]]:
         """The command line desired.json asks for, and the overrides in it."""
@@ -371,8 +445,12 @@ class Launcher:
         self._started_once = True
         self._serial += 1
         url = self.settings.health_url or derive_health_url(argv)
+        env = self.env
+        control = self.state_dir / protocol.CONTROL_DIR
+        if protocol.ENV_CONTROL_DIR not in env and control.is_dir():  # the agent's live knobs (plugin/README.md)
+            env = {**env, protocol.ENV_CONTROL_DIR: str(control)}
         try:
-            spawned = processes.spawn(argv, self.env)
+            spawned = processes.spawn(argv, env)
         except OSError as exc:
             reason = f"cannot run {argv[0]!r}: {exc.strerror or exc}"
             log(reason)
@@ -414,6 +492,8 @@ class Launcher:
             elif do is states.Do.KILL_GROUP and e is not None:
                 log(f"SIGKILL after {self.settings.stop_timeout_seconds:g}s: {processes.remaining(e.pid)}")
                 processes.signal_all(e.pid, signal.SIGKILL)
+            elif do in (states.Do.UNREADY, states.Do.READY_AGAIN) and e is not None:
+                log(f"engine pid {e.pid}: readiness {'lost' if do is states.Do.UNREADY else 'back'}: {fx.reason}")
             elif do is states.Do.HEALTHY and e is not None:
                 e.healthy_at = now
                 self.health.period = self.settings.health_period_seconds
@@ -434,6 +514,8 @@ class Launcher:
             elif do is states.Do.STOPPED and fx.stop is not None:
                 self._stopped(e, fx.stop, now)
             elif do is states.Do.START:
+                if fx.reason and not self._started_once:
+                    log(f"first start: {fx.reason}")
                 self._start()
             elif do is states.Do.CANDIDATE_FAILED:
                 tail = self._scrub(e.log.lines()) if e is not None else []
@@ -468,7 +550,7 @@ class Launcher:
 
     # -- readiness and status -----------------------------------------------------------------------
     def _readiness(self, now: float) -> probes.Answer:
-        e = self.engine
+        e, pod = self.engine, self.pod
         if self.state not in ("serving", "draining") or e is None:
             return False, f"not serving ({self.state})"
         if self.drained():
@@ -476,14 +558,13 @@ class Launcher:
         if self.wanted()[0] != e.argv:
             return False, "the running command line is not the desired one yet"
         last = self.health.last(e.serial)
+        detail = last[2] if last is not None else "no answer"
+        if not pod.healthy:
+            return False, f"engine {detail} ({pod.fail_streak} failed, {pod.ok_streak} good /health answers in a row)"
+        # the poller itself stuck: each answer takes at most its timeout, so answers come at least this often
         max_age = 4 * max(self.settings.poll_seconds, self.settings.health_period_seconds) + 5.0
-        if last is None:
-            return False, "no /health answer from the engine yet"
-        ok, at, detail = last
-        if not ok:
-            return False, f"engine {detail}"
-        if now - at > max_age:
-            return False, f"the engine's last /health answer is {now - at:.0f}s old"
+        if pod.answered_at is not None and now - pod.answered_at > max_age:
+            return False, f"the engine's last /health answer is {now - pod.answered_at:.0f}s old"
         return True, "ready"
 
     def status(self) -> dict[str, Any]:
@@ -506,6 +587,8 @@ class Launcher:
             "base_argv": secrets.DEFAULT.argv(self.base),
             "base_sha256": self.base_sha256,
             "overrides_dropped": self.overrides_dropped,
+            "overrides_refused": self.overrides_refused,
+            "allowed_flags": self.allowed.describe() if self.allowed is not None else None,
             "desired_error": self.desired_error,
             "candidate": e.candidate if e is not None else None,
             "planned_restarts": self.planned_restarts,
@@ -515,6 +598,9 @@ class Launcher:
             "candidate_failure": self.candidate_failure,
             "stopping": {"reason": self.stop.reason, "killed": self.stop.killed,
                          "survivors": list(self.stop.survivors)} if self.stop is not None else None,
+            "health": {"ok_streak": self.pod.ok_streak, "fail_streak": self.pod.fail_streak,
+                       "failing_seconds": round(time.monotonic() - self.pod.failing_since, 1)
+                       if self.pod.failing_since is not None else None},
             "reaped_orphans": self.reaped_orphans,
             "engine_started_at": e.spawned_wall if e is not None else None,
             "started_at": self.started_at,

@@ -7,6 +7,10 @@
 
 Every handler reads an in-memory snapshot (no I/O but its own socket) and every socket has a timeout,
 so a slow or stuck client costs one thread for at most ``TIMEOUT_SECONDS``.
+
+A wildcard host (``0.0.0.0``, ``::`` or empty: what the manifests pass, the kubelet probing the pod IP)
+listens on every address, IPv4 and IPv6: one ``::`` socket with ``IPV6_V6ONLY`` off, so a pod of an
+IPv6-only or dual-stack cluster answers on its IPv6 address too; a host without IPv6 gets ``0.0.0.0``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ class _Server(ThreadingHTTPServer):
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
+
+
+class _DualStackServer(_Server6):
+    """``::`` with IPV6_V6ONLY off: IPv4 clients arrive as ::ffff:a.b.c.d."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
 def _handler(live: Callable[[], Answer], ready: Callable[[], Answer],
@@ -81,11 +96,20 @@ def _handler(live: Callable[[], Answer], ready: Callable[[], Answer],
 class ProbeServer:
     def __init__(self, host: str, port: int, *, live: Callable[[], Answer], ready: Callable[[], Answer],
                  status: Callable[[], dict[str, Any]]) -> None:
-        server_class = _Server6 if ":" in host else _Server
-        self.server = server_class((host, port), _handler(live, ready, status))
+        handler = _handler(live, ready, status)
+        self.server = _bind(host.strip("[]") if host not in WILDCARDS else host, port, handler)
         self.port = int(self.server.server_address[1])
+        self.dual_stack = isinstance(self.server, _DualStackServer)
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="probes", daemon=True)
+
+    @property
+    def where(self) -> str:
+        """What it listens on, for the log."""
+        if self.dual_stack:
+            return f"[::]:{self.port} (IPv4 and IPv6)"
+        host = str(self.server.server_address[0])
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def start(self) -> ProbeServer:
         self._thread.start()
@@ -94,3 +118,15 @@ class ProbeServer:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _bind(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> _Server:
+    """A wildcard: dual-stack where the host has IPv6, else 0.0.0.0; any other host as given."""
+    if host in WILDCARDS:
+        if socket.has_ipv6 and hasattr(socket, "IPV6_V6ONLY"):
+            try:
+                return _DualStackServer(("::", port), handler)
+            except OSError:  # no IPv6 on this host (EAFNOSUPPORT, EADDRNOTAVAIL): IPv4 alone
+                pass
+        return _Server(("0.0.0.0", port), handler)
+    return (_Server6 if ":" in host else _Server)((host, port), handler)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 LIVE_NAMES: Mapping[str, str] = {"max_num_seqs": "max_num_active_seqs",
                                  "max_num_batched_tokens": "max_num_batched_tokens"}
@@ -54,6 +55,40 @@ class LiveState:
         if not floor <= value <= ceiling:
             return f"{value:g} is outside the startup envelope {floor}..{ceiling} (a restart can widen it)"
         return None
+
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON document (a pod's agent reports it to the leader: ``from_dict``)."""
+        return {"available": self.available, "why_not": self.why_not, "envelope": dict(self.envelope),
+                "values": dict(self.values), "not_live": dict(self.not_live), "seq": self.seq,
+                "refused": self.refused, "pids": list(self.pids), "via": self.via}
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> LiveState:
+        """``as_dict``'s document back, every field checked (it came through the pool's ConfigMap): a knob
+        not in ``LIVE_NAMES``, a count that is not a positive integer, an over-long text are dropped."""
+        if not isinstance(doc, dict):
+            return cls(why_not="no live state reported")
+
+        def count(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2**31
+
+        def text(v: Any) -> str | None:
+            return v[:300] if isinstance(v, str) else None
+
+        def counts(v: Any) -> dict[str, int]:
+            return {k: n for k, n in v.items() if k in LIVE_NAMES and count(n)} if isinstance(v, dict) else {}
+
+        not_live = doc.get("not_live")
+        seq, pids = doc.get("seq"), doc.get("pids")
+        return cls(available=doc.get("available") is True, why_not=text(doc.get("why_not")),
+                   envelope=counts(doc.get("envelope")), values=counts(doc.get("values")),
+                   not_live={k: str(text(v)) for k, v in not_live.items() if k in LIVE_NAMES and text(v)}
+                   if isinstance(not_live, dict) else {},
+                   seq=seq if isinstance(seq, int) and not isinstance(seq, bool) and 0 <= seq < 2**63 else None,
+                   refused=text(doc.get("refused")),
+                   pids=tuple(p for p in pids[:64] if count(p)) if isinstance(pids, list) else (),
+                   via="runtime_config" if doc.get("via") == "runtime_config" else "plugin")
 
 
 NONE = LiveState(why_not="live knobs not configured (live.enabled)")

@@ -254,9 +254,9 @@ class EngineClient:
             return None
         return data
 
-    def live_state(self, base_url: str, control_dir: str | None) -> live.LiveState:
+    def live_state(self, base_url: str, plugin: live_knobs.Channel | None) -> live.LiveState:
         """What the engine can change live and runs now: vLLM's own endpoint where it exists (preferred),
-        else the engine-side plugin's acknowledgements in ``control_dir`` (``sources.live_knobs``)."""
+        else the engine-side plugin's acknowledgements, through ``plugin`` (``sources.live_knobs``)."""
         upstream = self.runtime_config(base_url)
         if upstream is not None:
             envelope = {"max_num_seqs": int(upstream.get("max_num_seqs") or upstream["max_num_running_seqs"])}
@@ -264,14 +264,11 @@ class EngineClient:
                                   values={"max_num_seqs": int(upstream["max_num_running_seqs"])},
                                   not_live={"max_num_batched_tokens": "not in vLLM's runtime_config"},
                                   via="runtime_config")
-        if control_dir is None:
+        if plugin is None:
             return live.NONE
-        try:
-            return live_knobs.state(live_knobs.read_acks(control_dir))
-        except SourceError as exc:
-            return live.LiveState(why_not=str(exc))
+        return plugin.read()
 
-    def set_live(self, base_url: str, control_dir: str | None, *, seq: int, values: Mapping[str, int | None],
+    def set_live(self, base_url: str, plugin: live_knobs.Channel | None, *, seq: int, values: Mapping[str, int | None],
                  via: str = "plugin") -> str | None:
         """Ask for these live values (tuner knob → value, None: the startup value). None when the request
         was handed over (the acknowledgement tells whether it took effect), else why not."""
@@ -287,13 +284,9 @@ class EngineClient:
                 except httpx.HTTPError as exc:
                     return f"PATCH /v1/runtime_config failed: {type(exc).__name__}"
             return None if response.status_code == 200 else f"PATCH /v1/runtime_config answered HTTP {response.status_code}"
-        if control_dir is None:
+        if plugin is None:
             return "no control directory for this engine (live.control_dir)"
-        try:
-            live_knobs.write_request(control_dir, seq, **{live.LIVE_NAMES[k]: v for k, v in values.items()})
-        except (SourceError, ValueError) as exc:
-            return str(exc)
-        return None
+        return plugin.request(seq, values)
 
     # --- helpers -------------------------------------------------------------------------------------
 

@@ -11,6 +11,10 @@ tuner never imports the plugin, which lives in vLLM's environment), and
 
 Requests are the whole desired state: a knob left out or ``None`` means "the engine's startup value".
 Stdlib only, no HTTP.
+
+A ``Channel`` is where one engine's plugin is reached: its control directory on this host (``Files``,
+the daemon), or, on Kubernetes, through the agent of the engine's pod, which alone sees the pod's files
+(``tuner.kube.acting.RelayedPlugin``). The engine client and the rollout driver take either.
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tuner.errors import SourceError
+from tuner.launcher import protocol as launcher_protocol
 from tuner.launcher import untrusted
 from tuner.model import live
 
 PROTOCOL = 1
 CONTROL_FILE = "control.json"
 ACK_GLOB = "ack-*.json"
-ENV_CONTROL_DIR = "VLLM_TUNER_CONTROL_DIR"
+ENV_CONTROL_DIR = launcher_protocol.ENV_CONTROL_DIR  # "VLLM_TUNER_CONTROL_DIR"; the launcher sets it in pods
 KNOBS = ("max_num_active_seqs", "max_num_batched_tokens")
 REQUEST_FIELDS = ("protocol", "seq", *KNOBS)
 ACK_FIELDS = (
@@ -231,3 +236,43 @@ def state(acks: list[Ack]) -> live.LiveState:
     return live.LiveState(available=True, envelope=envelope, values=values, not_live=not_live,
                           seq=seqs.pop() if len(seqs) == 1 else None, refused=refused,
                           pids=tuple(a.pid for a in acks if a.pid is not None))
+
+
+class Channel(Protocol):
+    """Where one engine's plugin is reached (module docstring)."""
+
+    def read(self) -> live.LiveState:
+        """What the plugin acknowledges now."""
+
+    def request(self, seq: int, values: Mapping[str, int | None]) -> str | None:
+        """Hand request ``seq`` over (tuner knob → value, None: the startup value); None once handed over,
+        else why not."""
+
+
+class Files:
+    """``Channel`` through the control directory on this host."""
+
+    def __init__(self, control_dir: str | os.PathLike[str]) -> None:
+        self.control_dir = Path(control_dir)
+
+    def read(self) -> live.LiveState:
+        try:
+            return state(read_acks(self.control_dir))
+        except SourceError as exc:
+            return live.LiveState(why_not=str(exc))
+
+    def request(self, seq: int, values: Mapping[str, int | None]) -> str | None:
+        try:
+            write_request(self.control_dir, seq, **{live.LIVE_NAMES[k]: v for k, v in values.items()})
+        except (SourceError, ValueError, KeyError) as exc:
+            return str(exc)
+        return None
+
+
+def request_seq(control_dir: str | os.PathLike[str]) -> int | None:
+    """The ``seq`` of the request in ``control.json`` now (None: none, or unreadable)."""
+    try:
+        doc = untrusted.read_json(Path(control_dir) / CONTROL_FILE, max_bytes=MAX_ACK_BYTES)
+    except (OSError, ValueError):
+        return None
+    return _opt_int(doc.get("seq")) if isinstance(doc, dict) else None
