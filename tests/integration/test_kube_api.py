@@ -192,7 +192,6 @@ REFUSED: list[tuple[str, str, dict[str, Any] | None]] = [
     ("POST", "/api/v1/namespaces/llm/configmaps", {"metadata": {"name": "mine"}}),  # no create
     ("PUT", "/api/v1/namespaces/llm/configmaps/vllm-tuner-config-vllm", {"metadata": {"name": "vllm-tuner-config-vllm"}}),
     ("GET", "/api/v1/namespaces/llm/pods?watch=true", None),  # no code watches pods
-    ("POST", "/api/v1/namespaces/llm/events", {"metadata": {"name": "e"}}),  # no code records Events
     ("POST", "/apis/events.k8s.io/v1/namespaces/llm/events", {"metadata": {"name": "e"}}),
     ("GET", "/api/v1/namespaces/llm/configmaps", None),  # list: not by name
     ("GET", "/api/v1/namespaces/llm/configmaps?watch=true", None),  # a watch without the name selector

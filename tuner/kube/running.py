@@ -199,7 +199,7 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
                             metrics=metrics)
     agent_metrics.watch(reporting.Pool(
         is_leader=elector.is_leader, leader_epoch=lambda: (lambda ld: ld.epoch if ld else None)(elector.leadership),
-        pool_epoch=lambda: store_mod.epoch_of(store.data), refused_writes=lambda: store.refused,
+        pool_epoch=lambda: store_mod.epoch_floor(store.data), refused_writes=lambda: store.refused,
         conflicts=lambda: store.conflicts))
     # /metrics, /status, /recommendations: the leader's cycles (a follower has none; it is healthy while it runs)
     server = TunerHttpServer(metrics=metrics, state=leader.state, is_alive=lambda: not stop.is_set(),
