@@ -43,7 +43,7 @@ FAST_FAULTS = {  # in-process property tests: no process, no clock
     "test_config_bounds.py", "test_decoded_size.py", "test_impossible_exposition.py", "test_secrets_masked.py",
     "test_untrusted.py",
 }
-SLOW_SECONDS = 5.0
+SLOW_SECONDS = 10.0
 
 # Hypothesis: the same examples on every run (no test fails at random), no deadline (a loaded 2-core box
 # must not turn slowness into failures). Each test's own ``max_examples`` bounds it; tests/fuzz/ has its
