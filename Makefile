@@ -64,7 +64,8 @@ typecheck: venv
 check: venv
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory lint typecheck && \
-	VLLM_TUNER_TIER=check $(PY) -m pytest -q -m "not e2e and not slow" -n 3 --dist loadfile --durations=10; \
+	VLLM_TUNER_TIER=check $(PY) -m pytest -q -m "not e2e and not slow" -n 3 --dist loadfile \
+	  --no-loadscope-reorder --durations=10; \
 	rc=$$?; echo "make check: $$(( $$(date +%s) - start )) s in all (exit $$rc)"; exit $$rc
 
 e2e: venv vllm-env
@@ -77,7 +78,7 @@ test: venv vllm-env system-deps
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory lint typecheck && \
 	VLLM_TUNER_REQUIRE_E2E=1 VLLM_TUNER_TIER="no engine" $(PY) -m pytest -q -m "not e2e" -n 3 --dist loadfile \
-	  --durations=15 && \
+	  --no-loadscope-reorder --durations=15 && \
 	VLLM_TUNER_REQUIRE_E2E=1 VLLM_TUNER_TIER=e2e $(PY) -m pytest -q -m e2e --durations=30; \
 	rc=$$?; echo "make test: $$(( $$(date +%s) - start )) s in all (exit $$rc)"; exit $$rc
 
