@@ -40,8 +40,8 @@ SLOW_FILES = {
     "integration/test_secrets_shown.py": "`vllm-tuner run` and engine processes as subprocesses",
 }
 FAST_FAULTS = {  # in-process property tests: no process, no clock
-    "test_config_bounds.py", "test_decoded_size.py", "test_impossible_exposition.py", "test_secrets_masked.py",
-    "test_untrusted.py",
+    "test_config_bounds.py", "test_decoded_size.py", "test_impossible_exposition.py", "test_kube_store.py",
+    "test_secrets_masked.py", "test_untrusted.py",
 }
 SLOW_SECONDS = 10.0
 # The longest files first, each on a worker of its own from the start (make check and make test run
