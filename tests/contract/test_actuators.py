@@ -115,7 +115,7 @@ class World:
             time.sleep(0.1)
 
 
-@pytest.fixture(params=["fake", "process", "systemd"])
+@pytest.fixture(params=["fake", "process", pytest.param("systemd", marks=pytest.mark.slow)])
 def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
     n = next(_names)
     names = [f"t{n}a", f"t{n}b"]
@@ -335,7 +335,7 @@ class DrainWorld:
     is_drained: Callable[[str], bool]
 
 
-@pytest.fixture(params=["nginx", "command", "http", "fake"])
+@pytest.fixture(params=[pytest.param("nginx", marks=pytest.mark.slow), "command", "http", "fake"])
 def drain_world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[DrainWorld]:
     ports = {"a": nginx_support.free_port(), "b": nginx_support.free_port()}
     replicas = [base.Replica(n, f"http://127.0.0.1:{p}") for n, p in ports.items()]
@@ -394,6 +394,7 @@ def test_draining_an_unknown_replica_is_a_permanent_error(drain_world: DrainWorl
         drain_world.drainer.drain("zz")
 
 
+@pytest.mark.slow  # real nginx
 def test_nginx_really_stops_routing_to_a_drained_replica(tmp_path: Path) -> None:
     required.need(nginx_support.skip_reason(), "real nginx")
     ports = {"a": nginx_support.free_port(), "b": nginx_support.free_port()}

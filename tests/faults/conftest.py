@@ -1,11 +1,2 @@
-"""The fault-injection tier: every test here runs real processes for tens of seconds (marked ``slow``)."""
-
-import os
-
-import pytest
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "tests/faults/" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(pytest.mark.slow)
+"""The fault-injection tier. Which of its files are ``slow`` (real processes for tens of seconds) and which
+run in ``make check`` (in-process property tests): ``FAST_FAULTS`` in tests/conftest.py."""

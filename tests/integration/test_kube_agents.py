@@ -43,7 +43,9 @@ def config(port: int) -> dict[str, Any]:
                         "idle_timeout_seconds": 20, "start_timeout_seconds": 60, "warmup_requests": 2,
                         "stop_timeout_seconds": 20, "force_after_seconds": 5},
             "kubernetes": {"engine_port": port, "drain_grace_seconds": 1, "lease_duration_seconds": 6,
-                           "renew_deadline_seconds": 4, "retry_period_seconds": 1, "report_timeout_seconds": 30}}
+                           "renew_deadline_seconds": 4, "retry_period_seconds": 1, "report_timeout_seconds": 30},
+            # a restart's evidence: one window's span, not production's minute (the agents are under test here)
+            "decisions": {"safety": {"restart_evidence_seconds": 10}}}
 
 
 def sim_argv(port: int, *extra: str) -> list[str]:

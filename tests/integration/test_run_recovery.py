@@ -129,10 +129,17 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
         for _ in range(50):  # watchdog pings kept coming during the resumed rollout
             ready()
         assert sum("WATCHDOG=1" in m for m in heard) >= 2, heard
-        state = wait_for(lambda: json.loads((tmp_path / "state.json").read_text()), 10)
+        def saved() -> dict | None:
+            """state.json on the new arguments (saved by the cycle after the rollout ended between cycles)"""
+            state = json.loads((tmp_path / "state.json").read_text())
+            return state if all(flag(state["targets"][n]["args"]) == "80" for n in ("sim-a", "sim-b")) else None
+
+        def flag(args: list[str]) -> str:
+            return args[args.index("--max-num-seqs") + 1]
+
+        state = wait_for(saved, 20)
         for name in ("sim-a", "sim-b"):
             args = state["targets"][name]["args"]
-            assert args[args.index("--max-num-seqs") + 1] == "80"
             assert args[args.index("--api-key") + 1] == "***"
             # the engine the resumed tuner runs got the real key (its own command line)
             pid = json.loads((tmp_path / "engines" / f"{name}.json").read_text())["pid"]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from harness.ports import free_port
 from tuner.sources.engines import EngineClient
@@ -111,6 +112,7 @@ def test_without_dev_mode_the_routes_are_missing_and_sleep_says_what_to_do() -> 
         assert why is not None and "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1" in why
 
 
+@pytest.mark.slow  # `vllm-tuner run` until the engine idles, sleeps and wakes
 def test_the_daemon_puts_an_idle_engine_to_sleep_and_wakes_it_for_a_request(tmp_path: Path) -> None:
     port, listen = free_port(), free_port()
     cfg = {

@@ -98,6 +98,7 @@ def test_digest_tells_command_lines_apart() -> None:
     assert secrets.digest(("x",)) == secrets.digest(["x"])
 
 
+@pytest.mark.slow  # vLLM's own parser, imported in .venv-vllm
 def test_the_flags_vllm_itself_redacts_are_secret_flags_here() -> None:
     """vLLM 0.32 masks api_key, hf_token and watermark_config in its own log (``_SENSITIVE_ARG_FIELDS``):
     every option of its server parser that sets one of those is in ``secrets.FLAGS``."""
@@ -116,6 +117,7 @@ def test_the_flags_vllm_itself_redacts_are_secret_flags_here() -> None:
     assert set(options) <= set(secrets.FLAGS), options
 
 
+@pytest.mark.slow  # vLLM's own parser, imported in .venv-vllm
 def test_a_vllm_flag_named_like_a_credential_is_secret_if_it_takes_a_value() -> None:
     """``FLAG_NAME`` masks flags only named like a credential: on vLLM 0.32's real parser, every such
     option that takes a value is secret here, and every switch (``--allow-credentials``) is not."""
