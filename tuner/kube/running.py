@@ -185,7 +185,6 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
             lead_stop.set()
         changed.set()
 
-    metrics = selfmetrics.TunerMetrics()
     elector = electing.Elector(api, identity, lease_seconds=k.lease_duration_seconds,
                                renew_deadline_seconds=k.renew_deadline_seconds, retry_seconds=k.retry_period_seconds,
                                on_change=on_change, metrics=metrics)
