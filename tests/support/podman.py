@@ -402,18 +402,11 @@ def _unique_mounts(mounts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_yaml(path: Path, docs: Sequence[dict[str, Any]]) -> Path:
-    """Multi-line strings as literal blocks (podman's YAML reader refused PyYAML's folded quoted ones)."""
-    import yaml
+    """Multi-line strings as literal blocks (podman's YAML reader refused PyYAML's folded quoted ones):
+    the dump ``vllm-tuner inject`` writes."""
+    from tuner.cli.injecting import dump_all
 
-    class Dumper(yaml.SafeDumper):
-        def ignore_aliases(self, data: Any) -> bool:
-            return True
-
-    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
-
-    Dumper.add_representer(str, text)
-    path.write_text(yaml.dump_all(list(docs), Dumper=Dumper, sort_keys=False, width=10000))
+    path.write_text(dump_all(list(docs)))
     return path
 
 
