@@ -230,8 +230,11 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
     finally:
         stop.set()
         server.close()
+        # The pod's loop and the election finish what they write (the pod's report, the Lease's release);
+        # the watch only reads, and may sit in a long poll for up to its server timeout (30 s): it is not
+        # waited for, and closing the client ends it (a daemon thread either way).
         for t in threads:
-            t.join(timeout=k.request_timeout_seconds + 5)
+            t.join(timeout=0 if t.name == "watch" else k.request_timeout_seconds + 5)
         client.close()
         api.close()
     log.info("agent %s stopped", identity)

@@ -459,7 +459,8 @@ class PoolStore:
                 if not stop.is_set():
                     log.warning("watching the pool's ConfigMap: %s; again in %gs", exc, retry_seconds)
             except Exception:  # the watch must outlive any surprise; the loop re-reads
-                log.exception("watching the pool's ConfigMap failed")
+                if not stop.is_set():  # closing the client at shutdown ends a watch this way
+                    log.exception("watching the pool's ConfigMap failed")
             stop.wait(retry_seconds)
 
     # --- writing -----------------------------------------------------------------------------------------
