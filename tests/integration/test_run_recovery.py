@@ -5,7 +5,7 @@ The restarted daemon resumes the rollout inside its first cycle: systemd hears R
 NOTIFY_SOCKET datagram socket) and watchdog pings while it runs, /healthz answers 200 and /status shows
 the resumed rollout's progress; the resumed replica is judged against the baseline journaled with the
 decision, and the rollout ends with both replicas on the new arguments. The e2e tier does the same on
-real vLLM (tests/e2e/test_rollout_live.py).
+real vLLM through systemd (tests/e2e/test_systemd_live.py).
 
 The engines carry a secret (``--api-key``, and the token file the tuner scrapes with): every engine the
 resumed tuner starts gets it — from the configuration, since the journal, state.json and the pid files
