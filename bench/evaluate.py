@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 from bench.evaluation import profiles, reporting
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from bench.evaluation import arms as arms_mod
 
 ARMS = ("bad", "sweep", "default", "tuner", "tuner-live")
@@ -162,24 +164,13 @@ def run_arms(ctx: arms_mod.Context, chosen: list[str], *, values: list[int], tun
         log(f"   {meta['arm']}: {meta['requests']} requests, {meta['failed']} failed, "
             f"{meta['end'] - meta['start_at']:.0f} s")
 
-    if plugin_arms:
-        log(f"starting {p.replicas} wide-envelope replicas with the live-knob plugin (one start for "
-            f"{', '.join(n for n, _, _ in plugin_arms)})")
-        with arms_mod.StaticPool(ctx, "wide", max_num_seqs=None, plugin=True) as pool:
-            log(f"   up after {pool.started_seconds:.0f} s; envelope --max-num-seqs {pool.envelope}")
-            for name, cap, label in plugin_arms:
-                how = "engine defaults (cap released)" if cap is None else "static, cap via plugin"
-                log(f"arm {name}: {how}" if cap is None else f"arm {name}: {label} ({how})")
-                summary(arms_mod.run_static(ctx, pool, name, cap=cap, mode="plugin", how=how, flags_label=label))
-    for name, seqs, label in restart_arms:
-        log(f"arm {name}: starting {p.replicas} replicas at {label}")
-        with arms_mod.StaticPool(ctx, name, max_num_seqs=seqs, plugin=False) as pool:
-            log(f"   up after {pool.started_seconds:.0f} s")
-            summary(arms_mod.run_static(ctx, pool, name, cap=None, mode="restart",
-                                        how="static, own engine start", flags_label=label))
-    for kind in ("tuner", "tuner-live"):
-        if kind not in chosen:
-            continue
+    def plugin_arms_on(pool: arms_mod.StaticPool) -> None:
+        for name, cap, label in plugin_arms:
+            how = "engine defaults (cap released)" if cap is None else "static, cap via plugin"
+            log(f"arm {name}: {how}" if cap is None else f"arm {name}: {label} ({how})")
+            summary(arms_mod.run_static(ctx, pool, name, cap=cap, mode="plugin", how=how, flags_label=label))
+
+    def run_tuner_arm(kind: str, then: Callable[[arms_mod.TunerPool], None] | None = None) -> None:
         live = kind == "tuner-live"
         setting = tuner_config or ((p.tuner.live_config or p.tuner.config) if live else p.tuner.config)
         assert setting is not None
@@ -187,7 +178,32 @@ def run_arms(ctx: arms_mod.Context, chosen: list[str], *, values: list[int], tun
         name = tuner_arm or kind
         log(f"arm {name}: the tuner from --max-num-seqs {p.bad_start} ({'live cap' if live else 'restarts'}), "
             f"settings {template}")
-        summary(arms_mod.run_tuner(ctx, name, template=template, live=live))
+        summary(arms_mod.run_tuner(ctx, name, template=template, live=live, then=then))
+
+    shared = p.share_engines and bool(plugin_arms) and "tuner-live" in chosen
+    if shared:  # the live tuner arm first; the plugin arms then run on its engines (profiles.Profile.share_engines)
+        def after_tuner(tuner_pool: arms_mod.TunerPool) -> None:
+            log(f"the plugin arms ({', '.join(n for n, _, _ in plugin_arms)}) on the live tuner arm's engines")
+            pool = arms_mod.SharedPool(ctx, tuner_pool).start()
+            log(f"   envelope --max-num-seqs {pool.envelope}")
+            plugin_arms_on(pool)
+
+        run_tuner_arm("tuner-live", after_tuner)
+    elif plugin_arms:
+        log(f"starting {p.replicas} wide-envelope replicas with the live-knob plugin (one start for "
+            f"{', '.join(n for n, _, _ in plugin_arms)})")
+        with arms_mod.StaticPool(ctx, "wide", max_num_seqs=None, plugin=True) as pool:
+            log(f"   up after {pool.started_seconds:.0f} s; envelope --max-num-seqs {pool.envelope}")
+            plugin_arms_on(pool)
+    for name, seqs, label in restart_arms:
+        log(f"arm {name}: starting {p.replicas} replicas at {label}")
+        with arms_mod.StaticPool(ctx, name, max_num_seqs=seqs, plugin=False) as pool:
+            log(f"   up after {pool.started_seconds:.0f} s")
+            summary(arms_mod.run_static(ctx, pool, name, cap=None, mode="restart",
+                                        how="static, own engine start", flags_label=label))
+    for kind in ("tuner", "tuner-live"):
+        if kind in chosen and not (shared and kind == "tuner-live"):
+            run_tuner_arm(kind)
 
 
 if __name__ == "__main__":

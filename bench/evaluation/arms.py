@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -416,12 +416,18 @@ class StaticPool:
                         raise HarnessError(f"replica {name} refused the cap {value}: {ack.refused}")
                     self.envelope = ack.envelope.get("max_num_seqs") or self.envelope
                     break
-                if not self.servers[name].alive():
-                    raise HarnessError(f"replica {name} died:\n{self.servers[name].log_tail()}")
+                if not self.alive(name):
+                    raise HarnessError(f"replica {name} died:\n{self.tail(name)}")
                 if time.monotonic() > deadline:
                     raise HarnessError(f"replica {name} did not acknowledge cap {value} (seq {seq}) within "
                                        f"{timeout:g}s; acks: {acks}")
                 time.sleep(0.5)
+
+    def alive(self, name: str) -> bool:
+        return self.servers[name].alive()
+
+    def tail(self, name: str) -> str:
+        return self.servers[name].log_tail()
 
     def close(self) -> None:
         for s in self.servers.values():
@@ -435,6 +441,36 @@ class StaticPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SharedPool(StaticPool):
+    """The live tuner arm's engines, after its tuner stopped, as the plugin arms' pool (``share_engines``):
+    the same wide-envelope flags, nginx and control directories; the tuner pool starts and stops them."""
+
+    def __init__(self, ctx: Context, tuner_pool: TunerPool) -> None:
+        self.ctx, self.label, self.max_num_seqs, self.plugin = ctx, "shared with tuner-live", None, True
+        self.tuner_pool = tuner_pool
+        self.ports = dict(tuner_pool.ports)
+        self.lb = tuner_pool.lb
+        self.control = dict(tuner_pool.control)
+        self.servers = {}
+        # Above every seq the tuner wrote: an acknowledgement of one of its requests answers none of these.
+        self._seq = itertools.count(1_000_000)
+        self.envelope = None
+        self.started_seconds = 0.0
+
+    def start(self) -> SharedPool:
+        self.set_cap(None)
+        return self
+
+    def alive(self, name: str) -> bool:
+        return live_rollout.healthy(self.urls[name])
+
+    def tail(self, name: str) -> str:
+        return self.tuner_pool.diagnostics()
+
+    def close(self) -> None:
+        pass  # the tuner pool's
 
 
 def run_static(ctx: Context, pool: StaticPool, arm: str, *, cap: int | None, mode: str, how: str,
@@ -562,7 +598,9 @@ def compose(template: Path, *, pool: TunerPool) -> dict[str, Any]:
             "rollout": rollout}
 
 
-def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool) -> dict[str, Any]:
+def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool,
+              then: Callable[[TunerPool], None] | None = None) -> dict[str, Any]:
+    """The tuner arm; ``then(pool)``, if given, runs once its tuner stopped and before its engines stop."""
     arm_dir = ctx.arm_dir(arm)
     work = arm_dir / "tuner"
     work.mkdir()
@@ -599,6 +637,19 @@ def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool) -> dict[str
         stopped_in_flight = in_flight(pool)
         rc = pool.stop_tuner()
         tuner_log_tail = pool.tuner.log_tail(40) if pool.tuner else ""
+        meta = _tuner_meta(ctx, arm, live=live, template=template, urls=urls, envelope=envelope, rc=rc,
+                           stopped_in_flight=stopped_in_flight, started=started, played=played,
+                           pool_seconds=pool_seconds, load_before=load_before, tuner_log_tail=tuner_log_tail)
+        write_meta(arm_dir, meta)
+        if then is not None:
+            then(pool)
+    return meta
+
+
+def _tuner_meta(ctx: Context, arm: str, *, live: bool, template: Path, urls: Mapping[str, str],
+                envelope: int | None, rc: int | None, stopped_in_flight: list[str], started: float,
+                played: Mapping[str, Any], pool_seconds: float, load_before: float,
+                tuner_log_tail: str) -> dict[str, Any]:
     initial = None if live else ctx.profile.bad_start
     meta = {
         "arm": arm, "kind": "tuner", "mode": "live" if live else "restart",
@@ -614,5 +665,4 @@ def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool) -> dict[str
     }
     if rc not in (0, None):
         meta["note"] = f"the tuner exited {rc} on SIGTERM: {tuner_log_tail[-500:]}"
-    write_meta(arm_dir, meta)
     return meta

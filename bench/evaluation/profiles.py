@@ -130,6 +130,11 @@ class Profile(_Model):
     static_mode: Literal["plugin", "restart"] = "plugin"
     """How the bad start is held static: its cap on the wide-envelope engines (plugin) or engines
     started at it (restart)."""
+    share_engines: bool = False
+    """Run the live tuner arm first and then the plugin arms on its engines (they stay up after its tuner
+    stops; each arm sets its own cap through the replicas' control directories): one pool start instead of
+    two. Only when ``tuner-live`` and plugin arms are both chosen; otherwise the plugin arms get their own
+    wide-envelope start, as by default."""
     sweep: Sweep
     slo: Slo = Slo()
     trace: Trace
