@@ -170,18 +170,39 @@ def agent_relaunch(pod: Pod, overrides: list[tuple[str, str]], *, grace_seconds:
                    timeout, f"generation {generation} settled", poll=0.5)
 
 
-def test_relaunch_under_load_fails_no_request(pod: Pod) -> None:
+def test_a_failing_candidate_then_the_next_command_line_under_load_fail_no_request(pod: Pod) -> None:
+    """Under load through nginx: the agent drains the replica and asks for a command line vLLM refuses at
+    start-up (``--max-model-len 999999``); the launcher reports the failed candidate, stays alive, not
+    ready, with nothing running; the agent then asks for the next one (``--max-num-seqs 8``, what its
+    rollback to the last good command line would be) and that engine serves. No request of the load fails
+    (nginx's backup serves while the replica is out), the old engine's whole group is gone, liveness holds
+    throughout. (Two tests until 0.3.0, a relaunch and a failing candidate with its rollback: one vLLM
+    start more.)"""
     lp = pod.launcher
     before = lp.status()
     assert before["argv"][-2:] == ["--max-num-seqs", "4"] and before["ready"]
     old_pid = before["pid"]
     old_group = support.group_members(old_pid)
     assert len(old_group) >= 2, f"vLLM runs an API server and an engine core: {old_group}"
+    good = [tuple(o) for o in before.get("desired_overrides") or []]
     load = live.LiveLoad(pod.lb.url, pod.model, pod.work, concurrency=4, name="relaunch-load").start()
     try:
         load.wait_sending()
         time.sleep(10)  # the real engine serves under load first
-        st = agent_relaunch(pod, [("--max-num-seqs", "8")])
+        st = agent_relaunch(pod, [*good, ("--max-model-len", "999999")])
+        assert st["state"] == "candidate-failed"
+        failure = st["candidate_failure"]
+        assert failure["exit_code"] not in (None, 0) and "before it was healthy" in failure["reason"]
+        assert any("max_model_len" in line or "max-model-len" in line for line in failure["log_tail"]), \
+            failure["log_tail"]
+        assert lp.alive() and lp.probe("/livez")[0] == 200
+        code, body = lp.probe("/readyz")
+        assert code == 503 and "candidate-failed" in body
+        assert st["pid"] is None and engine_requests(pod.port) is None  # nothing runs, nothing listens
+        print(f"\nfailing candidate: exit code {failure['exit_code']}: {failure['reason']}")
+        generation = lp.request([*good, ("--max-num-seqs", "8")], drain=False)  # the agent's next command line
+        st = lp.wait(lambda s: s["generation"] == generation and s["state"] in ("serving", "candidate-failed"),
+                     START_TIMEOUT, f"generation {generation} settled", poll=0.5)
         assert st["state"] == "serving", st.get("candidate_failure")
         lp.wait(lambda s: s["ready"], 60, "ready after the relaunch")
         pod.endpoints.wait(True, 30)
@@ -192,45 +213,23 @@ def test_relaunch_under_load_fails_no_request(pod: Pod) -> None:
     assert result["completed"] > 0
     after = lp.status()
     assert after["argv"][-2:] == ["--max-num-seqs", "8"] and after["argv"].count("--max-num-seqs") == 1
-    assert after["pid"] != old_pid and after["planned_restarts"] == 1
+    assert after["pid"] != old_pid and after["planned_restarts"] == 1  # the candidate; then a start
     assert all(support.proc_state(pid) is None for pid in old_group), "a process of the old engine is left"
     assert support.group_members(old_pid) == []
-    relaunch = after["last_relaunch"]
-    assert relaunch["result"] == "healthy" and relaunch["killed"] is False
+    relaunch = after["last_relaunch"]  # the candidate's: the old engine stopped on SIGTERM, then it failed
+    assert relaunch["result"] == "failed" and relaunch["killed"] is False, relaunch
     assert httpx.get(f"http://127.0.0.1:{pod.port}/v1/models", timeout=10).status_code == 200
+    r = httpx.post(pod.lb.url + "/v1/completions", json={"model": live.SERVED_NAME, "prompt": "the queue",
+                                                          "max_tokens": 8, "ignore_eos": True}, timeout=120)
+    # the new engine serves: a completion through nginx. (Its length is not the point: twice on a loaded
+    # box the tiny random model's answer stopped after 1 token although max_tokens was 8.)
+    assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 8, r.text
     held, how = pod.recorder.liveness_held()
     assert held, f"liveness must hold through the planned restart: {how}"
     assert pod.recorder.transitions("/readyz")[-3:] == [200, 503, 200]
-    print(f"\nrelaunch under load: SIGTERM → all exited {relaunch['stop_seconds']:.1f}s, start → healthy "
-          f"{relaunch['start_seconds']:.1f}s, total {relaunch['total_seconds']:.1f}s; "
+    print(f"relaunch under load: old engine stopped in {relaunch['stop_seconds']:.1f}s; "
           f"{result['completed']} requests, {result['failed']} failed; routing (ready) "
           f"{[ready for _, ready in pod.endpoints.changes]}")
-
-
-def test_a_failing_candidate_is_reported_then_the_rollback_serves(pod: Pod) -> None:
-    lp = pod.launcher
-    good = [tuple(o) for o in lp.status()["desired_overrides"]]
-    st = agent_relaunch(pod, [*good, ("--max-model-len", "999999")])
-    assert st["state"] == "candidate-failed"
-    failure = st["candidate_failure"]
-    assert failure["exit_code"] not in (None, 0) and "before it was healthy" in failure["reason"]
-    assert any("max_model_len" in line or "max-model-len" in line for line in failure["log_tail"]), failure["log_tail"]
-    assert lp.alive() and lp.probe("/livez")[0] == 200
-    code, body = lp.probe("/readyz")
-    assert code == 503 and "candidate-failed" in body
-    assert st["pid"] is None and engine_requests(pod.port) is None  # nothing runs, nothing listens
-    print(f"\nfailing candidate: exit code {failure['exit_code']}: {failure['reason']}")
-    rollback = lp.request(good, drain=False)  # the agent's rollback: the last good command line
-    st = lp.wait(lambda s: s["generation"] == rollback and s["ready"], START_TIMEOUT, "the rollback ready", poll=0.5)
-    assert st["argv"][-2:] == ["--max-num-seqs", "8"]
-    pod.endpoints.wait(True, 30)
-    r = httpx.post(pod.lb.url + "/v1/completions", json={"model": live.SERVED_NAME, "prompt": "the queue",
-                                                          "max_tokens": 8, "ignore_eos": True}, timeout=120)
-    # the rollback serves: a completion through nginx. (Its length is not the point: twice on a loaded box
-    # the tiny random model's answer stopped after 1 token although max_tokens was 8.)
-    assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 8, r.text
-    held, how = pod.recorder.liveness_held()
-    assert held, how
 
 
 def test_sigterm_lets_the_inflight_request_finish_and_returns_the_engines_code(pod: Pod) -> None:
