@@ -32,7 +32,10 @@ The shipped unit runs unchanged but for a test drop-in (``dropin()``):
   ``ProtectHome=yes`` (or ``PrivateTmp=yes``) hides; the drop-in exposes exactly those directories,
   read-only, and keeps the rest of the sandbox;
 - no ``User=vllm`` (no such user here), no State/CacheDirectory on the host's /var, HOME=/tmp
-  (the unit's PrivateTmp), and the engine environment of ``harness/vllm.py``.
+  (the unit's PrivateTmp), and the engine environment of ``harness/vllm.py``;
+- the cache the shipped unit keeps in its CacheDirectory (``XDG_CACHE_HOME``) is the test's own
+  directory, bound read-write (``BindPaths=``): without one, every start ran vLLM's model inspection in
+  a subprocess of its own (one more import of vLLM and torch) instead of reading what it cached.
 
 Needs root (``unshare --pid --mount``): skipped otherwise, even under VLLM_TUNER_REQUIRE_E2E=1, like
 the systemd contract tests.
@@ -77,9 +80,9 @@ def hidden_paths() -> list[Path]:
     return sorted(p for p in needed if p.parts[1:2] in (("root",), ("home",), ("tmp",)))
 
 
-def dropin(env_dir: Path) -> str:
+def dropin(env_dir: Path, cache_dir: Path) -> str:
     env = " ".join(f"{k}={v}" for k, v in live.ENGINE_ENV.items())
-    binds = "".join(f"BindReadOnlyPaths={p}\n" for p in hidden_paths())
+    binds = "".join(f"BindReadOnlyPaths={p}\n" for p in hidden_paths()) + f"BindPaths={cache_dir}\n"
     return (
         "[Service]\n"
         "ExecStart=\n"
@@ -87,7 +90,7 @@ def dropin(env_dir: Path) -> str:
         "EnvironmentFile=\n"
         f"EnvironmentFile={env_dir}/%i.env\n"
         "User=\nGroup=\nStateDirectory=\nCacheDirectory=\n"
-        f"Environment=HOME=/tmp XDG_CACHE_HOME=/tmp/cache {env}\n"
+        f"Environment=HOME=/tmp XDG_CACHE_HOME={cache_dir} {env}\n"
         "ProtectHome=tmpfs\n"
         f"{binds}"
     )
@@ -161,7 +164,9 @@ def sd_pool(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         env_dir = sd.shared_dir / "env"
         env_dir.mkdir()
         sd.install_unit("vllm@.service", UNIT.read_text())
-        sd.install_unit("vllm@.service.d/test.conf", dropin(env_dir))
+        cache_dir = sd.shared_dir / "cache"
+        cache_dir.mkdir()
+        sd.install_unit("vllm@.service.d/test.conf", dropin(env_dir, cache_dir))
         sd.systemctl("daemon-reload")
         pool = SystemdPool(work, vllm_ready, ports, sd, env_dir, lb, listen_port=nginx_support.free_port())
         try:
