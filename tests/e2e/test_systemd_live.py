@@ -20,7 +20,7 @@ replicas in the journal, nothing lost across the kill; never two replicas out of
 the units' EnvironmentFiles, in what systemd exec'd (/proc), in the tuner's state and /status. The same
 rollout with the process actuator (the engines the tuner's children), the kill at every record boundary
 and the refused-flags rollback are the fast tier's, on simulated engines (tests/integration/test_rolling.py,
-tests/integration/test_run_recovery.py, tests/faults/test_kill_points.py); until 0.3.0 they also ran here
+tests/integration/test_run_recovery.py, tests/faults/test_kill_points.py); up to 0.3.0 they also ran here
 on real engines, as tests/e2e/test_rollout_live.py (6-9 minutes of ``make test``).
 
 The shipped unit runs unchanged but for a test drop-in (``dropin()``):
