@@ -4,6 +4,7 @@ inside a real pod: tests/e2e/test_podman_pod.py."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -307,7 +308,7 @@ def test_signal_all_reaches_each_process_of_the_group_once(tmp_path, monkeypatch
                 "if sys.argv[2] == 'leader':\n"
                 "    for name in ('member', 'away'):\n"
                 "        subprocess.Popen([sys.executable, '-c', sys.argv[3], sys.argv[1][:-6] + name, name])\n"
-                "open(sys.argv[1] + '.ready', 'w').close()\n"
+                "open(sys.argv[1] + '.ready', 'w').write(str(os.getpid()))\n"
                 "while True: time.sleep(0.1)\n")
     names = ("leader", "member", "away")
     leader = subprocess.Popen([sys.executable, "-c", counting, str(tmp_path / "leader"), "leader", counting],
@@ -329,6 +330,10 @@ def test_signal_all_reaches_each_process_of_the_group_once(tmp_path, monkeypatch
         processes.signal_all(leader.pid, signal.SIGKILL, root=leader.pid)
         leader.kill()
         leader.wait()
+        # ``away`` left the group and, its parent gone, is nobody's descendant now: by its own pid
+        for ready in tmp_path.glob("*.ready"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(ready.read_text() or "x"), signal.SIGKILL)
 
 
 def test_without_desired_json_the_engine_starts_on_its_own_command_line_after_the_wait(state):
