@@ -61,6 +61,16 @@ LONGEST_FIRST = (
     "unit/test_snapshots.py", "integration/test_kube_api.py",
 )
 
+# The end-to-end modules' order on their worker. Those that wait for events go first, beside the busiest
+# part of the other tiers; the evaluation last, when the rest of the suite is done: it plays an open-loop
+# trace and compares arms by their goodput, which a neighbour's load moves (with the heaviest other tests
+# beside it, at load 20, its first pool took 362 s to start instead of 100 s). Any module not named runs
+# before these.
+E2E_ORDER = (
+    "e2e/test_launcher_live.py", "e2e/test_live_knobs_live.py", "e2e/test_podman_pod.py", "e2e/test_systemd_live.py",
+    "e2e/test_image.py", "e2e/test_evaluation.py",
+)
+
 # Hypothesis: the same examples on every run (no test fails at random), no deadline (a loaded 2-core box
 # must not turn slowness into failures). Each test's own ``max_examples`` bounds it; tests/fuzz/ has its
 # own profiles (tests/fuzz/support.py). HYPOTHESIS_PROFILE=explore draws new examples.
@@ -90,8 +100,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    e2e = {path: i - len(E2E_ORDER) for i, path in enumerate(E2E_ORDER)}
     # stable: a file's order stays. The end-to-end tests first, so that they have a worker from the start.
-    items.sort(key=lambda item: -1 if is_e2e(item.nodeid) else rank.get(_path(item.nodeid), len(rank)))
+    items.sort(key=lambda item: e2e.get(_path(item.nodeid), -1) if is_e2e(item.nodeid)
+               else rank.get(_path(item.nodeid), len(rank)))
 
 
 @pytest.hookimpl(tryfirst=True)
