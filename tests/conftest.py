@@ -67,9 +67,16 @@ LONGEST_FIRST = (
 # beside it, at load 20, its first pool took 362 s to start instead of 100 s). Any module not named runs
 # before these.
 E2E_ORDER = (
-    "e2e/test_launcher_live.py", "e2e/test_live_knobs_live.py", "e2e/test_podman_pod.py", "e2e/test_systemd_live.py",
-    "e2e/test_image.py", "e2e/test_evaluation.py",
+    "e2e/test_launcher_live.py", "e2e/test_live_knobs_live.py", "e2e/test_podman_pod.py",
+    "integration/test_podman_pod.py", "e2e/test_systemd_live.py", "e2e/test_image.py", "e2e/test_evaluation.py",
 )
+# Files that run on the e2e tests' worker, one after the other with them, and why: they share something with
+# an e2e module that two workers at once would break.
+WITH_THE_E2E_TESTS = {
+    "integration/test_podman_pod.py": "it plays the example pool's pod under the name e2e/test_podman_pod.py's pod "
+                                      "has, and podman 4.3 shares an emptyDir's named volume between pods: one "
+                                      "module's teardown removed the other's pod",
+}
 
 # Hypothesis: the same examples on every run (no test fails at random), no deadline (a loaded 2-core box
 # must not turn slowness into failures). Each test's own ``max_examples`` bounds it; tests/fuzz/ has its
@@ -95,6 +102,10 @@ def is_e2e(nodeid: str) -> bool:
     return _path(nodeid).startswith("e2e/")
 
 
+def in_e2e_unit(nodeid: str) -> bool:
+    return is_e2e(nodeid) or _path(nodeid) in WITH_THE_E2E_TESTS
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if is_slow(item.nodeid):
@@ -102,7 +113,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     e2e = {path: i - len(E2E_ORDER) for i, path in enumerate(E2E_ORDER)}
     # stable: a file's order stays. The end-to-end tests first, so that they have a worker from the start.
-    items.sort(key=lambda item: e2e.get(_path(item.nodeid), -1) if is_e2e(item.nodeid)
+    items.sort(key=lambda item: e2e.get(_path(item.nodeid), -1) if in_e2e_unit(item.nodeid)
                else rank.get(_path(item.nodeid), len(rank)))
 
 
@@ -119,7 +130,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class FilesAndOneE2EUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "e2e" if is_e2e(nodeid) else nodeid.split("::", 1)[0]
+            return "e2e" if in_e2e_unit(nodeid) else nodeid.split("::", 1)[0]
 
     return FilesAndOneE2EUnit(config, log)
 
