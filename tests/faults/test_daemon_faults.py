@@ -228,15 +228,23 @@ def test_a_slow_loris_and_broken_engines_beside_a_healthy_one_do_not_stall_the_d
             ends = [datetime.fromisoformat(r["ts"]).timestamp() for r in records]
             gaps = [b - a for a, b in itertools.pairwise(ends[1:])]
             assert max(gaps) < 2 * INTERVAL, gaps
+            # Each bad target fails with its own reason, or, when its answer did not come within the deadline,
+            # as timed out (the bad servers are threads of this test process: with the rest of `make test`
+            # beside it, once a 503 took longer than the 2 s deadline). Never anything else, and each reason
+            # was seen.
+            own = {"http-5xx": "503", "html": "HTML", "redirect-loop": "302"}
+            seen: set[str] = set()
             for r in records[1:]:
                 c = r["cycle"]
                 assert c["targets"]["healthy"]["scrape_error"] is None, c["summary"]
                 assert c["steps"]["collect"] <= 3 * DEADLINE + 1, c["steps"]  # the gathering's own bound
                 errors = {n: c["targets"][n]["scrape_error"] or "" for n, _ in targets}
                 assert "timed out" in errors["loris"], errors["loris"]  # cut by the deadline: a read past it times out
-                assert "503" in errors["http-5xx"], errors["http-5xx"]
-                assert "HTML" in errors["html"], errors["html"]
-                assert "302" in errors["redirect-loop"], errors["redirect-loop"]
+                for name, reason in own.items():
+                    assert reason in errors[name] or "timed out" in errors[name], (name, errors[name])
+                    if reason in errors[name]:
+                        seen.add(name)
+            assert seen == set(own), (seen, [r["cycle"]["summary"] for r in records])
             assert "Traceback" not in tuner.log.read_text()
             os.kill(tuner.proc.pid, signal.SIGTERM)
             sent = time.monotonic()
