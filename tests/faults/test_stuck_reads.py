@@ -26,10 +26,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import waiting
 from harness.ports import free_port
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess
@@ -148,6 +150,12 @@ STUCK = ("desired.json is a FIFO", "the engine's /health accepts and never answe
          "a probe client sends its request one byte a second")
 
 
+def _serves(port: int) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    return False
+
+
 @pytest.mark.parametrize("stuck", [(s,) for s in STUCK] + [STUCK], ids=["fifo", "health", "probe", "all"])
 def test_the_launcher_exits_promptly_on_sigterm_while_its_reads_are_stuck(tmp_path: Path,
                                                                           stuck: tuple[str, ...]) -> None:
@@ -174,6 +182,10 @@ def test_the_launcher_exits_promptly_on_sigterm_while_its_reads_are_stuck(tmp_pa
         engine = int(st["pid"])
         if STUCK[1] not in stuck:
             lp.wait_state("serving", 30)
+        # The stub engine installs its SIGTERM handler before it serves: once it answers, a SIGTERM is its
+        # own to handle. (With the launcher's health check pointed at the stuck socket, nothing waited for
+        # that, and once, with the rest of make test beside it, Python's default ended the stub with 143.)
+        waiting.wait_for(lambda: _serves(port), 30, "the stub engine to serve", poll=0.1)
         if STUCK[0] in stuck:
             assert "not a regular file" in (lp.status().get("desired_error") or "") or "FIFO" in lp.log_tail()
         if STUCK[2] in stuck:
