@@ -257,7 +257,7 @@ def test_the_tuner_raises_max_num_seqs_through_systemd_one_unit_at_a_time_and_su
     decision = next(r for r in records if r["kind"] == "decision" and r.get("rollout") == rid)
     assert [(c["flag"], str(c["from"]), str(c["to"])) for c in decision["changes"]] == [("--max-num-seqs", "4", "8")]
     # Each replica verified on its restarted engine's own counters, sa by the restarted tuner.
-    assert decision["checks"] == [] and decision["baselines"][NAMES[0]]["requests_running_max"] > 0
+    assert decision["checks"] == [] and set(decision["baselines"]) == set(NAMES), decision["baselines"]
     for n in NAMES:
         (verified,) = [e for e in live.events(records, rid) if e["replica"] == n and e["to"] == "done"]
         assert verified["reason"].startswith("no request errored, aborted or was rejected"), verified
