@@ -71,16 +71,18 @@ check: venv
 e2e: venv vllm-env
 	$(PY) -m pytest -q -m e2e
 
-# The whole suite, real-vLLM end-to-end tests included, in one session on three workers: the end-to-end
-# tests one at a time on one of them (a real engine each, ~3 GB and most of two cores), every other file
-# on the other two beside them, a file's tests together (tests/conftest.py's scheduler). Run one
-# after the other (0.2.0), the tiers without a real engine took 13 minutes here, and the e2e tests up to
-# their systemd module 31 more.
+# The whole suite, real-vLLM end-to-end tests included. The tiers without a real engine run three at a
+# time (a file's tests together), then the end-to-end tests one at a time (a real engine each, ~3 GB and
+# most of two cores; tests/conftest.py orders them, the evaluation last). Run side by side in one session
+# (`-n 3 --dist loadfile` without `-m`: tests/conftest.py's scheduler keeps the e2e tests on one worker)
+# the whole suite took 1,749 and 1,777 s here, but each of those runs had 2-3 tests fail from the
+# contention: not the default until those are fixed at their cause.
 test: venv vllm-env system-deps
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory lint typecheck && \
-	VLLM_TUNER_REQUIRE_E2E=1 VLLM_TUNER_TIER="make test" $(PY) -m pytest -q -n 3 --dist loadfile \
-	  --no-loadscope-reorder --durations=30; \
+	VLLM_TUNER_REQUIRE_E2E=1 VLLM_TUNER_TIER="no engine" $(PY) -m pytest -q -m "not e2e" -n 3 --dist loadfile \
+	  --no-loadscope-reorder --durations=15 && \
+	VLLM_TUNER_REQUIRE_E2E=1 VLLM_TUNER_TIER=e2e $(PY) -m pytest -q -m e2e --durations=30; \
 	rc=$$?; echo "make test: $$(( $$(date +%s) - start )) s in all (exit $$rc)"; exit $$rc
 
 # The in-pod launcher as one file (what the agent sidecar copies into the pod's emptyDir).
