@@ -112,17 +112,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    e2e = {path: i - len(E2E_ORDER) for i, path in enumerate(E2E_ORDER)}
+    e2e = {path: i - len(E2E_ORDER) for i, path in enumerate(E2E_ORDER)}  # -len .. -1; a module not named: below
     # stable: a file's order stays. The end-to-end tests first, so that they have a worker from the start.
-    items.sort(key=lambda item: e2e.get(_path(item.nodeid), -1) if in_e2e_unit(item.nodeid)
+    items.sort(key=lambda item: e2e.get(_path(item.nodeid), -len(E2E_ORDER) - 1) if in_e2e_unit(item.nodeid)
                else rank.get(_path(item.nodeid), len(rank)))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``--dist loadfile``, with every real-engine test in one unit of work: ``make test`` runs all tiers in
-    one session, the e2e tests one at a time on one worker (each takes ~3 GB and most of two cores, in file
-    order), every other file on the other workers beside them, a file's tests together. (xdist's own
+    """``--dist loadfile``, with every real-engine test in one unit of work: run in one session (see the
+    module's docstring), the e2e tests go one at a time to one worker (each takes ~3 GB and most of two
+    cores; in E2E_ORDER), every other file on the other workers beside them, a file's tests together. (xdist's own
     ``loadgroup`` cannot do it on pytest 9.2: it renames node ids through an attribute pytest no longer
     reads.)"""
     if config.getoption("dist") != "loadfile":
