@@ -304,6 +304,9 @@ class Launcher:
             while self.exit_code is None:
                 self._wait(0.2)
                 self.tick()
+            # The group is gone when none of it is alive; a member that died since the last tick is still our
+            # zombie (re-parented to us): reap it, or it outlives us as a zombie of whoever inherits it.
+            self.reaped_orphans += len(processes.reap())
             self._set_state("exited")
             self._write_status(force=True)
             return self.exit_code
