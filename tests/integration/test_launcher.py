@@ -74,7 +74,7 @@ def test_a_planned_relaunch_does_not_wait_for_attached_connections(state):
         st = lp.wait(lambda s: s["state"] == "serving" and s["running_generation"] == generation, 40, "relaunch")
         relaunch = st["last_relaunch"]
         assert relaunch["forced"] and not relaunch["killed"] and relaunch["stop_seconds"] < 30, relaunch
-        assert "SIGINT to the engine 1s after its SIGTERM" in lp.log_tail(60)
+        lp.wait_log("SIGINT to the engine 1s after its SIGTERM")
 
 
 def test_drain_takes_readiness_away_without_touching_the_engine(state):
@@ -345,7 +345,7 @@ def test_without_desired_json_the_engine_starts_on_its_own_command_line_after_th
         assert lp.wait(lambda s: s.get("state"), 10, "status.json")["state"] == "waiting"
         st = lp.wait_state("serving", 30)
         assert time.monotonic() - started >= 1.5 and st["candidate"] is False and st["generation"] is None
-        assert "no desired.json after 1.5s" in lp.log_tail()
+        lp.wait_log("no desired.json after 1.5s")
         generation = lp.request([("--max-num-seqs", "8")])  # the agent, late, is still carried out
         lp.wait(lambda s: s["running_generation"] == generation and s["ready"], 30, "the late request")
 
@@ -389,7 +389,7 @@ def test_readiness_has_hysteresis_and_a_wedged_engine_fails_liveness(state, tmp_
                 time.sleep(0.2)
             code, body = lp.probe("/livez")
             assert code == 503 and "wedged engine" in body, body
-            assert "liveness fails" in lp.log_tail(60)
+            lp.wait_log("liveness fails")
             health.write_text("ok")
             lp.wait(lambda s: s["ready"], 20, "the engine answers again")
             assert lp.probe("/livez")[0] == 200

@@ -162,6 +162,16 @@ class LauncherProcess:
             return b"".join(collections.deque(f, maxlen=n)).decode("utf-8", "replace")
         return "<no log>"
 
+    def wait_log(self, text: str, timeout: float = 10) -> None:
+        """Until ``text`` is anywhere in the launcher's log. The loop logs what it saw at its next turn,
+        which can come after a probe or status.json already tells (measured: a probe answered 503 before
+        the loop had logged "liveness fails" on a loaded box)."""
+        deadline = time.monotonic() + timeout
+        while text.encode() not in self.log_path.read_bytes():
+            assert time.monotonic() < deadline, (f"not in the launcher's log within {timeout:g}s: {text!r}\n"
+                                                 f"{self.log_tail()}")
+            time.sleep(0.1)
+
     def __enter__(self) -> LauncherProcess:
         return self if self.proc is not None else self.start()
 
