@@ -199,10 +199,13 @@ class Sampler:
             assert time.monotonic() < deadline, f"{what}: not within {deadline_s:.0f}s ({self.latest()})"
             time.sleep(0.1)
 
-    def wait_fresh(self, what: str, predicate, since: float, *, deadline_s: float = DEADLINE_S) -> None:
-        """Wait for a sample whose whole scrape began after ``since`` and satisfies ``predicate``."""
+    def wait_fresh(self, what: str, predicate, since: float, *, deadline_s: float = DEADLINE_S) -> dict[str, float]:
+        """Wait for a sample whose whole scrape began after ``since`` and satisfies ``predicate``; the first."""
         deadline = time.monotonic() + deadline_s
-        while not any(predicate(m) for began, _, m in list(self.samples) if began >= since):
+        while True:
+            for began, _, m in list(self.samples):
+                if began >= since and predicate(m):
+                    return m
             assert self.engine.server.alive(), f"engine died:\n{self.engine.server.log_tail()}"
             assert time.monotonic() < deadline, f"{what}: not within {deadline_s:.0f}s ({self.latest()})"
             time.sleep(0.1)
@@ -259,13 +262,18 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
             return phases[-1]
 
         def hold(phase: Phase, completions: int) -> None:
-            # A phase lasts until both hold: ``completions`` more requests finished, and one whole scrape
-            # of the gauge fell inside it (a scrape can take seconds on a loaded box: wait for it, never
-            # count on it having happened in time).
-            target = sampler.latest()["completed"] + completions
+            # A phase lasts until all three hold: ``completions`` more requests finished, counted from a
+            # scrape that began inside the phase (the latest one can be seconds old on a loaded box, and
+            # once had counted them before the phase began); one whole scrape of the gauge fell inside
+            # it; and vLLM logged a step inside it (once, a phase that lasted one scrape had none).
+            # Each is waited for, never counted on having happened in time.
+            first = sampler.wait_fresh(f"phase {phase.name}: a scrape", lambda m: True, since=phase.t0)
+            target = first["completed"] + completions
             sampler.wait(f"phase {phase.name}: {completions} completions", lambda m: m["completed"] >= target)
             sampler.wait(f"phase {phase.name}: a whole scrape",
                          lambda m: sampler.window(phase.t0, time.monotonic()))
+            sampler.wait(f"phase {phase.name}: a logged step",
+                         lambda m: engine.iterations(phase.log0, engine.log_offset()))
             phase.log1, phase.t1 = engine.log_offset(), time.monotonic()  # before the next request
 
         ack = engine.ack(seq)
