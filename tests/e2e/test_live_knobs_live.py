@@ -87,8 +87,12 @@ class Engine:
         live_knobs.write_request(self.control_dir, seq, **knobs)
         return seq
 
-    def ack(self, seq: int, *, deadline_s: float = DEADLINE_S) -> live_knobs.Ack:
-        """Wait for the acknowledgement of ``seq`` (the engine reads the file at its next step)."""
+    def ack(self, seq: int, *, deadline_s: float = DEADLINE_S, poke: bool = False) -> live_knobs.Ack:
+        """Wait for the acknowledgement of ``seq`` (the engine reads the file at its next step).
+
+        ``poke``: the engine is idle. The plugin reads control.json at the start of a step, at most every
+        0.2 s, and an idle engine runs no steps: one short request at a time gives it steps until it has
+        answered (a single request of a few tokens can finish between two reads)."""
         deadline = time.monotonic() + deadline_s
         while True:
             acks = live_knobs.read_acks(self.control_dir)
@@ -100,21 +104,9 @@ class Engine:
                 return mine[0]
             assert self.server.alive(), f"engine died:\n{self.server.log_tail()}"
             assert time.monotonic() < deadline, f"no acknowledgement of seq {seq} after {deadline_s:.0f}s: {acks}"
-            time.sleep(0.05)
-
-    def settle(self, seq: int, *, deadline_s: float = DEADLINE_S) -> live_knobs.Ack:
-        """The acknowledgement of ``seq`` on an idle engine. The plugin reads control.json at the start of
-        a step, at most every 0.2 s, and an idle engine runs no steps: one short request at a time gives it
-        steps until it has answered (a single request of a few tokens can finish between two reads)."""
-        deadline = time.monotonic() + deadline_s
-        while True:
-            acks = live_knobs.read_acks(self.control_dir)
-            self.acks_seen += acks
-            mine = [a for a in acks if a.answers(seq)]
-            if mine:
-                return mine[0]
-            assert self.server.alive(), f"engine died:\n{self.server.log_tail()}"
-            assert time.monotonic() < deadline, f"no acknowledgement of seq {seq} after {deadline_s:.0f}s: {acks}"
+            if not poke:
+                time.sleep(0.05)
+                continue
             httpx.post(f"{self.server.base_url}/v1/completions", timeout=60,
                        json={"model": self.server.model_name, "prompt": "hello", "max_tokens": 4,
                              "ignore_eos": True}).raise_for_status()
@@ -397,7 +389,7 @@ def test_the_token_budget_is_lowered_and_restored_live(engine):
     assert max(tokens) == 64  # the budget was used and never exceeded
     assert sum(chunks) >= 40 * 256  # the prompts were prefilled in this window, in chunks of <= 64
 
-    ack = engine.settle(engine.request(), deadline_s=60)
+    ack = engine.ack(engine.request(), deadline_s=60, poke=True)
     assert ack.is_applied and ack.effective["max_num_batched_tokens"] == MAX_NUM_BATCHED_TOKENS
     after = engine.metrics()
     assert after["errored"] == before["errored"] and after["aborted"] == before["aborted"]
@@ -413,7 +405,7 @@ def test_live_signals_match_the_benchmark(engine):
     requests in flight, so 12 wait on average. The checks: counters match the client's request and token
     counts exactly; the server-side means agree with the client's; and the mean queue time agrees with
     Little's law (waiting ≈ L = λ·W). (Its own engine with ``--max-num-seqs 4`` up to 0.3.0.)"""
-    ack = engine.settle(engine.request(max_num_active_seqs=SIGNALS_CAP))
+    ack = engine.ack(engine.request(max_num_active_seqs=SIGNALS_CAP), poke=True)
     assert ack.is_applied and ack.effective["max_num_active_seqs"] == SIGNALS_CAP, ack
     engine.wait_idle()
     server = engine.server
@@ -443,7 +435,7 @@ def test_live_signals_match_the_benchmark(engine):
         time.sleep(1.0)
         after = scrape()
         info = client.info(server.base_url, "vllm")
-    restored = engine.settle(engine.request())  # the startup values again, for whatever runs next
+    restored = engine.ack(engine.request(), poke=True)  # the startup values again, for whatever runs next
     assert restored.is_applied and restored.effective["max_num_active_seqs"] == MAX_NUM_SEQS
 
     assert result["completed"] == SIGNALS_PROMPTS and result.get("failed", 0) == 0, (
