@@ -118,7 +118,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                else rank.get(_path(item.nodeid), len(rank)))
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest -p no:xdist runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """``--dist loadfile``, with every real-engine test in one unit of work: run in one session (see the
     module's docstring), the e2e tests go one at a time to one worker (each takes ~3 GB and most of two

@@ -244,7 +244,7 @@ def test_every_name_comes_from_the_pool():
 def test_the_chart_packages_with_its_kube_version(tmp_path):
     helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
     archive = Path(helm.package(str(CHART), destination=str(tmp_path)))
-    assert archive.name == "vllm-tuner-0.2.0.tgz"
+    assert archive.name == f"vllm-tuner-{yaml.safe_load((CHART / 'Chart.yaml').read_text())['version']}.tgz"
     with helm.Chart.load_archive(archive.read_bytes()) as chart:
         assert chart.metadata["kubeVersion"] == ">=1.29.0-0"
         assert any(t["name"] == "templates/networkpolicy.yaml" for t in chart.templates)

@@ -115,3 +115,27 @@ def test_the_shared_harness_is_the_only_bridge_between_tests_and_benchmarks(pack
     bad = [str(p.relative_to(ROOT)) for p in sorted((ROOT / package).rglob("*.py"))
            if _imports(p) & forbidden and p.name not in tests_of_bench]
     assert not bad, f"{package}/ imports {sorted(forbidden)} in {bad}: move what both need into harness/"
+
+
+def test_every_version_is_the_changelogs_last_release():
+    """One release train: the package, the plugin, the chart, its appVersion (the image tag the agent
+    runs) and the Helm plugin carry the version of CHANGELOG.md's newest release (0.3.0 shipped as
+    0.1.0 everywhere but the chart, so ``vllm-tuner --version`` said 0.1.0)."""
+    import yaml
+
+    import tuner
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d\d-\d\d$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases, "CHANGELOG.md names no release"
+    chart = yaml.safe_load((ROOT / "deploy/helm/vllm-tuner/Chart.yaml").read_text())
+    plugin_init = (ROOT / "plugin/src/vllm_tuner_plugin/__init__.py").read_text()
+    found = {
+        "pyproject.toml": tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"],
+        "tuner.__version__": tuner.__version__,
+        "plugin/pyproject.toml": tomllib.loads((ROOT / "plugin/pyproject.toml").read_text())["project"]["version"],
+        "vllm_tuner_plugin.__version__": re.search(r'^__version__ = "(.+)"$', plugin_init, re.M).group(1),
+        "Chart.yaml version": str(chart["version"]),
+        "Chart.yaml appVersion": str(chart["appVersion"]),
+        "helm plugin.yaml": str(yaml.safe_load(
+            (ROOT / "deploy/helm/plugins/vllm-tuner-inject/plugin.yaml").read_text())["version"]),
+    }
+    assert found == dict.fromkeys(found, releases[0])
