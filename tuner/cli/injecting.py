@@ -21,7 +21,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
     image = args.image or os.environ.get("VLLM_TUNER_IMAGE")
     if not image:
         print("error: inject: say which agent image to add: --image REGISTRY/vllm-tuner:TAG (or $VLLM_TUNER_IMAGE), "
-              "e.g. --image ghcr.io/example/vllm-tuner:0.3.0", file=sys.stderr)
+              "e.g. --image ghcr.io/example/vllm-tuner:0.3.1", file=sys.stderr)
         return 2
     if args.file in (None, "-"):
         text = sys.stdin.read()
