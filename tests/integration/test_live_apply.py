@@ -73,13 +73,14 @@ def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Pat
                 if all(f.exists() for f in files) else None
 
         started = wait_for(pids, 60, "the tuner to start both engines")
-        def acks() -> dict | None:
+        def acks() -> dict | None:  # answers to a request (seq 1 or later), not the startup ack (seq None)
             got = {n: live_knobs.read_acks(tmp_path / "live" / n) for n in names}
-            return got if all(got.values()) else None
+            return got if all(a and a[0].seq is not None for a in got.values()) else None
 
         # both engines acknowledged: the bad start 8, or already the tuner's step (at 2 s cycles and `for_live: 1`
-        # it can come before this poll does); that it started from 8 is the decision's `before`, below
-        first = wait_for(acks, 30, "both engines to acknowledge their control directory")
+        # it can come before this poll does); that it started from 8 is the decision's `before`, below. (A run
+        # under load 9 read a simulator's startup ack, its envelope 256, before it had read control.json.)
+        first = wait_for(acks, 30, "both engines to acknowledge their control directory's request")
         assert all(a[0].effective["max_num_active_seqs"] in (8, 80) for a in first.values()), first
 
         (end,) = wait_for(lambda: finished_live(journal), 150,
