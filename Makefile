@@ -75,7 +75,8 @@ e2e: venv vllm-env
 # together; tests/conftest.py's scheduler gives every real-engine test to one worker, one at a time (each
 # takes ~3 GB and most of two cores; in E2E_ORDER, the evaluation last), and the files without a real
 # engine run on the other workers beside them (the summary says when each kind was done). The tiers one
-# after the other took 2,523 s on CI (0.3.0); side by side, 1,749-1,777 s here on 2 cores.
+# after the other took 2,523 s on CI (0.3.0); in one session 1,313 s on CI and 1,143 s on a fresh clone
+# here (2 cores), 1,362 s with two busy loops beside it (0.3.1).
 test: venv vllm-env system-deps
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory lint typecheck && \
