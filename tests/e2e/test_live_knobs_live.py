@@ -248,7 +248,8 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
 
     phases: list[Phase] = []
     client = threading.Thread(target=bench, daemon=True)
-    with Sampler(engine) as sampler:
+    with Sampler(engine) as sampler, contextlib.ExitStack() as load:
+        load.callback(held.set)  # a failed assertion stops the batches too: the module's engine is shared
         client.start()
 
         def begin(name: str, cap: int) -> Phase:
