@@ -34,7 +34,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -67,6 +67,10 @@ class Snapshot:
     source: str = ""
     nonfinite: frozenset[str] = frozenset()
     """Sample names that had a NaN or ±Inf sample (left out of ``series``): read them as unknown."""
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
+    """What pure functions of this snapshot computed once (``signals.engine``: a histogram's merged buckets);
+    a window of 40 snapshots is read again at every cycle, and re-merging each bucket list was most of a
+    cycle's time (``python -m bench.cycle_cost``). Not part of the value: equality and hashing ignore it."""
 
     @property
     def ok(self) -> bool:

@@ -90,7 +90,15 @@ Histogram = tuple[list[tuple[float, float]], float, float]
 
 def _buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
     """Cumulative buckets summed over label sets, plus _sum and _count; a string says why they are
-    unusable (NaN, not cumulative, +Inf ≠ _count); None when absent."""
+    unusable (NaN, not cumulative, +Inf ≠ _count); None when absent. Computed once per snapshot."""
+    key = ("buckets", id(dialect), concept)
+    if key not in snap.memo:
+        snap.memo[key] = _merged_buckets(snap, dialect, concept)
+    found: Histogram | str | None = snap.memo[key]
+    return found
+
+
+def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
     for family in dialect.candidates(concept):
         samples = snap.samples(family + "_bucket")
         if snap.nonfinite:
@@ -249,7 +257,10 @@ def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | N
 def _checked_snapshot(snap: Snapshot, dialect: dialects.Dialect, max_running: float | None) -> Snapshot:
     if not snap.ok:
         return snap
-    why = impossible(snap, dialect, max_running)
+    key = ("impossible", id(dialect), max_running)  # once per snapshot, not once per cycle it is in a window
+    if key not in snap.memo:
+        snap.memo[key] = impossible(snap, dialect, max_running)
+    why: str | None = snap.memo[key]
     return snap if why is None else Snapshot.failed(snap.scraped_at, why, source=snap.source)
 
 

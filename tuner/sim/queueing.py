@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tuner.sim.config import SimConfig
-from tuner.sim.metrics import VllmMetrics
+from tuner.sim.metrics import VllmMetrics, observe_many
 
 log = logging.getLogger("tuner.sim")
 
@@ -259,6 +259,7 @@ class SimEngine:
         prompt_counted = 0
         emitted = 0
         finished = False
+        gaps: dict[float, int] = {}
         for req, n in scheduled:
             req.computed += n
             if not req.decoding:
@@ -274,13 +275,16 @@ class SimEngine:
                 m.params_n.observe(1)
                 m.max_num_generation_tokens.observe(req.max_tokens)
             elif req.last_token is not None:
-                m.itl.observe(self.now - req.last_token)
+                gap = self.now - req.last_token
+                gaps[gap] = gaps.get(gap, 0) + 1
             req.last_token = self.now
             if req.generated >= req.output_tokens or req.generated >= req.max_tokens \
                     or req.prompt_tokens + req.generated >= cfg.max_model_len:
                 eos = req.generated >= req.output_tokens and req.generated < req.max_tokens
                 self._finish(req, "stop" if eos else "length")
                 finished = True
+        for gap, count in gaps.items():
+            observe_many(m.itl, gap, count)
         if finished:
             self.running = [r for r in self.running if r.state == "running"]
         m.prompt_tokens.inc(prompt_counted)
