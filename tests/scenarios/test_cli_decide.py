@@ -48,8 +48,12 @@ def test_recommend_json_on_the_queue_bound_capture(capsys, tmp_path):
     assert rc == 0
     data = json.loads(out)  # 000-010: 55 s of load, the restart's 60 s of evidence not reached
     assert data["recommendations"] == [] and data["restart_needed"] is False
-    assert data["held"] == [{"rule": "queue-slot-bound", "guard": "sustained",
-                             "reason": "a restart needs the evidence sustained 1m; true for 55s so far"}]
+    # the value the law moves to, and when (issue 25): not "HELD" with no value. The last file's queue drains
+    # (the 96 prompts run out): the answer is the last step that sized a change
+    later = {"rule": "queue-slot-bound", "guard": "sustained",
+             "reason": "after 17s more of sustained evidence (a restart needs 1m; true for 44s so far)",
+             "would": {"flag": "--max-num-seqs", "from": "4", "to": "40"}}
+    assert data["later"] == [later] and data["held"] == [later]
     rc, out = run(["recommend", *files("queue-bound", QUEUE_LOADED), *args, "--decisions", evidence(tmp_path, 30)],
                   capsys)
     data = json.loads(out)
@@ -69,12 +73,14 @@ def test_recommend_table_explains_each_decision(capsys, tmp_path):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("recommend (vllm): ") and " snapshots over " in lines[0]
-    assert "  HELD    kv-preemption-cap [sustained]: a restart needs the evidence sustained 1m; true for 44s so far" in lines
+    assert ("  LATER   --max-num-seqs 128 → 10 (kv-preemption-cap) [sustained]: after 17s more of sustained "
+            "evidence (a restart needs 1m; true for 44s so far)") in lines
     assert "restart needed: no" in out
     rc, out = run([*argv, "--decisions", evidence(tmp_path, 0)], capsys)
     lines = out.splitlines()
     assert any(line.startswith("  CHANGE  --max-num-seqs ") and "kv-preemption-cap" in line for line in lines)
-    assert any(line.startswith("  HELD    kv-more-memory [experimental]") for line in lines)
+    assert any(line.startswith("  HELD    --gpu-memory-utilization 0.92 → 0.94 (kv-more-memory) [experimental]")
+               for line in lines)
     assert "restart needed: yes" in out
     # a power-capped H200 reading freezes nothing
     assert "[thermal]" not in out
@@ -103,7 +109,12 @@ def test_replay_prints_the_timeline(capsys, tmp_path):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("replay ") and "--max-num-seqs 4" in lines[0]
-    assert sum("a restart needs the evidence sustained 1m" in line for line in lines) == 7  # 004-010
+    # 004-008 held for the restart's evidence (each a summary line and a "later" line with the value); from 009
+    # the clients' 96 prompts run out and the queue drains: 4 slots serve the rest within the backlog horizon
+    assert sum("more of sustained evidence (a restart needs 1m" in line for line in lines) == 5
+    assert sum("[sustained]: after" in line and "s more of sustained evidence" in line for line in lines) == 5
+    assert sum("later: --max-num-seqs 4→40 (queue-slot-bound)" in line for line in lines) == 7  # 002-008
+    assert sum("the queue drains" in line for line in lines) == 3
     assert lines[-1].endswith("--max-num-seqs 4")
     rc, out = run(["replay", str(scenario_dir("queue-bound")), "--decisions", evidence(tmp_path, 30)], capsys)
     lines = out.splitlines()

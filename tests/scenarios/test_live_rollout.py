@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from tuner.actuators import base, fake
 from tuner.daemon import rolling
 from tuner.planning import verification
@@ -178,3 +180,28 @@ def test_an_engine_that_died_lost_its_live_values_and_takes_the_pool_back(tmp_pa
     r = d.advance(r)
     assert r.of("a").state is State.ROLLED_BACK and not r.of("a").bad_args  # not judged: its values are gone
     assert r.of("b").state is State.ROLLED_BACK and live.values["b"] == {"max_num_seqs": 8}
+
+
+def test_a_live_step_the_same_way_supersedes_the_verification_in_flight(tmp_path: Path) -> None:
+    """Machine Rule 6 (issue 25): once every replica runs the new values, the next live step the same way
+    ends this rollout kept — VERIFIED with the reason, journaled — and its verification judges the newest
+    value; the journal replays to the same rollout. A replica still asking cannot be superseded."""
+    clock, live, judge = Clock(), FakeLive(), Judge()
+    d = driver(tmp_path / "j.jsonl", clock, live, judge)
+    r = d.advance(begin(d))
+    assert machine.supersedable(r)
+    clock.now += 2
+    r = d.supersede(r, "superseded by l2 (--max-num-seqs 32→64)")
+    assert machine.outcome(r) is Outcome.DONE, machine.describe(r)
+    verified = [e for e in d.journal.records if e["kind"] == "event" and e.get("event") == "verified"]
+    assert [(e["replica"], e["reason"]) for e in verified] == [(n, "superseded by l2 (--max-num-seqs 32→64)")
+                                                               for n in NAMES]
+    assert journaling.replay(d.journal.records)["l1"] == r
+    assert journaling.unfinished(d.journal.records) is None  # the next rollout may begin
+
+    clock, live = Clock(), FakeLive(silent={"b"})
+    d = driver(tmp_path / "s.jsonl", clock, live, Judge())
+    r = d.advance(begin(d))
+    assert r.of("b").state is State.REQUESTING and not machine.supersedable(r)
+    with pytest.raises(machine.RolloutError):
+        d.supersede(r, "too early")

@@ -88,6 +88,7 @@ class FakeRollout:
     calls: list[tuple[tuple[tuple[str, Action], ...], pooling.PoolChange | None]] = field(default_factory=list)
     result: str = "ok"
     busy: bool = False  # books every change at once: never a rollout in flight
+    verifying: tuple[Any, ...] = ()  # ... so never one to supersede
 
     def __call__(self, actions: Sequence[tuple[str, Action]], change: pooling.PoolChange | None, *, now: float,
                  signals: Mapping[str, Any], should_stop: Callable[[], bool]) -> RolloutOutcome:
@@ -281,6 +282,7 @@ def test_failures_become_part_of_the_line_not_exceptions(monkeypatch: pytest.Mon
 
     class Broken:
         busy = False
+        verifying = ()
 
         def __call__(self, actions: Any, change: Any, **kwargs: Any) -> RolloutOutcome:
             raise RuntimeError("actuator exploded")

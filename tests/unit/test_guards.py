@@ -243,7 +243,8 @@ def test_sustained_counts_from_where_the_first_true_window_began(since, held, wi
     v = guards.sustained("r", sig(window_seconds=window), h, SAFETY, now=now)
     assert v.allowed == (held >= SAFETY.restart_evidence_seconds), (v, held)
     if not v.allowed:
-        assert v.reason == f"a restart needs the evidence sustained 1m; true for {guards.duration(held)} so far"
+        assert v.reason == (f"after {guards.duration(SAFETY.restart_evidence_seconds - held)} more of sustained evidence (a restart needs 1m; "
+                            f"true for {guards.duration(held)} so far)")
 
 
 def test_sustained_on_a_first_window_is_its_span_and_the_guard_can_be_off():

@@ -65,6 +65,11 @@ def decision_lines(plan: planner.Plan, *, sustain: bool = True, unknown: bool = 
             keep = "kept only if" if c.experimental else "rolled back unless"
             lines.append(_line("VERIFY", f"after the rollout, {keep}", "; ".join(v.describe() for v in c.verify)))
     for h in plan.held:
+        if h.would is not None:  # the value the rule computed: LATER when only time holds it (TIME_GUARDS)
+            flag, before, after = h.would
+            lines.append(_line("LATER" if h.later else "HELD", f"{flag} {knobs.format_value(before)} → "
+                               f"{knobs.format_value(after)} ({h.rule}) [{h.guard}]", h.reason))
+            continue
         if h.guard == "sustain" and not sustain:
             continue
         lines.append(_line("HELD", f"{h.rule} [{h.guard}]", h.reason))
@@ -83,6 +88,7 @@ def recommendation_json(decision: stepping.Decision) -> dict[str, Any]:
                 "skipped": decision.skipped, "signals": rep["signals"], "reasons": rep["reasons"]}
     return {
         "recommendations": [c.as_dict() for c in plan.changes],
+        "later": [h.as_dict() for h in plan.held if h.later],
         "held": [h.as_dict() for h in plan.held],
         "actions": [a.as_dict() for a in plan.actions],
         "restart_needed": plan.restart_needed,
@@ -92,6 +98,23 @@ def recommendation_json(decision: stepping.Decision) -> dict[str, Any]:
         "signals": rep["signals"],
         "reasons": rep["reasons"],
     }
+
+
+def _when(reason: str) -> str:
+    """A time guard's reason up to its first clause: "after 39s more of sustained evidence"."""
+    cuts = [i for i in (reason.find(": "), reason.find("; "), reason.find(" (")) if i > 0]
+    return reason[:min(cuts)] if cuts else reason
+
+
+def answering(decisions: Sequence[stepping.Decision]) -> stepping.Decision:
+    """The step a dry run answers with: the last one at which a rule sized a change — made, or held for time or
+    for a reason — so that a recording whose last scrapes catch the load ending (no rule matched, too few
+    finished requests, a draining queue found enough) still answers for the load it recorded; else the last
+    step."""
+    for d in reversed(decisions):
+        if d.plan is not None and (d.plan.changes or any(h.would is not None for h in d.plan.held)):
+            return d
+    return decisions[-1]
 
 
 def _decision_text(decision: stepping.Decision) -> list[str]:
@@ -136,7 +159,7 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
             decisions_seen = list(stepping.replay(series[t.name], target=t.name, kind=t.kind, args=args, rules=rules,
                                            settings=decisions, window=window, info=c.engine_info(),
                                            gpus=c.read_gpus()))
-            last = decisions_seen[-1]
+            last = answering(decisions_seen)
             lasts[t.name] = last
             results[t.name] = recommendation_json(last)
             lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; "
@@ -182,7 +205,7 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
     snaps = inputs.metrics_files(paths, inputs.times(paths, ns.window_seconds), ns.kind)
     args = inputs.engine_args(ns.args, meta)
     decisions = recorded_timeline(ns, snaps, args=args, apply=False)
-    last = decisions[-1]
+    last = answering(decisions)
     if ns.format == "production-stack":
         print("\n".join(_stack_diff(last, args, ns.model_name)))
         return 0
@@ -192,6 +215,12 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
     span = snaps[-1].scraped_at - snaps[0].scraped_at
     print(f"recommend ({ns.kind}): {len(snaps)} snapshots over {span:.0f}s, {len(decisions)} steps; "
           f"args: {_shown(args)}")
+    if last is not decisions[-1]:
+        final = decisions[-1]
+        said = final.plan.summary().split(": ", 1)[-1] if final.plan is not None else final.skipped
+        after = sum(d.at > last.at for d in decisions)
+        print(f"  as of t+{last.at - snaps[0].scraped_at:.0f}s, the last step that sized a change; the {after} "
+              f"step{'s' if after != 1 else ''} after it: {said}")
     print("\n".join(_decision_text(last)))
     if last.plan is not None:
         print(f"  restart needed: {'yes' if last.plan.restart_needed else 'no'}")
@@ -225,6 +254,11 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         else:
             for ch in d.plan.changes:
                 print(f"         {ch.flag}: {ch.reason}")
+            for h in d.plan.held:
+                if h.later and h.would is not None and not d.plan.changes:
+                    flag, before, after = h.would
+                    print(f"         later: {flag} {knobs.format_value(before)}→{knobs.format_value(after)} "
+                          f"({h.rule}) [{h.guard}]: {_when(h.reason)}")
         if d.plan.changes:
             final = d.plan.args_after
     print(f"final args: {_shown(final)}")

@@ -35,6 +35,7 @@ from tuner.daemon.scheduling import MaintenanceWindows
 from tuner.daemon.state import TunerState
 from tuner.errors import TunerError
 from tuner.model import knobs
+from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
 from tuner.planning.guards import Action
 from tuner.rules.schema import Rule
@@ -53,7 +54,13 @@ class Dispatcher(Protocol):
 
     @property
     def busy(self) -> bool:
-        """A rollout is in flight: it is advanced at every cycle, and no new change goes out."""
+        """A rollout is in flight: it is advanced at every cycle, and no new change goes out (but one that
+        supersedes it: ``verifying``)."""
+
+    @property
+    def verifying(self) -> tuple[history_mod.Change, ...]:
+        """The changes of a live rollout in flight that the next live step the same way may supersede
+        (machine Rule 6: every replica runs them and one still verifies); () otherwise."""
 
     def __call__(self, actions: Sequence[tuple[str, Action]], change: pooling.PoolChange | None, *,
                  now: float, signals: Mapping[str, Mapping[str, Signal]],
@@ -158,7 +165,7 @@ def run_cycle(
         admission = pooling.admit(pool, state.pending, window_open=window_open, stopping=stopping,
                                   closed_reason=views.deferral_reason(maintenance, now), now=now,
                                   args=state.args, kind=kind, settings=settings.decisions, signals=signals,
-                                  lives=lives, in_flight=rollout.busy)
+                                  lives=lives, in_flight=rollout.busy, verifying=rollout.verifying)
         state.pending = admission.pending
         if stopping and (pool.change is not None or pool.actions):
             stopped = "stopping: the change is kept pending, not handed to the rollout"

@@ -326,6 +326,17 @@ class RolloutDriver:
             self._undrain_serving(rollout)
         return rollout
 
+    def supersede(self, rollout: machine.Rollout, reason: str) -> machine.Rollout:
+        """Machine Rule 6: the live rollout ends kept, each replica still verifying journaled VERIFIED with
+        ``reason`` (the next step's verification judges the newest value)."""
+        if not machine.supersedable(rollout):
+            raise machine.RolloutError(rollout.id, rollout.order[0], rollout.progress[0].state, Event.VERIFIED,
+                                       rollout.progress[0].leg, rollout.kind)
+        for p in rollout.progress:
+            if p.state is machine.State.VERIFYING:
+                rollout = self._apply(rollout, p.name, Event.VERIFIED, reason)
+        return rollout
+
     def _leave_departed(self, rollout: machine.Rollout) -> machine.Rollout:
         if self._departed is None:
             return rollout

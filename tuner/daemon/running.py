@@ -77,6 +77,11 @@ class Applying:
     def busy(self) -> bool:
         return self.in_flight is not None
 
+    @property
+    def verifying(self) -> tuple[history_mod.Change, ...]:
+        """``cycle.Dispatcher.verifying``: the live rollout in flight's changes while it may be superseded."""
+        return self._changes if self.in_flight is not None and machine.supersedable(self.in_flight) else ()
+
     def recover(self) -> results.RolloutOutcome | None:
         """Take up (machine Rule 3) the rollout a killed tuner left in the journal, judged by the checks
         and baselines journaled with its decision, and advance it; it is booked like any other once it
@@ -125,6 +130,14 @@ class Applying:
                  should_stop: Callable[[], bool]) -> results.RolloutOutcome:
         replicas = self.replicas
         notes = [self._act(name, action, now=now) for name, action in actions if name in replicas]
+        if (self.in_flight is not None and change is not None and not should_stop()
+                and pooling.continues(change, self.verifying)):
+            # machine Rule 6: the next live step the same way; its verification judges the newest value
+            superseded = self.driver.supersede(
+                self.in_flight, f"superseded by {change.id} ({change.text()}): the next live step the same way; "
+                                "its verification judges the newest value")
+            self.in_flight = None
+            notes.append(self.book(superseded, self._changes).summary)
         if self.in_flight is None and change is not None and not should_stop():
             self._begin(change, now=now, signals=signals)
         return self._advance(notes)

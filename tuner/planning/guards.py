@@ -84,9 +84,11 @@ class IdleSettings(_Model):
 
 class SafetySettings(_Model):
     live_cooldown_seconds: float = Field(default=30.0, ge=0)
-    """A flag changed live (no restart: the admission cap, the step budget) is not changed again within
-    this long: a decision window (``scrape.decision_window_seconds``, 20 s) of the new regime and a margin.
-    The H200 live path served a new cap 1 s after the decision. A rule's own cooldown is for restarts."""
+    """A flag changed live (no restart: the admission cap, the step budget) is not moved back within this
+    long: a decision window (``scrape.decision_window_seconds``, 20 s) of the new regime and a margin. A live
+    step the same way as the last one is not held at all (``cooldown``): the evidence that keeps pointing
+    there is the reason for it, and the H200 live path served a new cap 1 s after the decision. A rule's
+    own cooldown is for restarts."""
     restart_evidence_seconds: float = Field(default=60.0, ge=0)
     """A change that needs a restart goes out only after its rule's condition held this long without a break
     (besides the rule's ``for`` windows; the span of the window it was first true on counts): a restart costs
@@ -196,8 +198,8 @@ def sustained(rule: str, signals: SignalSet, history: History, settings: SafetyS
         return allow("sustained")
     held = (_v(signals, "window_seconds") or 0.0) if since is None else now - since
     if held < need:
-        return deny("sustained", f"a restart needs the evidence sustained {duration(need)}; true for "
-                    f"{duration(held)} so far")
+        return deny("sustained", f"after {duration(need - held)} more of sustained evidence (a restart needs "
+                    f"{duration(need)}; true for {duration(held)} so far)")
     return allow("sustained", f"true for {duration(held)}")
 
 
@@ -374,10 +376,17 @@ def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float |
 
 
 def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
-             settings: SafetySettings, now: float, live: bool = False) -> Ruling:
+             settings: SafetySettings, now: float, live: bool = False, direction: int = 0) -> Ruling:
+    """A flag is not changed again within the cooldown of its last change. A live change that goes on the
+    way the last one went (``direction``, the same sign) is not held: live changes are cheap, and a step in
+    the direction the evidence keeps pointing is a controller correcting itself, which a cooldown between
+    steps only delays (H200, issue 25: 8 → 10 on a diluted window, then 64 s of verification and cooldown in
+    series while 181 requests waited per replica). The cooldown guards reversals, with the hysteresis."""
     last = history.changes.get(knob)
     if last is None:
         return allow("cooldown")
+    if live and direction != 0 and last.direction == direction:
+        return allow("cooldown", f"{flag} goes on the way its last live change went")
     period = settings.live_cooldown_seconds if live else max(rule_cooldown_seconds, settings.cooldown_seconds)
     left = last.at + period - now
     if left > 0:
@@ -387,10 +396,14 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
 
 
 def hysteresis(knob: str, flag: str, direction: int, history: History, *, settings: SafetySettings,
-               now: float, live: bool = False) -> Ruling:
+               now: float, live: bool = False, breach: bool = False) -> Ruling:
+    """A flag does not reverse its last change within the hysteresis period — except live, by a rule that
+    fires on a broken SLO (``breach``): the price of a raise is put right as fast as the raise was made."""
     last = history.changes.get(knob)
     if last is None or last.direction == direction or direction == 0:
         return allow("hysteresis")
+    if live and breach:
+        return allow("hysteresis", f"{flag}: the SLO is broken; a live reversal is not held")
     left = last.at + (settings.live_hysteresis_seconds if live else settings.hysteresis_seconds) - now
     if left > 0:
         moved = "raised" if last.direction > 0 else "lowered"

@@ -83,16 +83,34 @@ class DecisionSettings(_Model):
     """Parameters of the engine models rules compute one-step targets with (rules/models.py)."""
 
 
+# Guards that say *when*, not whether: a change they hold is what the law moves to once they pass, and a
+# dry run (``recommend``, ``replay``) reports it as such, with the time (issue 25: "HELD with no value" was
+# no answer to "what should my flags be").
+TIME_GUARDS = frozenset({"sustain", "sustained", "cooldown", "hysteresis", "budget"})
+
+
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A rule that wanted something (or could not be evaluated) and a guard that said no, with why."""
+    """A rule that wanted something (or could not be evaluated) and a guard that said no, with why. ``would``:
+    the change it holds (flag, from, to), where the rule computed one — for a guard of ``TIME_GUARDS`` the
+    value the law moves to once that guard's time passed (``later``)."""
 
     rule: str  # "*" when the whole cycle was held
     guard: str
     reason: str
+    would: tuple[str, knobs.Value, knobs.Value] | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        return {"rule": self.rule, "guard": self.guard, "reason": self.reason}
+    @property
+    def later(self) -> bool:
+        """A change held only for time (``TIME_GUARDS``): it applies once the guard's time passed."""
+        return self.would is not None and self.guard in TIME_GUARDS
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rule": self.rule, "guard": self.guard, "reason": self.reason}
+        if self.would is not None:
+            flag, before, after = self.would
+            out["would"] = {"flag": flag, "from": knobs.format_value(before), "to": knobs.format_value(after)}
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +261,9 @@ def plan(
             if o.status == "fired" and o.proposal is not None:
                 proposals.append(o.proposal)
             elif o.status == "sustaining":
-                held.append(Held(o.rule, "sustain", o.reason))
+                p = o.proposal
+                held.append(Held(o.rule, "sustain", o.reason,
+                                 (p.flag, p.from_value, p.to_value) if p is not None else None))
             elif o.status in ("no-op", "blocked"):
                 held.append(Held(o.rule, "bounds", o.reason))
         step_down = thermal_step_down(signals, ctx, settings.thermal)
@@ -255,7 +275,8 @@ def plan(
     if any(not c.live for c in accepted):
         budget = guards.restart_budget(history, settings.safety, now=now)
         if not budget.allowed:
-            held.extend(Held(c.rule, budget.guard, budget.reason) for c in accepted)
+            held.extend(Held(c.rule, budget.guard, budget.reason, (c.flag, c.from_value, c.to_value))
+                        for c in accepted)
             accepted, args_after = [], args
 
     since = guards.idle_since(signals, history, now=now)
@@ -327,10 +348,10 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
         assert floor is not None
         yield guards.floor_check(p.to_value, floor, from_value=p.from_value)
     yield guards.cooldown(p.knob, p.flag, history, rule_cooldown_seconds=p.cooldown_seconds,
-                          settings=settings.safety, now=now, live=live)
+                          settings=settings.safety, now=now, live=live, direction=p.direction)
     if p.rule != THERMAL_RULE:  # cooling down beats not flapping
         yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now,
-                                live=live)
+                                live=live, breach=p.breach)
     yield guards.crash_memory(candidate, history, now=now)
     if not live:
         yield guards.engine_constraints(candidate, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
@@ -370,7 +391,7 @@ def _choose(
         verdicts = _verdicts(p, candidate, ctx, signals, history, settings, now=now, floor=floor, live=live)
         denied = next((v for v in verdicts if not v.allowed), None)
         if denied is not None:
-            held.append(Held(p.rule, denied.guard, denied.reason))
+            held.append(Held(p.rule, denied.guard, denied.reason, (p.flag, p.from_value, p.to_value)))
             continue
         change = Change(flag=p.flag, knob=p.knob, from_value=p.from_value, to_value=p.to_value, rule=p.rule,
                         reason=p.reason, direction=p.direction, adds_load=p.adds_load,
@@ -387,13 +408,13 @@ def _choose(
         for c in (c for c in chosen if c not in keep):
             other = ", ".join(k.rule for k in keep)
             held.append(Held(c.rule, "experimental", f"an experimental change goes out alone so its effect "
-                             f"can be measured; waiting for {other}"))
+                             f"can be measured; waiting for {other}", (c.flag, c.from_value, c.to_value)))
         chosen = keep
     if any(c.live for c in chosen) and any(not c.live for c in chosen):
         for c in chosen:  # the restart re-sizes the engine anyway; the live change is decided on the new one
             if c.live:
                 held.append(Held(c.rule, "conflict", f"{c.flag} would change live, but a restart goes out this "
-                                 "cycle; decided again on the restarted engine"))
+                                 "cycle; decided again on the restarted engine", (c.flag, c.from_value, c.to_value)))
         chosen = [c for c in chosen if not c.live]
     if len(chosen) == len(accepted):
         return chosen, args_after, held

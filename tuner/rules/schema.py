@@ -467,6 +467,10 @@ class Rule(_Model):
     cooldown applies as well; the longer wins)."""
     adds_load: bool = False
     """The change lets the GPU do more work at once; the thermal guard freezes such changes."""
+    breach: bool = False
+    """The rule fires while an SLO is broken (the price a raise pays: TPOT over its SLO). A live change it
+    proposes that reverses the last one is not held by the live hysteresis: lowering is as fast as raising
+    when the price breaks the SLO, and as slow as hysteresis wants when it does not (docs/rules.md#cadence)."""
     experimental: bool = False
     """The effect is not established: the change goes out alone, is verified and rolled back unless
     ``verify`` shows it helped."""

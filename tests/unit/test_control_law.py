@@ -1,0 +1,126 @@
+"""The law that corrects itself in seconds (issue 25), piece by piece: a live step the same way is held by
+neither a cooldown nor the verification in flight (it supersedes it), a price breach lowers live at once,
+the sizing of a draining queue and of a standing backlog with no arrivals, and the value a held change
+would move to (what ``recommend`` and ``replay`` answer with). The whole loop on the trace family is
+``tests/unit/test_family.py``."""
+
+from __future__ import annotations
+
+import math
+from types import MappingProxyType
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tuner.model import knobs
+from tuner.planning import guards, pooling
+from tuner.planning.history import Change, FlagChange, History
+from tuner.planning.planner import TIME_GUARDS, DecisionSettings, Held, Plan
+from tuner.rules import models
+from tuner.signals import Signal
+
+SAFETY = guards.SafetySettings()
+
+
+def history(direction: int, *, at: float = 1000.0) -> History:
+    return History(changes=MappingProxyType({"max_num_seqs": FlagChange(at, direction, "queue-slot-bound", "8", "10")}))
+
+
+def test_a_live_step_the_same_way_is_not_held_by_the_cooldown() -> None:
+    h = history(+1)
+    same = guards.cooldown("max_num_seqs", "--max-num-seqs", h, rule_cooldown_seconds=900, settings=SAFETY,
+                           now=1002, live=True, direction=+1)
+    assert same.allowed and "goes on the way" in same.reason
+    back = guards.cooldown("max_num_seqs", "--max-num-seqs", h, rule_cooldown_seconds=900, settings=SAFETY,
+                           now=1002, live=True, direction=-1)
+    assert not back.allowed and "cooldown 28s left" in back.reason
+    restart = guards.cooldown("max_num_seqs", "--max-num-seqs", h, rule_cooldown_seconds=900, settings=SAFETY,
+                              now=1002, live=False, direction=+1)
+    assert not restart.allowed  # a restart keeps its cooldown whichever way
+
+
+def test_a_live_reversal_on_a_broken_slo_is_not_held_by_hysteresis() -> None:
+    h = history(+1)
+    kw = {"settings": SAFETY, "now": 1010.0}
+    assert not guards.hysteresis("max_num_seqs", "--max-num-seqs", -1, h, live=True, **kw).allowed
+    assert guards.hysteresis("max_num_seqs", "--max-num-seqs", -1, h, live=True, breach=True, **kw).allowed
+    assert not guards.hysteresis("max_num_seqs", "--max-num-seqs", -1, h, live=False, breach=True, **kw).allowed
+
+
+def change(frm: int, to: int, *, live: bool = True, knob: str = "max_num_seqs") -> Change:
+    return Change(flag="--" + knob.replace("_", "-"), knob=knob, from_value=frm, to_value=to, rule="r", reason="",
+                  direction=1 if to > frm else -1, live=live)
+
+
+def pool_change(*changes: Change) -> pooling.PoolChange:
+    plan = Plan(target="a", cycle=1, at=0.0, kind="vllm", changes=changes, held=(), actions=(),
+                args_before=knobs.EngineArgs.parse([]), args_after=knobs.EngineArgs.parse([]), outcomes=(),
+                history=History())
+    return pooling.PoolChange(id="l1", plan=plan, new_args={}, checks=())
+
+
+def test_only_a_live_step_further_the_same_way_continues_the_one_being_verified() -> None:
+    verifying = (change(8, 10),)
+    assert pooling.continues(pool_change(change(10, 32)), verifying)
+    assert not pooling.continues(pool_change(change(10, 9)), verifying)  # a reversal waits for the verdict
+    assert not pooling.continues(pool_change(change(10, 10)), verifying)
+    assert not pooling.continues(pool_change(change(10, 32, live=False)), verifying)  # a restart
+    assert not pooling.continues(pool_change(change(8192, 4096, knob="max_num_batched_tokens")), verifying)
+    assert not pooling.continues(pool_change(change(10, 32)), ())  # nothing to supersede
+
+
+@given(a=st.integers(1, 4096), b=st.integers(1, 4096), c=st.integers(1, 4096))
+def test_continuing_is_monotone(a: int, b: int, c: int) -> None:
+    """Whatever the values, a superseding chain never turns: each step goes past the last the same way."""
+    first = change(a, b) if a != b else None
+    if first is None or b == c:
+        return
+    if pooling.continues(pool_change(change(b, c)), (first,)):
+        assert (c - b) * (b - a) > 0
+
+
+def test_admit_hands_a_continuing_change_over_while_a_rollout_verifies() -> None:
+    fresh = pool_change(change(10, 32))
+    kw = {"window_open": None, "stopping": False, "closed_reason": "", "now": 0.0, "args": {}, "kind": "vllm",
+          "settings": DecisionSettings(), "signals": {}}
+    got = pooling.admit(pooling.PoolPlan(change=fresh), None, in_flight=True, verifying=(change(8, 10),), **kw)
+    assert got.hand_over is fresh and got.supersedes
+    held = pooling.admit(pooling.PoolPlan(change=fresh), None, in_flight=True, verifying=(), **kw)
+    assert held.hand_over is None and not held.supersedes
+    stopping = pooling.admit(pooling.PoolPlan(change=fresh), None, in_flight=True, verifying=(change(8, 10),),
+                             **{**kw, "stopping": True})
+    assert stopping.hand_over is None
+
+
+def sig(**values: float | None) -> dict[str, Signal]:
+    return {k: Signal(v, None if v is not None else "unknown") for k, v in values.items()}
+
+
+def test_a_draining_queue_is_sized_by_its_arrivals_not_by_the_requests_inside() -> None:
+    """After a raise the backlog drains: sizing from the requests inside over-shot (8 → 63 → 77 → 99)."""
+    s = sig(arrival_rate_per_s=20.0, slot_seconds_mean=2.0, requests_running_mean=60.0, requests_waiting_mean=20.0,
+            in_system_growth_per_s=-5.0, requests_running=63.0, requests_waiting=10.0)
+    est = models.concurrency(s, models.ModelSettings())
+    little = (20.0 * 2.0 * 60.0 ** -0.3) ** (1 / 0.7)
+    assert est.value == math.ceil(little / 0.8) and "the queue drains" in est.text
+    stable = models.concurrency({**s, "in_system_growth_per_s": Signal(0.0)}, models.ModelSettings())
+    assert stable.value == math.ceil(80 / 0.8)  # a stable queue (a closed loop): the requests inside
+
+
+def test_a_standing_backlog_with_no_arrivals_is_still_sized() -> None:
+    """102 wait at a cap of 8 and the window saw no arrivals (a closed loop running out of clients): sized,
+    not "no traffic to size for"; with nobody waiting there is nothing to size."""
+    s = sig(arrival_rate_per_s=0.0, slot_seconds_mean=1.4, requests_running_mean=8.0, requests_waiting_mean=94.0,
+            in_system_growth_per_s=-1.0, requests_running=8.0, requests_waiting=94.0)
+    est = models.concurrency(s, models.ModelSettings())
+    assert est.value is not None and "no arrivals in the window but 102 requests inside" in est.text
+    idle = models.concurrency({**s, "requests_waiting_mean": Signal(0.0)}, models.ModelSettings())
+    assert idle.value is None and "no traffic to size for" in idle.text
+
+
+def test_a_change_held_for_time_says_its_value_and_when() -> None:
+    later = Held("queue-slot-bound", "sustained", "after 41s more of sustained evidence", ("--max-num-seqs", 8, 80))
+    assert later.later and later.as_dict()["would"] == {"flag": "--max-num-seqs", "from": "8", "to": "80"}
+    hot = Held("queue-slot-bound", "thermal", "throttling", ("--max-num-seqs", 8, 80))
+    assert not hot.later  # held for a reason, not for time: not "later"
+    assert {"sustain", "sustained", "cooldown", "hysteresis", "budget"} == TIME_GUARDS
