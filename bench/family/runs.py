@@ -119,7 +119,7 @@ def settings_for(pool: Pool, *, live: bool, work: Path, overrides: Mapping[str, 
 
 
 def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, startup_seconds: float = 90.0,
-          overrides: Mapping[str, Any] | None = None) -> Arm:
+          overrides: Mapping[str, Any] | None = None, summaries: list[tuple[float, str]] | None = None) -> Arm:
     """The tuner from ``start`` (None: vLLM's default flags). Live: the wide envelope with the cap at
     ``start`` (the H200 ``tuner-live`` arm); restart: engines started with ``--max-num-seqs start``."""
     argv = bad_argv(trace, cap=None if live else start)
@@ -145,8 +145,11 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
         next_cycle = pool.now
         while pool.now < end and (pool.now < trace.duration or pool.busy()):
             if pool.now >= next_cycle - 1e-9:
-                cycle.run_cycle(state, settings=settings, collectors=collectors, rules=RULES, rollout=applying,
-                                gatherer=gatherer, now=pool.now, monotonic=clock)  # type: ignore[arg-type]
+                result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=RULES,
+                                         rollout=applying, gatherer=gatherer, now=pool.now,  # type: ignore[arg-type]
+                                         monotonic=clock)
+                if summaries is not None:
+                    summaries.append((pool.now, result.summary))
                 next_cycle += interval
             elif applying.busy:
                 applying.advance()

@@ -112,7 +112,7 @@ def test_a_live_admission_cap_makes_one_step_on_the_first_loaded_window():
     assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 30,
                                                                            "queue-slot-bound")
     assert "(for 1 windows)" in change.reason and "÷ 0.8 utilisation → 30" in change.reason
-    assert "itl_p99_s 0.009937 < 0.1 (SLO itl_p99_s)" in change.reason  # the gate: decode has headroom
+    assert "tpot_p99_s 0.0099 < 0.1 (SLO tpot_p99_s)" in change.reason  # the gate: the price inside its SLO
     # booked: the cap is 30 from then on; the recording still shows 8 running, fewer than 0.9 × 30, and the
     # decision window restarts at the change (007 has too few scrapes since): no second step
     applied = [ch for c in run(live=WIDE, apply=True) for ch in c.plan.changes]

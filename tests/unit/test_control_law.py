@@ -124,3 +124,24 @@ def test_a_change_held_for_time_says_its_value_and_when() -> None:
     hot = Held("queue-slot-bound", "thermal", "throttling", ("--max-num-seqs", 8, 80))
     assert not hot.later  # held for a reason, not for time: not "later"
     assert {"sustain", "sustained", "cooldown", "hysteresis", "budget"} == TIME_GUARDS
+
+
+def test_a_breach_lowering_supersedes_the_raise_being_verified() -> None:
+    """The price of the raise in flight breaks its SLO: the lowering does not wait for that verdict."""
+    raise_ = (change(119, 170),)
+    lowering = Change(flag="--max-num-seqs", knob="max_num_seqs", from_value=170, to_value=85, rule="slots-over-tpot-slo",
+                      reason="", direction=-1, live=True, breach=True)
+    assert pooling.continues(pool_change(lowering), raise_)
+    assert not pooling.continues(pool_change(change(170, 85)), raise_)  # a reversal without a breach waits
+
+
+def test_a_lowering_step_at_most_halves_the_batch() -> None:
+    """TPOT p99 3.5 × the SLO at a batch of 170 (a burst of long prefills, not the batch) read as 170 → 1
+    through TPOT ∝ running^0.3; one step now keeps half the batch and the next window measures again."""
+    s = sig(arrival_rate_per_s=8.0, slot_seconds_mean=14.0, requests_running_mean=140.0, requests_waiting_mean=0.0,
+            in_system_growth_per_s=0.0, requests_running_max=170.0, tpot_p99_s=0.35)
+    est = models.concurrency(s, models.ModelSettings(), slo=models.SloSettings(), down=True)
+    assert est.value == 85 and "at most half the batch 170 in one step" in est.text
+    gentle = models.concurrency({**s, "tpot_p99_s": Signal(0.11)}, models.ModelSettings(), slo=models.SloSettings(),
+                                down=True)
+    assert gentle.value == math.floor(170 * (0.1 / 0.11) ** (1 / 0.3))  # near the SLO: the frontier itself

@@ -24,7 +24,8 @@ def sig(**values):
             for k, v in values.items()}
 
 
-BUSY = dict(window_seconds=60, request_rate=2, idle_seconds=0, prompt_tokens_per_s=500, itl_p99_s=0.02, preemptions_per_s=0,
+BUSY = dict(window_seconds=60, request_rate=2, idle_seconds=0, prompt_tokens_per_s=500, itl_p99_s=0.02, tpot_p99_s=0.02,
+            preemptions_per_s=0,
             requests_rejected_per_s=0, thermal_throttle=0, hw_slowdown=0, temp_margin_c=30, gpu_temp_c=59,
             power_capped=0)
 # H200 at --max-num-seqs 8: running = 8, 112-120 waiting, KV ~1 % (docs/evidence-h200.md)
@@ -260,9 +261,15 @@ def test_decode_latency_rules_do_not_undo_queue_rule():
     off = run(slow, "--max-num-seqs 128 --no-enable-chunked-prefill --max-num-batched-tokens 8192")
     assert [(c.rule, c.to_value) for c in off.changes] == [("decode-latency-chunked-prefill", True)]
     assert off.args_after.get("--enable-chunked-prefill") is True
-    # queue pressure with slow decoding: the queue rule stays out (no headroom), no flapping
-    both = run(QUEUE_BOUND | dict(itl_p99_s=Signal(0.18, None, 0.05, (0.15, 0.2))), "--max-num-seqs 8")
-    assert all(c.rule != "queue-slot-bound" for c in both.changes)
+    # queue pressure with prefill stalls while every request streams inside the TPOT SLO: both rules act, on
+    # their own knobs (more slots, a smaller step budget); no rule moves --max-num-seqs back on ITL
+    both = run(QUEUE_BOUND | dict(itl_p99_s=Signal(0.18, None, 0.05, (0.15, 0.2)), itl_p50_s=0.03),
+               "--max-num-seqs 8 --max-num-batched-tokens 8192")
+    assert [c.rule for c in both.changes] == ["queue-slot-bound"]
+    assert [h.guard for h in both.held if h.rule == "decode-latency-batched-tokens"] == ["experimental"]
+    # with the price itself (TPOT) past its SLO the queue rule stays out
+    priced = run(QUEUE_BOUND | dict(tpot_p99_s=Signal(0.12, None, 0.05, (0.1, 0.15))), "--max-num-seqs 8")
+    assert all(c.rule != "queue-slot-bound" for c in priced.changes)
 
 
 def test_decode_latency_rules_leave_preemption_stalls_to_the_kv_rules():
@@ -277,13 +284,15 @@ def test_decode_latency_rules_leave_preemption_stalls_to_the_kv_rules():
     assert [(c.rule, c.to_value) for c in p.changes] == [("decode-latency-batched-tokens", 744)]  # 8192×0.05/0.55
 
 
-def test_queue_rule_needs_a_known_decode_headroom():
-    # p99 in vLLM's 0.1-0.15 s bucket: not "< 0.1" → no more slots; 0.05-0.075 s (the cpu queue-bound
-    # capture at --max-num-seqs 4) → headroom
-    slow = QUEUE_BOUND | dict(itl_p99_s=Signal(0.12, None, 0.05, (0.1, 0.15)))
-    assert not run(slow, "--max-num-seqs 8").changes
-    ok = QUEUE_BOUND | dict(itl_p99_s=Signal(0.057, None, 0.025, (0.05, 0.075)))
+def test_queue_rule_needs_its_price_known_inside_the_slo():
+    # the per-request TPOT p99 in a 0.1-0.15 s bucket: not "< 0.1" → no more slots; 0.05-0.075 s → the
+    # price is inside the SLO; unknown (no request finished in the window) → no decision
+    slow = QUEUE_BOUND | dict(tpot_p99_s=Signal(0.12, None, 0.05, (0.1, 0.15)))
+    assert all(c.rule != "queue-slot-bound" for c in run(slow, "--max-num-seqs 8").changes)
+    ok = QUEUE_BOUND | dict(tpot_p99_s=Signal(0.057, None, 0.025, (0.05, 0.075)))
     assert [c.rule for c in run(ok, "--max-num-seqs 8").changes] == ["queue-slot-bound"]
+    unknown = QUEUE_BOUND | dict(tpot_p99_s=None)
+    assert not run(unknown, "--max-num-seqs 8").changes
 
 
 def test_decode_budget_never_below_max_num_seqs():

@@ -133,9 +133,11 @@ class Applying:
         if (self.in_flight is not None and change is not None and not should_stop()
                 and pooling.continues(change, self.verifying)):
             # machine Rule 6: the next live step the same way; its verification judges the newest value
+            why = ("the price broke its SLO; a lowering does not wait for this verdict"
+                   if any(c.breach for c in change.changes) else "the next live step the same way")
             superseded = self.driver.supersede(
-                self.in_flight, f"superseded by {change.id} ({change.text()}): the next live step the same way; "
-                                "its verification judges the newest value")
+                self.in_flight, f"superseded by {change.id} ({change.text()}): {why}; its verification judges "
+                                "the newest value")
             self.in_flight = None
             notes.append(self.book(superseded, self._changes).summary)
         if self.in_flight is None and change is not None and not should_stop():
@@ -242,7 +244,8 @@ class Applying:
 def change_record(change: history_mod.Change) -> dict[str, Any]:
     """A change as a decision record holds it: everything its booking needs after a restart
     (``_change_from`` reads it back)."""
-    return {**change.as_dict(), "knob": change.knob, "direction": change.direction, "adds_load": change.adds_load}
+    return {**change.as_dict(), "knob": change.knob, "direction": change.direction, "adds_load": change.adds_load,
+            "breach": change.breach}
 
 
 def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
@@ -257,7 +260,7 @@ def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
                               adds_load=bool(data.get("adds_load", False)),
                               experimental=bool(data.get("experimental", False)),
                               verify=tuple(Verify.model_validate(v) for v in data.get("verify", ())),
-                              live=bool(data.get("live", False)))
+                              live=bool(data.get("live", False)), breach=bool(data.get("breach", False)))
 
 
 def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: knobs.EngineKind

@@ -376,7 +376,8 @@ def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float |
 
 
 def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
-             settings: SafetySettings, now: float, live: bool = False, direction: int = 0) -> Ruling:
+             settings: SafetySettings, now: float, live: bool = False, direction: int = 0,
+             breach: bool = False) -> Ruling:
     """A flag is not changed again within the cooldown of its last change. A live change that goes on the
     way the last one went (``direction``, the same sign) is not held: live changes are cheap, and a step in
     the direction the evidence keeps pointing is a controller correcting itself, which a cooldown between
@@ -387,6 +388,8 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
         return allow("cooldown")
     if live and direction != 0 and last.direction == direction:
         return allow("cooldown", f"{flag} goes on the way its last live change went")
+    if live and breach:  # the price of the last change breaks its SLO: taken back as fast as it was made
+        return allow("cooldown", f"{flag}: the SLO is broken; a live reversal is not held")
     period = settings.live_cooldown_seconds if live else max(rule_cooldown_seconds, settings.cooldown_seconds)
     left = last.at + period - now
     if left > 0:

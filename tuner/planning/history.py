@@ -38,6 +38,8 @@ class Change:
     experimental: bool = False
     verify: tuple[Verify, ...] = ()
     live: bool = False  # applied to the running engine (no restart): the admission cap, the step budget
+    breach: bool = False  # proposed by a rule that fires on a broken SLO (Rule.breach): a live reversal of it
+                          # supersedes the verification in flight (machine Rule 6)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

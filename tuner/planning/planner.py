@@ -348,7 +348,7 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
         assert floor is not None
         yield guards.floor_check(p.to_value, floor, from_value=p.from_value)
     yield guards.cooldown(p.knob, p.flag, history, rule_cooldown_seconds=p.cooldown_seconds,
-                          settings=settings.safety, now=now, live=live, direction=p.direction)
+                          settings=settings.safety, now=now, live=live, direction=p.direction, breach=p.breach)
     if p.rule != THERMAL_RULE:  # cooling down beats not flapping
         yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now,
                                 live=live, breach=p.breach)
@@ -395,7 +395,7 @@ def _choose(
             continue
         change = Change(flag=p.flag, knob=p.knob, from_value=p.from_value, to_value=p.to_value, rule=p.rule,
                         reason=p.reason, direction=p.direction, adds_load=p.adds_load,
-                        experimental=p.experimental, verify=p.verify, live=live)
+                        experimental=p.experimental, verify=p.verify, live=live, breach=p.breach)
         accepted.append((p, change))
         if not live:
             args_after = candidate

@@ -165,14 +165,20 @@ class Admission:
 
 
 def continues(change: PoolChange, verifying: Sequence[history_mod.Change]) -> bool:
-    """``change`` goes on the way the live change being verified went: live, only knobs that change moved,
-    each the same direction and further (machine Rule 6: it supersedes that change's verification)."""
+    """``change`` may supersede the verification of the live change in flight (machine Rule 6): live, only
+    knobs that change moved, each the same direction and further — or back, by a rule that fires on a broken
+    SLO (``breach``: the price of the change being verified breaks it, and the lowering does not wait for
+    that verification's verdict)."""
     if not change.live or not verifying or not change.changes:
         return False
     for c in change.changes:
         v = next((v for v in verifying if v.knob == c.knob and v.live), None)
-        if v is None or v.direction == 0 or c.direction != v.direction:
+        if v is None or v.direction == 0 or c.direction == 0:
             return False
+        if c.direction != v.direction:
+            if not c.breach:
+                return False
+            continue
         if (float(c.to_value) - float(v.to_value)) * v.direction <= 0:
             return False
     return True

@@ -114,6 +114,9 @@ def _why(signals: Mapping[str, Signal], name: str) -> str:
     return f"{name} unknown ({(s.reason if s is not None else None) or 'not computed'})"
 
 
+MAX_LOWERING = 0.5  # a lowering step keeps at least this share of the window's batch (concurrency, down)
+
+
 def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
     """The N whose service rate N / S(N) equals ``throughput`` (S(N) = S₀ · (N / n₀)^α)."""
     return float((throughput * s0 * n0 ** -alpha) ** (1 / (1 - alpha)))
@@ -196,6 +199,15 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         f = max(1, math.floor(frontier + 1e-9))
         over = " (overloaded: Little's law needs more — fewer slots trade the TTFT SLO for the TPOT SLO)" \
             if little > f else ""
+        batch = _v(signals, "requests_running_max") or 0.0
+        if f < batch * MAX_LOWERING:
+            # one step at most halves the batch: TPOT ∝ running^α is measured between 8 and 128 slots (H200)
+            # and extrapolates badly far below the window's batch — on the trace family a TPOT p99 of 3.5 × the
+            # SLO (a burst of 2,000-token prefills, not the batch) read as "170 → 1"; the live law iterates,
+            # and the next window measures the halved batch
+            f = max(1, math.floor(batch * MAX_LOWERING))
+            return Estimate(float(f), f"{text}; TPOT SLO frontier {frontier:.3g}{over}; at most half the batch "
+                                      f"{batch:.3g} in one step → {f}")
         return Estimate(float(f), f"{text}; TPOT SLO frontier {frontier:.3g}{over} → {f}")
     if target > frontier:
         # never below today's batch: a raise the frontier forbids is a no-op here, the lowering rule's to make

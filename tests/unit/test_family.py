@@ -1,0 +1,69 @@
+"""The trace-family benchmark (``bench.family``) in the fast tier: a small draw of the live family through the
+whole loop in virtual time, asserting no harm (the tuner never serves fewer requests within the SLO than
+staying at the flags it started from), and the calibrated twin against the committed H200 static arms
+(goodput within ±10 %). The full draw's figures are in docs/evaluation.md."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+
+import pytest
+
+from bench.family import calibration, runs, traces
+
+DRAW_SEED = 11  # any seed: the generator, not this number, is what is tested
+MAX_SECONDS = 240.0  # the shorter traces of the draw keep this file under a minute on one core
+
+
+def small_draw(n: int) -> list[traces.Trace]:
+    rng = random.Random(DRAW_SEED)
+    out: list[traces.Trace] = []
+    for i in range(200):
+        t = traces.draw(rng, index=i, mode="live", capacity=calibration.capacity)
+        if t.duration <= MAX_SECONDS:
+            out.append(t)
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("trace", small_draw(3), ids=lambda t: t.name)
+def test_the_tuner_does_no_harm_on_traffic_it_has_not_seen(trace: traces.Trace) -> None:
+    result = runs.evaluate(trace, mode="live", gpu=calibration.GPU, sweep=())
+    print(f"{trace.name}: {trace.describe()}: tuner/best static {result['ratio']:.3f} "
+          f"(from the defaults {result['ratio_default']:.3f}), statics {result['statics']}")
+    assert result["harm"] == [], result
+    bad = result["tuner_bad"]
+    assert bad["restarts"] == 0 and bad["failed"] <= result["statics"]["8"] * trace.duration  # live: no restart
+
+
+def test_the_generator_draws_the_family_the_issue_describes() -> None:
+    rng = random.Random(3)
+    drawn = [traces.draw(rng, index=i, mode="live", capacity=calibration.capacity) for i in range(60)]
+    phases = [p for t in drawn for p in t.phases]
+    assert all(2 <= len(t.phases) <= 5 for t in drawn)
+    assert all(10 <= p.seconds <= 180 for p in phases)
+    assert any(p.users for p in phases) and any(p.rate0 != p.rate1 for p in phases)  # closed loops, ramps
+    assert any(p.burstiness < 1 for p in phases) and any(len(p.mix) == 2 for p in phases)
+    assert any(p.rate1 == 0 for p in phases)  # idle phases
+    sizes = [(m.prompt, m.output) for p in phases for m in p.mix]
+    assert min(s[0] for s in sizes) >= 64 * 0.99 and max(s[0] for s in sizes) <= 3072 * 1.01
+    assert min(s[1] for s in sizes) >= 16 * 0.99 and max(s[1] for s in sizes) <= 1024 * 1.01
+    loads = [p.rate1 / calibration.capacity(p.mix) for p in phases if not p.users]
+    assert max(loads) <= 1.2 + 1e-6 and max(loads) > 1.0  # up to ~1.2 × the pool's capacity
+    again = traces.draw(random.Random(3), index=0, mode="live", capacity=calibration.capacity)
+    assert again == drawn[0]  # seeded: the same draw, request for request
+
+
+@pytest.mark.parametrize("run", ["h200-rise", "h200-fit"])
+def test_the_twin_serves_the_committed_h200_static_arms_within_ten_percent(run: str) -> None:
+    d = calibration.FIXTURES / run
+    summary = json.loads((d / "summary.json").read_text())
+    trace = traces.from_profile(json.load(gzip.open(d / "trace.json.gz")), name=run)
+    for arm, real in summary["arms"].items():
+        if real.get("kind") != "static":
+            continue
+        sim = runs.static(trace, calibration._cap(real.get("flags")), gpu=calibration.GPU)
+        assert sim.goodput == pytest.approx(real["goodput"], rel=0.10), (run, arm, sim.goodput, real["goodput"])
