@@ -64,9 +64,15 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_launcher_zipapp(args: argparse.Namespace) -> int:
-    from tuner.launcher.__main__ import main as launcher_main
+    from pathlib import Path
 
-    return launcher_main(["--build-zipapp", args.out])
+    from tuner.launcher import packaging
+
+    try:
+        packaging.build_zipapp(Path(args.out))
+    except OSError as exc:
+        raise StartError(f"{args.out}: cannot write the launcher there: {exc.strerror or exc}") from None
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner import config
-from tuner.cli import deciding, inputs
+from tuner.cli import arguments, deciding, inputs
 from tuner.model import knobs
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -196,5 +196,5 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="the tuner on its embedded default (recorded real vLLM scenarios)")
     p.add_argument("--recorded-only", action="store_true", help="only replay the recorded real scenarios")
-    p.add_argument("--seconds", type=float, default=150, help="time limit of the live part (default 150)")
+    p.add_argument("--seconds", type=arguments.positive_float, default=150, help="time limit of the live part (default 150)")
     p.set_defaults(func=cmd_demo)
