@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import venv
 from pathlib import Path
 
@@ -28,8 +29,10 @@ DIST = "vllm-tuner-sidecar"
 
 
 def run(*cmd: str | Path, cwd: Path | None = None, timeout: float = 300) -> str:
+    """A command, outside the source tree unless ``cwd`` says otherwise (``python -c`` puts its working
+    directory first on sys.path: the checkout's ``tuner`` would shadow the installed one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_", "VIRTUAL_ENV"))}
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd or tempfile.gettempdir(), capture_output=True, text=True, timeout=timeout,
                           env={**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout + proc.stderr

@@ -86,6 +86,8 @@ def _e(*argv: str) -> Callable[[str], list[str]]:
     return lambda v: [a.replace("{}", v) for a in argv]
 
 
+# `agent --config` has no path slot: the agent fails open by design (a bad configuration runs it degraded,
+# said in its log, on /metrics and in an Event: docs/kubernetes.md), so the engine starts regardless.
 PATH_SLOTS = [
     Slot("inspect --engine-metrics", _e("inspect", "--engine-metrics", "{}"), metrics_file),
     Slot("inspect --dcgm-metrics", _e("inspect", "--engine-metrics", GOOD[0], "--dcgm-metrics", "{}"),

@@ -150,6 +150,8 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
             lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; "
                          f"args: {_shown(args, redactor)}")
             lines += _decision_text(last)
+            if hint := needs(last, live=True):
+                lines.append(f"  NEEDS   {hint}")
     if ns.format == "production-stack":  # one modelSpec serves the pool: the first target's change
         t = settings.targets[0]
         print(redactor.text("\n".join(_stack_diff(lasts[t.name], knobs.EngineArgs.parse(t.args or []), ns.model_name))))
@@ -174,26 +176,30 @@ def _nothing_read(command: str, snaps: Sequence[snapshots.Snapshot],
 
 
 _TOO_FEW = re.compile(r"too few snapshots: (\d+) spanning [^(]*\(need ≥ (\d+)")
+_STREAK = re.compile(r"true in (\d+) of (\d+) consecutive windows")
 
 
-def needs(decision: stepping.Decision, ns: argparse.Namespace) -> str | None:
-    """When the last step could not decide for want of input: what it needs, and the flag that gives it
-    (one line), else None."""
+def needs(decision: stepping.Decision, *, live: bool) -> str | None:
+    """When the last step could not decide for want of input: what it needs and the flag that gives it, in
+    one line (``recommend`` prints it as NEEDS); else None. Read off the reasons the decision path gives."""
+    more = ("more scrapes: --samples N" if live else
+            "more snapshots: --engine-metrics once per file (e.g. $(for f in DIR/*.prom; do echo --engine-metrics "
+            "$f; done))")
     reasons = [decision.skipped or ""]
     if decision.plan is not None:
-        reasons += [h.reason for h in decision.plan.held if h.guard in ("window", "idle", "sustained")]
+        reasons += [h.reason for h in decision.plan.held if h.guard in ("window", "idle", "sustain", "sustained")]
     for reason in reasons:
         if m := _TOO_FEW.search(reason):
-            have, need = int(m.group(1)), int(m.group(2))
-            return (f"needs at least {need} snapshots to decide, got {have}: give --engine-metrics once per file "
-                    f"(e.g. --engine-metrics 000.prom --engine-metrics 001.prom --engine-metrics 002.prom), "
-                    f"or lower --min-snapshots (2 at least)")
-        if "requests finished in the" in reason:
-            return (f"needs more finished requests in its window: a recording with more traffic, or a longer "
-                    f"window (--span, now {ns.span:g} s)")
+            return (f"at least {m.group(2)} snapshots in the window to decide, got {m.group(1)}: {more}, or "
+                    "--min-snapshots 2")
+        if m := _STREAK.search(reason):
+            return (f"the evidence in {m.group(2)} consecutive windows to restart, got {m.group(1)}: {more} "
+                    "(a longer recording)")
         if "needs the evidence sustained" in reason:
-            return ("needs the evidence to hold longer than this recording: more snapshots over a longer span "
-                    "(the restart guard's sustain time is in the decisions: section, --decisions FILE)")
+            return (f"the evidence to hold longer than the recording: {more} (or a shorter "
+                    "safety.restart_evidence_seconds: --decisions FILE)")
+        if "requests finished in the" in reason:
+            return "more finished requests in the window: a busier recording, or a longer window (--span SECONDS)"
     return None
 
 
@@ -227,7 +233,7 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
     decisions = recorded_timeline(ns, snaps, args=args, apply=False)
     last = decisions[-1]
     _nothing_read("recommend", snaps)
-    hint = needs(last, ns)
+    hint = needs(last, live=False)
     if hint and ns.format != "table":
         arguments.say(f"recommend: {hint}")
     if ns.format == "production-stack":

@@ -170,6 +170,8 @@ def run_live(*, seconds: float, out: Any = print) -> int:
                 out(f"   {name} now runs: {' '.join(t['args'])}")
     if finished_at is None:
         out("   (no rollout finished within the demo's time limit)")
+        print(f"error: demo: no rollout finished within {seconds:g} s (a busy machine: try --seconds "
+              f"{seconds * 2:g})", file=sys.stderr)
         return 1
     return 0
 
