@@ -296,6 +296,15 @@ def test_recommend_says_what_it_needs_to_decide() -> None:
     assert len(needs) == 1 and "--engine-metrics" in needs[0] and "--min-snapshots" in needs[0], ran.out
 
 
+def test_replay_says_what_it_needs_when_nothing_changed(tmp_path: Path) -> None:
+    for p in sorted(SCENARIO.glob("*.prom"))[:2]:  # two snapshots: never a window of three
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    ran = run(["replay", str(tmp_path)])
+    assert ran.rc == 0 and ran.err == ""
+    last = ran.out.splitlines()[-1]
+    assert last.startswith("needs: at least 3 snapshots in the window to decide, got 2") and "--min-snapshots" in last
+
+
 # --- the progress line --------------------------------------------------------------------------------
 
 

@@ -150,7 +150,7 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
             lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; "
                          f"args: {_shown(args, redactor)}")
             lines += _decision_text(last)
-            if hint := needs(last, live=True):
+            if hint := needs(last, more=MORE_SCRAPES):
                 lines.append(f"  NEEDS   {hint}")
     if ns.format == "production-stack":  # one modelSpec serves the pool: the first target's change
         t = settings.targets[0]
@@ -179,12 +179,16 @@ _TOO_FEW = re.compile(r"too few snapshots: (\d+) spanning [^(]*\(need ≥ (\d+)"
 _STREAK = re.compile(r"true in (\d+) of (\d+) consecutive windows")
 
 
-def needs(decision: stepping.Decision, *, live: bool) -> str | None:
-    """When the last step could not decide for want of input: what it needs and the flag that gives it, in
-    one line (``recommend`` prints it as NEEDS); else None. Read off the reasons the decision path gives."""
-    more = ("more scrapes: --samples N" if live else
-            "more snapshots: --engine-metrics once per file (e.g. $(for f in DIR/*.prom; do echo --engine-metrics "
-            "$f; done))")
+MORE_FILES = ("more snapshots: --engine-metrics once per file (e.g. $(for f in DIR/*.prom; do echo --engine-metrics "
+              "$f; done))")
+MORE_SCRAPES = "more scrapes: --samples N"
+MORE_IN_DIR = "more snapshots in the directory (a longer recording)"
+
+
+def needs(decision: stepping.Decision, *, more: str) -> str | None:
+    """When the last step could not decide for want of input: what it needs and the flag that gives it
+    (``more``: how this command gets more snapshots), in one line; else None. Read off the reasons the
+    decision path gives."""
     reasons = [decision.skipped or ""]
     if decision.plan is not None:
         reasons += [h.reason for h in decision.plan.held if h.guard in ("window", "idle", "sustain", "sustained")]
@@ -193,8 +197,7 @@ def needs(decision: stepping.Decision, *, live: bool) -> str | None:
             return (f"at least {m.group(2)} snapshots in the window to decide, got {m.group(1)}: {more}, or "
                     "--min-snapshots 2")
         if m := _STREAK.search(reason):
-            return (f"the evidence in {m.group(2)} consecutive windows to restart, got {m.group(1)}: {more} "
-                    "(a longer recording)")
+            return f"the evidence in {m.group(2)} consecutive windows to restart, got {m.group(1)}: {more}"
         if "needs the evidence sustained" in reason:
             return (f"the evidence to hold longer than the recording: {more} (or a shorter "
                     "safety.restart_evidence_seconds: --decisions FILE)")
@@ -233,7 +236,7 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
     decisions = recorded_timeline(ns, snaps, args=args, apply=False)
     last = decisions[-1]
     _nothing_read("recommend", snaps)
-    hint = needs(last, live=False)
+    hint = needs(last, more=MORE_FILES)
     if hint and ns.format != "table":
         arguments.say(f"recommend: {hint}")
     if ns.format == "production-stack":
@@ -284,6 +287,9 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         if d.plan.changes:
             final = d.plan.args_after
     print(f"final args: {_shown(final)}")
+    if not any(d.plan is not None and d.plan.changes for d in decisions) and (hint := needs(decisions[-1],
+                                                                                           more=MORE_IN_DIR)):
+        print(f"needs: {hint}")
     return 0
 
 
