@@ -272,6 +272,14 @@ def test_inspect_on_a_dead_engine_exits_1() -> None:
     assert "nothing could be read" in ran.err and "cannot connect" in ran.err
 
 
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_dead_engine_s_error_shows_no_password_of_its_url(fmt: str) -> None:
+    ran = run(["inspect", "--engine-url", "http://user:pw-in-url-9f8e@127.0.0.1:1/metrics", "--samples", "1",
+               "--format", fmt])
+    assert ran.rc == 1 and "127.0.0.1:1" in ran.err
+    assert "pw-in-url-9f8e" not in ran.out + ran.err
+
+
 def test_inspect_and_recommend_config_on_a_dead_engine_exit_1(dead_config: str) -> None:
     for argv in (["inspect", "--config", dead_config, "--samples", "1"],
                  ["recommend", "--config", dead_config, "--samples", "2", "--window-seconds", "0.01"]):

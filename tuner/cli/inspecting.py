@@ -16,7 +16,7 @@ from typing import Any
 from tuner import config
 from tuner.cli import arguments, inputs, progress
 from tuner.errors import SourceError
-from tuner.model import dialects, knobs, snapshots
+from tuner.model import dialects, knobs, secrets, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
 from tuner.planning import planner, stepping
@@ -117,12 +117,23 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
         results[s.name] = reports.report(signals, info=s.info, readings=s.gpus.readings, extra=extra)
         title = f"== {s.name}" + (f"  ({len(invalid)} invalid scrape(s): {'; '.join(invalid)})" if invalid else "")
         outputs.append(reports.table(signals, title=title))
+    redactor = _redactor(ns)  # a password in a URL is shown nowhere (the scrape errors name the URL)
     if ns.format == "json":
-        print(json.dumps(results[next(iter(results))] if len(results) == 1 else {"targets": results}, indent=2))
+        print(json.dumps(redactor.data(results[next(iter(results))] if len(results) == 1 else {"targets": results}),
+                         indent=2))
     else:
-        print("\n\n".join(outputs))
-    nothing_read(all_series)
+        print(redactor.text("\n\n".join(outputs)))
+    try:
+        nothing_read(all_series)
+    except SourceError as exc:
+        raise SourceError(exc.source, redactor.text(exc.reason)) from None
     return 0
+
+
+def _redactor(ns: argparse.Namespace) -> secrets.Redactor:
+    if ns.config:
+        return config.load(ns.config, runnable=False).redactor()
+    return secrets.DEFAULT.learn(urls=[*(ns.engine_url or []), *([ns.dcgm_url] if ns.dcgm_url else [])])
 
 
 def nothing_read(all_series: list[_Series]) -> None:
