@@ -4,6 +4,7 @@ Extracted from the Markdown each time: fenced ```sh blocks run as one script und
 must succeed); ```console blocks run each ``$ command`` (with its ``\\`` continuations) and check that the
 lines shown after it appear in its output, in order, ``...`` standing for any text. From the repository's
 root, with ``vllm-tuner`` on PATH running this checkout's code, on the inputs the docs name (examples/).
+The ```yaml examples (a configuration, a rule file, a section) are parsed and validated as written.
 
 What cannot run here is in one of two explicit lists, each entry with its reason: ``SKIPPED`` (a live
 engine, a cluster, a GPU machine, a daemon) and ``AWAITING_ISSUE_25`` (examples whose documented decision
@@ -265,3 +266,42 @@ def test_the_examples_are_the_recorded_captures() -> None:
         assert not mismatch and not errors, (ours, mismatch, errors)
     dcgm = "h100x8-vllm-k8s-grep.prom"
     assert filecmp.cmp(ROOT / "examples" / "dcgm" / dcgm, ROOT / "tests" / "fixtures" / "dcgm" / dcgm, shallow=False)
+
+
+# --- the configuration and rule examples: valid as written ---------------------------------------------
+
+
+def yaml_blocks(rel: str) -> list[tuple[int, str]]:
+    text = (ROOT / rel).read_text()
+    return [(text[:m.start()].count("\n") + 1, m.group(1))
+            for m in re.finditer(r"^```yaml\n(.*?)^```", text, re.M | re.S)]
+
+
+def test_the_yaml_examples_are_valid_as_written(tmp_path: Path) -> None:
+    """README's configuration parses (the schema: types, ranges, unknown keys, what apply mode needs —
+    not this host's start-up checks: it names NVML GPUs, systemd units and nginx); docs/rules.md's rule
+    file loads; docs/reliability.md's fragment is a valid `daemon:` section."""
+    import yaml
+
+    from tuner import config
+    from tuner.rules import loading
+
+    seen = 0
+    for rel in DOCS:
+        for line, body in yaml_blocks(rel):
+            data = yaml.safe_load(body)
+            where = f"{rel}:{line}"
+            if "targets" in data:
+                settings = config.parse(data, file=where)
+                assert not settings.apply_problems(), (where, settings.apply_problems())
+            elif "rules" in data:
+                path = tmp_path / f"rules-{line}.yaml"
+                path.write_text(body)
+                assert loading.load_all([path]).rules, where
+            elif set(data) <= {"daemon", "scrape", "decisions", "rollout", "live", "drain", "actuator"}:
+                config.parse({"targets": [{"name": "a", "metrics_url": "http://127.0.0.1:8000/metrics"}], **data},
+                             file=where)
+            else:
+                pytest.fail(f"{where}: a yaml example of a kind this test does not know: {sorted(data)}")
+            seen += 1
+    assert seen >= 3
