@@ -385,3 +385,32 @@ def test_run_once_reading_no_target_exits_1_and_a_live_wait_says_so(dead_config:
     lines = waited.stderr.splitlines()  # not a terminal: one plain progress line, then the error
     assert lines[0] == "inspect: 1 target(s): 2 scrapes 2.5 s apart, about 2 s; the result follows", lines
     assert lines[1].startswith("error: inspect: nothing could be read") and len(lines) == 2, lines
+
+
+def test_on_a_terminal_the_progress_line_is_redrawn_and_erased() -> None:
+    """A real pseudo-terminal as stderr: the line counts down in place and is gone at the end; only the
+    error line stays."""
+    import pty
+
+    main_fd, term_fd = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "tuner", "inspect", "--engine-url", DEAD_URL, "--samples", "2",
+                                 "--window-seconds", "2.5"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=term_fd,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        os.close(term_fd)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main_fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        os.close(main_fd)
+    text = b"".join(chunks).decode()
+    assert "\rinspect: 1 target(s): scrape 1/2 done, next in" in text, text
+    erased = text.rsplit("\r\x1b[K", 1)
+    assert len(erased) == 2 and erased[1].strip().startswith("error: inspect: nothing could be read"), text
