@@ -6,7 +6,8 @@
     ├── ConfigError            bad configuration or rule file; the CLI exits 2
     │   └── StorageError       the tuner's own state or journal cannot be written at start
     ├── StartError             (cli) ``run`` cannot start for a reason outside the configuration; exit 2
-    ├── SourceError            a scrape or read failed; no decision from that window (transient)
+    ├── SourceError            a scrape or read failed; no decision from that window (transient); the
+    │                          CLI exits 1 when no target or file it was given could be read
     ├── ActuatorError          an actuator could not act
     │   ├── TemporaryActuatorError(delay=)   try again after ``delay`` seconds
     │   └── PermanentActuatorError           do not retry; a human must look

@@ -26,6 +26,9 @@ def test_recommend_live_on_a_slot_bound_engine(tmp_path):
                                "--window-seconds", "1.5", "--min-snapshots", "2", "--format", "json"],
                               capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 0, proc.stderr
+        # 10.5 s of sampling: said on stderr, in one plain line (not a terminal), before the result
+        assert proc.stderr.splitlines()[0] == ("recommend: 1 target(s): 8 scrapes 1.5 s apart, about 10 s; "
+                                               "the result follows"), proc.stderr
         out = json.loads(proc.stdout)
         assert out["signals"]["requests_running_max"] == 8  # slots pinned (an instant may show 7)
         assert out["signals"]["requests_waiting_max"] > 0

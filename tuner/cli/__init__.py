@@ -1,7 +1,16 @@
 """Command line: ``vllm-tuner inspect | recommend | replay | run | agent | check-config | config-schema | demo``.
 
-Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, or a start-up that cannot proceed
-(one ``error:`` line per problem on stderr, never a traceback).
+Exit codes, for every subcommand:
+
+- 0: it did its job;
+- 1: it ran but could not read what it needed (every target failed to answer, no input file held a
+  readable /metrics body), or a bug (``error: internal error: …``; ``VLLM_TUNER_DEBUG=1`` shows the
+  traceback);
+- 2: a usage or configuration error, a bad input file, or a start-up that cannot proceed;
+- 130: interrupted.
+
+Each failure is one ``error: …`` line per problem on stderr, never a traceback (tests/unit/test_cli_contract.py
+holds it over every subcommand and bad paths, URLs, numbers and files).
 """
 
 from __future__ import annotations
@@ -10,13 +19,15 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
+import pydantic
 import yaml
 
 from tuner import __version__, config
-from tuner.cli import agent, deciding, demo, injecting, inspecting
-from tuner.errors import ConfigError, TunerError
+from tuner.cli import agent, arguments, deciding, demo, injecting, inspecting
+from tuner.errors import ConfigError, SourceError, TunerError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -53,13 +64,19 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_launcher_zipapp(args: argparse.Namespace) -> int:
-    from tuner.launcher.__main__ import main as launcher_main
+    from pathlib import Path
 
-    return launcher_main(["--build-zipapp", args.out])
+    from tuner.launcher import packaging
+
+    try:
+        packaging.build_zipapp(Path(args.out))
+    except OSError as exc:
+        raise StartError(f"{args.out}: cannot write the launcher there: {exc.strerror or exc}") from None
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-tuner", description=(__doc__ or "").splitlines()[0])
+    parser = arguments.Parser(prog="vllm-tuner", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"vllm-tuner {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     inspecting.register(sub)
@@ -105,17 +122,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tuner.launcher.__main__ import main as launch
 
         return launch(argv[1:])
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
+    except SourceError as exc:  # it ran, and nothing it needed could be read (every target, every file)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     except TunerError as exc:  # every expected failure: one line per problem, no traceback
         for line in error_lines(exc):
             print(line, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except pydantic.ValidationError as exc:  # a value from the command line that a setting refuses
+        for e in exc.errors():
+            where = ".".join(str(p) for p in e["loc"])
+            print(f"error: {where + ': ' if where else ''}{e['msg']} (got {e.get('input')!r})", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # the reader went away (`vllm-tuner replay DIR -v | head`): stop quietly, as `cat` would
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except OSError as exc:  # an input path that cannot be read: the file named, and why
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 — a bug: still one line (the traceback on request), never a wall of text
+        if os.environ.get("VLLM_TUNER_DEBUG"):
+            traceback.print_exc()
+        print(f"error: internal error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]} (a bug: please "
+              "report it; VLLM_TUNER_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tuner.cli import arguments
+
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from tuner import config
@@ -27,7 +29,7 @@ def register(sub: Any) -> None:
     p.add_argument("--config", required=True, help="the tuner's YAML configuration, with a `kubernetes:` section")
     p.add_argument("--state-dir", help="the directory shared with the launcher (default kubernetes.state_dir)")
     p.add_argument("--pod", help="this pod's name (default $POD_NAME)")
-    p.add_argument("--startup-timeout", type=float, default=15.0, metavar="SECONDS",
+    p.add_argument("--startup-timeout", type=arguments.non_negative_float, default=15.0, metavar="SECONDS",
                    help="how long to wait for the pool's ConfigMap before the engine starts on its own command "
                         "line (default 15; at once when the API server says no: 401, 403, 404)")
     p.add_argument("--prepare-only", action="store_true",

@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shlex
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tuner import config
-from tuner.cli import inputs, stackvalues
+from tuner.cli import arguments, inputs, progress, stackvalues
+from tuner.errors import ConfigError, SourceError
 from tuner.model import dialects, knobs, secrets, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.planning import planner, stepping
@@ -148,11 +149,18 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
     with engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds) as client:
         collectors = [collecting.Collector(t, client=client) for t in settings.targets]
         series: dict[str, list[snapshots.Snapshot]] = {c.target.name: [] for c in collectors}
-        for i in range(max(ns.samples, window.min_snapshots)):
-            if i:
-                time.sleep(spacing)
-            for c in collectors:
-                series[c.target.name].append(c.scrape_engine())
+        samples = max(ns.samples, window.min_snapshots)
+        waiting = progress.Sampling(f"recommend: {len(collectors)} target(s)", samples=samples,
+                                    spacing_seconds=spacing)
+        try:
+            for i in range(samples):
+                if i:
+                    waiting.wait()
+                for c in collectors:
+                    series[c.target.name].append(c.scrape_engine())
+                waiting.scraped()
+        finally:
+            waiting.close()
         for c in collectors:
             t = c.target
             args = inputs.engine_args(ns.args, {}) if ns.args else knobs.EngineArgs.parse(t.args or [])
@@ -165,16 +173,60 @@ def cmd_recommend_live(ns: argparse.Namespace) -> int:
             lines.append(f"== {t.name} ({t.kind}): {len(series[t.name])} live scrapes {spacing:g}s apart; "
                          f"args: {_shown(args, redactor)}")
             lines += _decision_text(last)
+            if hint := needs(last, more=MORE_SCRAPES):
+                lines.append(f"  NEEDS   {hint}")
     if ns.format == "production-stack":  # one modelSpec serves the pool: the first target's change
         t = settings.targets[0]
         print(redactor.text("\n".join(_stack_diff(lasts[t.name], knobs.EngineArgs.parse(t.args or []), ns.model_name))))
-        return 0
-    if ns.format == "json":
+    elif ns.format == "json":
         print(json.dumps(redactor.data(results[next(iter(results))] if len(results) == 1 else {"targets": results}),
                          indent=2))
     else:
         print(redactor.text("\n".join(lines)))
+    _nothing_read("recommend", [s for snaps in series.values() for s in snaps], redactor)
     return 0
+
+
+def _nothing_read(command: str, snaps: Sequence[snapshots.Snapshot],
+                  redactor: secrets.Redactor = secrets.DEFAULT) -> None:
+    """SourceError (exit 1) when not one snapshot could be read: every target failed to answer, or no
+    file held a /metrics body. What was printed above says "no decision" for each; the exit code says why."""
+    if any(s.ok for s in snaps):
+        return
+    first = snaps[0] if snaps else None
+    why = f"{first.source or 'scrape'}: {first.error}" if first is not None else "nothing given"
+    raise SourceError(command, redactor.text(f"nothing could be read ({why})"))
+
+
+_TOO_FEW = re.compile(r"too few snapshots: (\d+) spanning [^(]*\(need ≥ (\d+)")
+_STREAK = re.compile(r"true in (\d+) of (\d+) consecutive windows")
+
+
+MORE_FILES = ("more snapshots: --engine-metrics once per file (e.g. $(for f in DIR/*.prom; do echo --engine-metrics "
+              "$f; done))")
+MORE_SCRAPES = "more scrapes: --samples N"
+MORE_IN_DIR = "more snapshots in the directory (a longer recording)"
+
+
+def needs(decision: stepping.Decision, *, more: str) -> str | None:
+    """When the last step could not decide for want of input: what it needs and the flag that gives it
+    (``more``: how this command gets more snapshots), in one line; else None. Read off the reasons the
+    decision path gives."""
+    reasons = [decision.skipped or ""]
+    if decision.plan is not None:
+        reasons += [h.reason for h in decision.plan.held if h.guard in ("window", "idle", "sustain", "sustained")]
+    for reason in reasons:
+        if m := _TOO_FEW.search(reason):
+            return (f"at least {m.group(2)} snapshots in the window to decide, got {m.group(1)}: {more}, or "
+                    "--min-snapshots 2")
+        if m := _STREAK.search(reason):
+            return f"the evidence in {m.group(2)} consecutive windows to restart, got {m.group(1)}: {more}"
+        if "more of sustained evidence" in reason:
+            return (f"the evidence to hold longer than the recording: {more} (or a shorter "
+                    "safety.restart_evidence_seconds: --decisions FILE)")
+        if "requests finished in the" in reason:
+            return "more finished requests in the window: a busier recording, or a longer window (--span SECONDS)"
+    return None
 
 
 def _shown(args: knobs.EngineArgs, redactor: secrets.Redactor = secrets.DEFAULT) -> str:
@@ -190,8 +242,14 @@ def _stack_diff(decision: stepping.Decision, args: knobs.EngineArgs, model: str)
     plan = decision.plan
     if plan is None:
         return [f"# servingEngineSpec.modelSpec[name={model}]: no plan ({decision.skipped or 'no decision'})"]
-    return stackvalues.values_diff([(c.flag, c.from_value, c.to_value) for c in plan.changes], model=model,
-                                   before=args, after=plan.args_after)
+    # a dry run answers with the values the law moves to: the changes, and those held only for time (LATER)
+    moves = [(c.flag, c.from_value, c.to_value) for c in plan.changes]
+    after = plan.args_after
+    for h in plan.held:
+        if h.later and h.would is not None and all(m[0] != h.would[0] for m in moves):
+            moves.append(h.would)
+            after = after.with_value(h.would[0], h.would[2])
+    return stackvalues.values_diff(moves, model=model, before=args, after=after)
 
 
 def cmd_recommend(ns: argparse.Namespace) -> int:
@@ -199,13 +257,17 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
         return cmd_recommend_live(ns)
     paths = [Path(p) for p in ns.engine_metrics]
     if len(paths) < 2:
-        print("recommend: need at least two snapshots (give --engine-metrics more than once)")
-        return 2
+        raise ConfigError("--engine-metrics", [("", f"one file is one snapshot, and a decision needs at least "
+                                                    f"{ns.min_snapshots}: give --engine-metrics once per file")])
     meta = inputs.meta(paths[0].parent)
     snaps = inputs.metrics_files(paths, inputs.times(paths, ns.window_seconds), ns.kind)
     args = inputs.engine_args(ns.args, meta)
     decisions = recorded_timeline(ns, snaps, args=args, apply=False)
     last = answering(decisions)
+    _nothing_read("recommend", snaps)
+    hint = needs(last, more=MORE_FILES)
+    if hint and ns.format != "table":
+        arguments.say(f"recommend: {hint}")
     if ns.format == "production-stack":
         print("\n".join(_stack_diff(last, args, ns.model_name)))
         return 0
@@ -226,6 +288,8 @@ def cmd_recommend(ns: argparse.Namespace) -> int:
         print(f"  restart needed: {'yes' if last.plan.restart_needed else 'no'}")
         if last.plan.changes:
             print(f"  args after: {_shown(last.plan.args_after)}")
+    if hint:
+        print(f"  NEEDS   {hint}")
     return 0
 
 
@@ -235,6 +299,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     snaps = inputs.recorded(directory, kind=ns.kind, spacing=ns.window_seconds)
     args = inputs.engine_args(ns.args, meta)
     decisions = recorded_timeline(ns, snaps, args=args, apply=True)
+    _nothing_read("replay", snaps)
     if ns.format == "json":
         out = [dict(d.plan.as_dict(), window_snapshots=len(d.state.window)) if d.plan is not None else
                {"at": d.at, "skipped": d.skipped, "window_snapshots": len(d.state.window)} for d in decisions]
@@ -262,43 +327,50 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         if d.plan.changes:
             final = d.plan.args_after
     print(f"final args: {_shown(final)}")
+    if not any(d.plan is not None and d.plan.changes for d in decisions) and (hint := needs(decisions[-1],
+                                                                                           more=MORE_IN_DIR)):
+        print(f"needs: {hint}")
     return 0
 
 
-def add_decision_options(p: argparse.ArgumentParser) -> None:
+def add_decision_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> None:
     p.add_argument("--args", metavar="TEXT",
                    help='the current engine arguments, e.g. --args="--max-num-seqs 256 --max-model-len 8k" '
                         "(default: engine_args from meta.json next to the files, else none)")
     p.add_argument("--rules", action="append", metavar="FILE",
                    help="rule file (repeatable; default: the shipped rules/default.yaml)")
     p.add_argument("--kind", choices=sorted(dialects.DIALECTS), default="vllm", help="engine kind (default vllm)")
-    p.add_argument("--max-model-len", type=int, help="the served max_model_len (default: from --args)")
-    p.add_argument("--window-seconds", type=float, default=None,
+    p.add_argument("--max-model-len", type=arguments.at_least(1), help="the served max_model_len (default: from --args)")
+    p.add_argument("--window-seconds", type=arguments.positive_float, default=None,
                    help="seconds between consecutive files (default: meta.json scraped_at or file names, "
                         f"else {inputs.DEFAULT_SPACING_SECONDS:g})")
-    p.add_argument("--span", type=float, default=SCRAPE_DEFAULTS.window_seconds,
+    p.add_argument("--span", type=arguments.positive_float, default=SCRAPE_DEFAULTS.window_seconds,
                    help=f"window length per step in seconds (default {SCRAPE_DEFAULTS.window_seconds:g}, "
                         "as scrape.window_seconds)")
-    p.add_argument("--min-snapshots", type=int, default=SCRAPE_DEFAULTS.min_snapshots,
+    p.add_argument("--min-snapshots", type=arguments.at_least(2), default=SCRAPE_DEFAULTS.min_snapshots,
                    help=f"fewest snapshots per window (default {SCRAPE_DEFAULTS.min_snapshots}, "
                         "as scrape.min_snapshots)")
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--dcgm-metrics", metavar="FILE", help="a saved dcgm-exporter /metrics body")
     gpu.add_argument("--gpu-readings", metavar="FILE",
                      help="GPU readings as JSON (a bench/record_nvml.py recording or a list of readings)")
-    p.add_argument("--gpu-sample", type=int, default=-1, help="which recording sample (default: the last)")
-    p.add_argument("--slowdown-temp-c", type=float, help="GPU slowdown temperature for DCGM data")
+    p.add_argument("--gpu-sample", type=arguments.at_least(-(2**31)), default=-1, help="which recording sample (default: the last)")
+    p.add_argument("--slowdown-temp-c", type=arguments.finite_float, help="GPU slowdown temperature for DCGM data")
     p.add_argument("--platform", choices=knobs.PLATFORMS,
                    help="attention platform, for block-size validity and vLLM's defaults")
-    p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (vLLM's CUDA defaults depend on it)")
+    p.add_argument("--gpu-memory-gib", type=arguments.positive_float, help="memory per GPU (vLLM's CUDA defaults depend on it)")
     p.add_argument("--default", action="append", metavar="FLAG=VALUE",
                    help="a known value of a flag absent from --args (repeatable), e.g. --default=--max-num-seqs=1024 "
                         "or --default max_num_seqs=1024")
     p.add_argument("--decisions", metavar="FILE", help="YAML with guard/planner settings (the decisions: section)")
-    p.add_argument("--format", choices=["table", "json", "production-stack"], default="table",
-                   help="production-stack (recommend only): the change as a diff of vLLM production-stack's Helm "
-                        "values, servingEngineSpec.modelSpec[].vllmConfig, for a GitOps review")
-    p.add_argument("--model-name", default="MODEL", help="with --format production-stack: the modelSpec's name")
+    if "production-stack" in formats:
+        p.add_argument("--format", choices=list(formats), default="table",
+                       help="production-stack: the change as a diff of vLLM production-stack's Helm values, "
+                            "servingEngineSpec.modelSpec[].vllmConfig, for a GitOps review")
+        p.add_argument("--model-name", default="MODEL", help="with --format production-stack: the modelSpec's name")
+    else:
+        p.add_argument("--format", choices=list(formats), default="table",
+                       help="table or json (a Helm values diff is `recommend --format production-stack`'s)")
 
 
 def register(subparsers: Any) -> None:
@@ -310,12 +382,13 @@ def register(subparsers: Any) -> None:
     src.add_argument("--config", metavar="FILE",
                      help="a tuner config: scrape its targets live (--samples scrapes, --window-seconds apart; "
                           "default 3 scrapes 10 s apart) and recommend for each; never touches an engine")
-    p.add_argument("--samples", type=int, default=3, help="live scrapes per target with --config (default 3)")
-    add_decision_options(p)
+    p.add_argument("--samples", type=arguments.at_least(1), default=3,
+                   help="live scrapes per target with --config (default 3)")
+    add_decision_options(p, formats=("table", "json", "production-stack"))
     p.set_defaults(func=cmd_recommend)
 
     p = subparsers.add_parser("replay", help="run a directory of timestamped snapshots through the planner")
     p.add_argument("dir", help="NNN.prom + meta.json (scraped_at), or <unix-seconds>.prom files")
     p.add_argument("-v", "--verbose", action="store_true", help="show every held rule and action per cycle")
-    add_decision_options(p)
+    add_decision_options(p, formats=("table", "json"))
     p.set_defaults(func=cmd_replay)

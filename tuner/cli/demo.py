@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner import config
-from tuner.cli import deciding, inputs
+from tuner.cli import arguments, deciding, inputs
 from tuner.model import knobs
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -170,6 +170,8 @@ def run_live(*, seconds: float, out: Any = print) -> int:
                 out(f"   {name} now runs: {' '.join(t['args'])}")
     if finished_at is None:
         out("   (no rollout finished within the demo's time limit)")
+        print(f"error: demo: no rollout finished within {seconds:g} s (a busy machine: try --seconds "
+              f"{seconds * 2:g})", file=sys.stderr)
         return 1
     return 0
 
@@ -196,5 +198,5 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="the tuner on its embedded default (recorded real vLLM scenarios)")
     p.add_argument("--recorded-only", action="store_true", help="only replay the recorded real scenarios")
-    p.add_argument("--seconds", type=float, default=150, help="time limit of the live part (default 150)")
+    p.add_argument("--seconds", type=arguments.positive_float, default=150, help="time limit of the live part (default 150)")
     p.set_defaults(func=cmd_demo)

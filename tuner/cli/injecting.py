@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from tuner.cli import arguments
+
 
 def cmd_inject(args: argparse.Namespace) -> int:
     import yaml
@@ -26,8 +28,11 @@ def cmd_inject(args: argparse.Namespace) -> int:
     if args.file in (None, "-"):
         text = sys.stdin.read()
     else:
-        with open(args.file, encoding="utf-8") as f:
-            text = f.read()
+        from pathlib import Path
+
+        from tuner.cli import inputs
+
+        text = inputs.read_text(Path(args.file), what="manifests")
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
@@ -42,10 +47,11 @@ def cmd_inject(args: argparse.Namespace) -> int:
     for a in adopted:
         print(a.line(), file=sys.stderr)
     if not adopted:
-        print(f'inject: no workload asks for the tuner (annotation {injecting.INJECT}: "true"): nothing adopted',
-              file=sys.stderr)
-        if args.require:
+        nothing = f'no workload asks for the tuner (annotation {injecting.INJECT}: "true"): nothing adopted'
+        if args.require:  # a post-renderer that adopts nothing is a mistake, never a silent success
+            print(f"error: inject: {nothing} (--require)", file=sys.stderr)
             return 2
+        print(f"inject: {nothing}", file=sys.stderr)
     sys.stdout.write(dump_all(out))
     return 0
 
@@ -70,7 +76,7 @@ def register(sub: Any) -> None:
                                       "(a Helm post-renderer; docs/kubernetes.md, \"Adoption\")")
     p.add_argument("-f", "--file", help="the manifests (default: stdin)")
     p.add_argument("--image", help="the agent's image (default $VLLM_TUNER_IMAGE)")
-    p.add_argument("--wait", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--wait", type=arguments.non_negative_float, default=30.0, metavar="SECONDS",
                    help="how long the engine waits for the agent before it starts on its own (default 30)")
     p.add_argument("--require", action="store_true", help="exit 2 when no workload was adopted")
     p.set_defaults(func=cmd_inject)

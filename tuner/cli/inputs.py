@@ -59,11 +59,18 @@ def times(paths: Sequence[Path], spacing: float | None) -> list[float]:
     return out
 
 
+MAX_FILE_BYTES = 64 * 1024 * 1024  # a /metrics body is at most scrape.max_body_bytes (16 MiB by default)
+
+
 def read_text(path: Path, *, what: str = "metrics file") -> str:
+    """A saved body's text: a regular file (a FIFO or a directory is refused, never waited on), at most
+    ``MAX_FILE_BYTES``, UTF-8."""
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(path), [("", f"cannot read {what}: {exc}")]) from exc
+        return untrusted.read_bytes(path, max_bytes=MAX_FILE_BYTES, follow_symlinks=True).decode("utf-8")
+    except (OSError, untrusted.Untrusted, UnicodeDecodeError) as exc:
+        why = (exc.reason if isinstance(exc, untrusted.Untrusted) else exc.strerror if isinstance(exc, OSError)
+               else f"not UTF-8 text ({exc.reason} at byte {exc.start})")
+        raise ConfigError(str(path), [("", f"cannot read the {what}: {why}")]) from None
 
 
 def metrics_files(paths: Sequence[Path], at: Sequence[float], kind: str) -> list[snapshots.Snapshot]:
@@ -114,9 +121,10 @@ def gpu_readings(path: str, sample: int) -> list[GpuReading]:
 
 def dcgm_file_readings(path: Path, *, slowdown_temp_c: float | None) -> GpuInputs:
     """GPU readings from a saved dcgm-exporter body, or why there are none."""
-    snap = snapshots.parse(read_text(path), 0.0, source=str(path), keep_prefixes=dcgm.dcgm_keep_prefixes())
-    if not snap.ok:
-        return GpuInputs(unavailable=f"dcgm metrics file {path}: {snap.error}")
+    snap = snapshots.parse(read_text(path, what="dcgm-exporter metrics file"), 0.0, source=str(path),
+                           keep_prefixes=dcgm.dcgm_keep_prefixes())
+    if not snap.ok:  # given on the command line to be read: saying "GPU unknown" would hide the mistake
+        raise ConfigError(str(path), [("", f"not a dcgm-exporter /metrics body: {snap.error}")])
     readings = dcgm.readings_from_snapshot(snap, slowdown_temp_c=slowdown_temp_c)
     return GpuInputs(tuple(readings), None if readings else f"{path}: no DCGM GPU series")
 

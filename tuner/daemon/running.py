@@ -35,7 +35,7 @@ from tuner.daemon import (
 )
 from tuner.daemon.httpserver import TunerHttpServer
 from tuner.daemon.state import TunerState
-from tuner.errors import PermanentActuatorError, StorageError, TunerError
+from tuner.errors import PermanentActuatorError, SourceError, StorageError, TunerError
 from tuner.model import knobs, secrets
 from tuner.planning import guards, pooling, verification
 from tuner.planning import history as history_mod
@@ -360,6 +360,9 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             between()
             applying.sleep(settings.rollout.poll_seconds)
         state.save()
+        unread = [f"{name}: {t.scrape_error}" for name, t in result.targets.items() if t.scrape_error]
+        if result.targets and len(unread) == len(result.targets):  # the CLI's exit code 1: it ran, read nothing
+            raise SourceError("run --once", redactor.text(f"no target could be read ({'; '.join(unread)[:400]})"))
         return 0
 
     loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=state.save,
