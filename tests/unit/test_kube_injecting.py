@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import json
 import shlex
+import sys
+import time
 from typing import Any
 
 import pytest
+import yaml
 
 from tuner.kube import injecting as inj
 
@@ -429,3 +433,85 @@ def test_the_output_is_checked_against_what_the_api_server_would_refuse():
     problems = inj.output_problems(bad)
     assert any("mounts two volumes at" in p for p in problems) and any("int64" in p for p in problems)
     assert any("int32" in p for p in problems)
+
+
+# --- the command line: bounded input, one error line per problem, never a traceback ---------------------
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, stdin: str | bytes, *args: str
+            ) -> tuple[int, str, str]:
+    from tuner.cli import main
+
+    raw = stdin.encode() if isinstance(stdin, str) else stdin
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+    monkeypatch.delenv("VLLM_TUNER_IMAGE", raising=False)
+    code = main(["inject", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BOMB = ('a: &a ["x","x","x","x","x","x","x","x","x"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n'
+        'c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n'
+        'f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\ng: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]\nh: [*g,*g,*g,*g,*g,*g,*g,*g,*g]\n')
+
+
+def test_an_alias_bomb_is_refused_at_once(capsys, monkeypatch):
+    started = time.monotonic()
+    code, out, err = run_cli(capsys, monkeypatch, BOMB, "--image", SETTINGS.image)
+    assert code == 2 and out == "" and "alias bomb" in err and err.startswith("error: inject: <stdin>")
+    assert time.monotonic() - started < 5
+
+
+def test_aliases_of_documents_it_does_not_adopt_are_written_back_as_aliases(capsys, monkeypatch):
+    text = yaml.safe_dump(workload(command=ARGV)) + "---\n" + \
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata: {a: &x hello, b: *x}\nx: &l [1, 2]\ny: *l\n"
+    code, out, err = run_cli(capsys, monkeypatch, text, "--image", SETTINGS.image)
+    assert code == 0, err
+    assert "&id001" in out and "*id001" in out, "the list shared by x and y is written once"
+    docs = list(yaml.safe_load_all(out))
+    assert docs[1]["y"] == [1, 2] and docs[1]["x"] is docs[1]["y"]
+
+
+@pytest.mark.parametrize("wait", ["inf", "nan", "-1", "0", "1e9", "x"])
+def test_wait_is_bounded(capsys, monkeypatch, wait):
+    with pytest.raises(SystemExit) as info:
+        run_cli(capsys, monkeypatch, "", "--image", SETTINGS.image, "--wait", wait)
+    assert info.value.code == 2 and "--wait" in capsys.readouterr().err
+
+
+def test_a_missing_or_directory_file_is_one_error_line(capsys, monkeypatch, tmp_path):
+    for path, words in ((tmp_path / "absent.yaml", "no such file"), (tmp_path, "not a regular file")):
+        code, _out, err = run_cli(capsys, monkeypatch, "", "--image", SETTINGS.image, "-f", str(path))
+        assert code == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["{", "- [", "\xff", "a: !!python/object:os.system x", ": :"])
+def test_input_that_is_not_yaml_is_one_error_line(capsys, monkeypatch, text):
+    code, _out, err = run_cli(capsys, monkeypatch, text.encode("latin-1"), "--image", SETTINGS.image)
+    assert code == 2 and err.startswith("error: inject: ") and "Traceback" not in err
+
+
+def test_every_refusal_is_one_error_line_and_nothing_on_stdout(capsys, monkeypatch):
+    one = workload(command=["/bin/sh", "-c"], args=["a && vllm serve m"])
+    two = workload(command=ARGV, grace=2**64)
+    two["metadata"]["name"] = "two"
+    code, out, err = run_cli(capsys, monkeypatch, yaml.safe_dump_all([one, two]), "--image", SETTINGS.image)
+    assert code == 2 and out == ""
+    assert [line.split(":")[0:2] for line in err.splitlines()] == [["error", " Deployment/llm/llama"],
+                                                                    ["error", " Deployment/llm/two"]]
+
+
+def test_a_malformed_image_flag_is_refused(capsys, monkeypatch):
+    code, _, err = run_cli(capsys, monkeypatch, "", "--image", "Not An Image")
+    assert code == 2 and err.startswith("error: inject: --image: ")
+
+
+def test_the_rewrite_and_the_warnings_are_in_the_output(capsys, monkeypatch):
+    doc = workload(command=["/bin/sh", "-c"], args=["vllm serve m"])
+    code, _out, err = run_cli(capsys, monkeypatch, yaml.safe_dump(doc), "--image", "ghcr.io/example/vllm-tuner:latest")
+    assert code == 0
+    lines = err.splitlines()
+    assert lines[0].startswith("Deployment/llm/llama: adopted into pool llama")
+    assert "adopted as its argv: command [\"vllm\", \"serve\", \"m\"]" in lines[1]
+    assert any(line.startswith("warning: Deployment/llm/llama: the engine has no --shutdown-timeout") for line in lines)
+    assert any("vllm-tuner:latest is :latest" in line for line in lines)
