@@ -819,7 +819,8 @@ def agent_container(settings: Settings, *, engine: str, image: str, chart: Mappi
     def field(path: str) -> dict[str, Any]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
-    resources = chart.get("resources") if isinstance(chart.get("resources"), dict) else settings.agent_resources
+    resources: Mapping[str, Any] = (chart["resources"] if isinstance(chart.get("resources"), dict)
+                                    else settings.agent_resources)
     liveness = {**settings.agent_liveness, **_timings(chart.get("livenessProbe"), TIMINGS)}
     pull = chart.get("imagePullPolicy") if chart.get("imagePullPolicy") in ("Always", "IfNotPresent", "Never") \
         else settings.image_pull_policy
