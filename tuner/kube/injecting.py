@@ -693,11 +693,14 @@ def adopt(original: Mapping[str, Any], settings: Settings, *, specs: Mapping[str
         engine.pop("args", None)  # the script's words are the whole command line now
     if was_injected:  # our own probes from the first pass: the user's timings are in them already
         probes = {k: None if k == "startupProbe" and _is_ours(v) else v for k, v in probes.items()}
-    engine["readinessProbe"] = probe("readyz", engine_port, **{"periodSeconds": 2, "timeoutSeconds": 3,
-                                     "failureThreshold": 1, **_timings(probes["readinessProbe"],
-                                                                       ("initialDelaySeconds", "timeoutSeconds"))})
-    engine["livenessProbe"] = probe("livez", engine_port, **{"periodSeconds": 10, "timeoutSeconds": 5,
-                                    "failureThreshold": 6, **_timings(probes["livenessProbe"], TIMINGS)})
+    # The user's timings, but never a shorter timeout than the exec probe needs (a Python start and a
+    # loopback request: an httpGet's timeoutSeconds: 1 is too short on a loaded node).
+    ready = _timings(probes["readinessProbe"], ("initialDelaySeconds", "timeoutSeconds"))
+    engine["readinessProbe"] = probe("readyz", engine_port, **{"periodSeconds": 2, "failureThreshold": 1, **ready,
+                                                                "timeoutSeconds": max(3, ready.get("timeoutSeconds", 0))})
+    live = _timings(probes["livenessProbe"], TIMINGS)
+    engine["livenessProbe"] = probe("livez", engine_port, **{"periodSeconds": 10, "failureThreshold": 6, **live,
+                                                              "timeoutSeconds": max(5, live.get("timeoutSeconds", 0))})
     if probes["startupProbe"] is None:
         period = 10
         engine["startupProbe"] = probe("livez", engine_port, periodSeconds=period, timeoutSeconds=5,
