@@ -21,8 +21,6 @@ MAX_WAIT_SECONDS = 3600.0
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from tuner.cli import error_lines
-    from tuner.errors import ConfigError
     from tuner.kube import injecting
     from tuner.launcher import untrusted
     from tuner.rules import loading
@@ -32,8 +30,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
         print(f"error: inject: --image: {why}, e.g. --image ghcr.io/example/vllm-tuner:0.3.1", file=sys.stderr)
         return 2
     if args.file in (None, "-"):
-        raw = sys.stdin.buffer.read(loading.YAML_MAX_BYTES + 1)
-        what = "<stdin>"
+        raw, what = sys.stdin.buffer.read(loading.YAML_MAX_BYTES + 1), "<stdin>"
     else:
         what = args.file
         try:
@@ -44,36 +41,42 @@ def cmd_inject(args: argparse.Namespace) -> int:
         except untrusted.Untrusted as exc:
             print(f"error: inject: -f {exc.reason}", file=sys.stderr)
             return 2
+    settings = injecting.Settings(image=image, wait_seconds=args.wait,
+                                  entrypoint=tuple(args.entrypoint.split(",")) if args.entrypoint else None)
+    code, out, lines = run(raw, what, settings, require=args.require)
+    for line in lines:
+        print(line, file=sys.stderr)
+    sys.stdout.write(out)
+    return code
+
+
+def run(raw: bytes, what: str, settings: Any, *, require: bool = False) -> tuple[int, str, list[str]]:
+    """The whole of ``inject`` but its I/O: the input's bytes → (exit code, the manifests to write, the
+    lines for stderr). Never raises for any input (tests/fuzz/test_fuzz_inject.py)."""
+    from tuner.cli import error_lines
+    from tuner.errors import ConfigError
+    from tuner.kube import injecting
+    from tuner.rules import loading
+
     if len(raw) > loading.YAML_MAX_BYTES:
-        print(f"error: inject: {what}: larger than the limit of {loading.YAML_MAX_BYTES} bytes", file=sys.stderr)
-        return 2
+        return 2, "", [f"error: inject: {what}: larger than the limit of {loading.YAML_MAX_BYTES} bytes"]
     try:
         docs = loading.parse_yaml(raw.decode("utf-8"), what=what)
     except UnicodeDecodeError as exc:
-        print(f"error: inject: {what}: not UTF-8 (at byte {exc.start})", file=sys.stderr)
-        return 2
+        return 2, "", [f"error: inject: {what}: not UTF-8 (at byte {exc.start})"]
     except ConfigError as exc:
-        for line in error_lines(exc):
-            print(line.replace("error: ", "error: inject: ", 1), file=sys.stderr)
-        return 2
-    settings = injecting.Settings(image=image, wait_seconds=args.wait,
-                                  entrypoint=tuple(args.entrypoint.split(",")) if args.entrypoint else None)
+        return 2, "", [line.replace("error: ", "error: inject: ", 1) for line in error_lines(exc)]
     try:
         out, adopted = injecting.inject(docs, settings)
     except injecting.Refused as exc:
-        for problem in exc.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
-    for a in adopted:
-        for line in a.lines():
-            print(line, file=sys.stderr)
+        return 2, "", [f"error: {' '.join(str(p).split())}" for p in exc.problems]
+    lines = [line for a in adopted for line in a.lines()]
     if not adopted:
-        print(f'inject: no workload asks for the tuner (annotation {injecting.INJECT}: "true"): nothing adopted',
-              file=sys.stderr)
-        if args.require:
-            return 2
-    sys.stdout.write(dump_all(out))
-    return 0
+        lines.append(f'inject: no workload asks for the tuner (annotation {injecting.INJECT}: "true"): nothing '
+                     "adopted")
+        if require:
+            return 2, "", lines
+    return 0, dump_all(out), lines
 
 
 def dump_all(docs: list[Any]) -> str:

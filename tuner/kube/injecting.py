@@ -352,7 +352,7 @@ def inject(docs: Iterable[Any], settings: Settings) -> tuple[list[Any], list[Ado
         if not is_asked(doc):
             return doc
         kind = doc.get("kind")
-        if (doc.get("apiVersion"), kind) not in WORKLOADS:
+        if (str(doc.get("apiVersion")), str(kind)) not in WORKLOADS:
             reason = REFUSED_KINDS.get(str(kind), f"a {kind} is not a workload the tuner adopts")
             problems.append(AdoptionError(where_of(doc), reason, "adopt a Deployment or a StatefulSet, or remove "
                                                                  f"the {INJECT} annotation"))
@@ -656,6 +656,13 @@ def adopt(original: Mapping[str, Any], settings: Settings, *, specs: Mapping[str
         raise Refused([AdoptionError(where, f"it has no container named {name} (its containers: {names})",
                                      f"name the engine's container with the annotation {ENGINE_CONTAINER}: <name>")])
     engine = containers[index]
+    mounts = _list_at(where, engine, "volumeMounts", f"container {name}'s volumeMounts", problems)
+    if not isinstance(engine.get("lifecycle"), (dict, type(None))):
+        problems.append(AdoptionError(where, f"container {name}'s lifecycle is not a mapping",
+                                      "write it as a mapping, e.g. lifecycle: {preStop: …}"))
+    if problems:
+        raise Refused(problems)
+    engine["volumeMounts"] = mounts
     was_injected = is_injected(engine)
     if was_injected:  # rendered through twice: wrap the engine's own command line again
         engine["command"] = engine["command"][engine["command"].index("--") + 1:]
@@ -705,9 +712,9 @@ def adopt(original: Mapping[str, Any], settings: Settings, *, specs: Mapping[str
         period = 10
         engine["startupProbe"] = probe("livez", engine_port, periodSeconds=period, timeoutSeconds=5,
                                        failureThreshold=max(1, math.ceil(settings.startup_seconds / period)))
-    engine.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}
-    merge_by_key(engine.setdefault("volumeMounts", []), [{"name": "vllm-tuner-state", "mountPath": STATE_DIR}],
-                 "name")
+    engine["lifecycle"] = {**(engine.get("lifecycle") or {}),
+                           "preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}}
+    merge_by_key(engine["volumeMounts"], [{"name": "vllm-tuner-state", "mountPath": STATE_DIR}], "name")
 
     spec["terminationGracePeriodSeconds"] = grace
     spec.setdefault("automountServiceAccountToken", False)  # only the agent gets a token (projected below)

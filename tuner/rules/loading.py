@@ -146,8 +146,9 @@ def parse_yaml(text: str, *, what: str, single: bool = False) -> list[Any]:
     ``what`` (and the line) otherwise."""
     if len(text) > YAML_MAX_BYTES:
         raise ConfigError(what, [("", f"{len(text)} characters; the limit is {YAML_MAX_BYTES}")])
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # its reader refuses a non-printable character already
         nodes: list[yaml.Node] = []
         budget = YAML_MAX_NODES
         if single:
@@ -170,7 +171,8 @@ def parse_yaml(text: str, *, what: str, single: bool = False) -> list[Any]:
     except RecursionError:
         raise ConfigError(what, [("", f"nested deeper than {YAML_MAX_DEPTH} levels")]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 class _TooLarge(ValueError):
