@@ -134,9 +134,9 @@ sys.exit(0 if head[1:2] == [b"200"] else "/healthz: %s" % b" ".join(head[1:]).de
 # Images whose ENTRYPOINT is known, so a container that gives its command line in args only can be
 # adopted: (repository, lowest version, highest version or None) → the ENTRYPOINT. vLLM's own
 # docker/Dockerfile (target vllm-openai) ends in ENTRYPOINT ["python3", "-m",
-# "vllm.entrypoints.openai.api_server"] up to the v0.9 line and in ENTRYPOINT ["vllm", "serve"] by late
-# 2025 (its CUDA 12.9.1 / FlashInfer 0.4 Dockerfile); v0.10 and v0.11 are between the two Dockerfiles
-# read and are not guessed (docs/kubernetes.md, "Args only").
+# "vllm.entrypoints.openai.api_server"] in the v0.9 line (commit 0000977e) and in ENTRYPOINT ["vllm",
+# "serve"] at commit dead20ba (about October 2025, the v0.11 line), so in every release from v0.12 on;
+# v0.10 and v0.11 are not guessed (docs/kubernetes.md, "Args only, and the image's ENTRYPOINT").
 VLLM_REPOSITORIES = frozenset({"vllm/vllm-openai", "docker.io/vllm/vllm-openai", "index.docker.io/vllm/vllm-openai"})
 KNOWN_ENTRYPOINTS: tuple[tuple[frozenset[str], tuple[int, int], tuple[int, int] | None, tuple[str, ...]], ...] = (
     (VLLM_REPOSITORIES, (0, 0), (0, 9), ("python3", "-m", "vllm.entrypoints.openai.api_server")),
