@@ -340,10 +340,18 @@ def test_the_charts_image_and_agent_values_drive_the_injected_agent():
     assert agent["image"] == f"registry.example/t@{digest}"
     assert agent["resources"] == {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "300Mi"}}
     assert agent["livenessProbe"]["periodSeconds"] == 11
-    tag = next(d for d in helm_render() if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
     version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    assert json.loads(tag["metadata"]["annotations"]["vllm-tuner.io/agent"])["image"] == \
-        f"ghcr.io/example/vllm-tuner:{version}"
+    tagged = next(d for d in helm_render({**POOL, "image": {"repository": "registry.example/t"}})
+                  if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
+    assert json.loads(tagged["metadata"]["annotations"]["vllm-tuner.io/agent"])["image"] == \
+        f"registry.example/t:{version}"
+    default = next(d for d in helm_render() if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
+    assert "image" not in json.loads(default["metadata"]["annotations"]["vllm-tuner.io/agent"]), \
+        "no placeholder image: without image.repository, inject needs --image"
+    run = subprocess.run([sys.executable, "-m", "tuner", "inject"], input=yaml.safe_dump_all(
+        [*helm_render(), *kustomize(EXAMPLE)]), capture_output=True, text=True, timeout=120, check=False,
+        env={k: v for k, v in os.environ.items() if k != "VLLM_TUNER_IMAGE"})
+    assert run.returncode == 2 and "no agent image was given" in run.stderr
 
 
 # What the agent's code calls (tuner/kube/api.py): (API group, resource) → verbs. The Role grants exactly

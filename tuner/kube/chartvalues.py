@@ -72,8 +72,9 @@ def schema() -> dict[str, Any]:
     properties: dict[str, Any] = {
         "global": {"type": "object", "description": "Helm's values shared with subcharts (unused here)."},
         "image": _closed({
-            "repository": {"type": "string", "minLength": 1, "pattern": r"^[a-z0-9][a-z0-9._/:-]*$",
-                           "description": "The tuner's image, without tag (REGISTRY/PATH)."},
+            "repository": {"type": "string", "pattern": r"^([a-z0-9][a-z0-9._/:-]*)?$",
+                           "description": "The tuner's image, without tag (REGISTRY/PATH). Empty: none here "
+                                          "(`vllm-tuner inject --image` gives it)."},
             "tag": {"type": "string", "pattern": r"^([\w][\w.-]{0,127})?$",
                     "description": "Its tag. Empty: the chart's appVersion."},
             "digest": {"type": "string", "pattern": r"^(sha256:[0-9a-f]{64})?$",

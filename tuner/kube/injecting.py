@@ -638,10 +638,12 @@ def adopt(original: Mapping[str, Any], settings: Settings, *, specs: Mapping[str
     chart = dict(_dict((specs or {}).get(pool)))
     image = settings.image or chart.get("image")
     if not image:
-        problems.append(AdoptionError(where, "no agent image was given and the chart's ConfigMap of the pool "
-                                             f"({config_map_name(pool)}) is not in the stream",
-                                      "give --image REGISTRY/vllm-tuner:TAG (or $VLLM_TUNER_IMAGE), e.g. --image "
-                                      "ghcr.io/example/vllm-tuner:0.3.1"))
+        where_chart = ("its image.repository is empty" if chart else
+                       f"the chart's ConfigMap of the pool ({config_map_name(pool)}) is not in the input")
+        problems.append(AdoptionError(where, f"no agent image was given (no --image, no $VLLM_TUNER_IMAGE, and "
+                                             f"{where_chart})",
+                                      "give --image REGISTRY/vllm-tuner:TAG, e.g. --image "
+                                      "ghcr.io/example/vllm-tuner:0.3.1, or the chart's image.repository"))
     elif (why := image_problem(image)) is not None:
         problems.append(AdoptionError(where, f"the agent image: {why}", "e.g. ghcr.io/example/vllm-tuner:0.3.1"))
     name = str(annotations.get(ENGINE_CONTAINER) or "vllm")

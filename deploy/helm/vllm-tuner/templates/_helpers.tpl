@@ -56,7 +56,8 @@ vllm-tuner-config-{{ include "vllm-tuner.pool" . }}
 {{- end -}}
 {{- end -}}
 
-{{/* The agent's image: repository@digest, else repository:tag (default: the chart's appVersion). */}}
+{{/* The agent's image: repository@digest, else repository:tag (default: the chart's appVersion); only when
+image.repository is set (no placeholder image ever reaches a pod). */}}
 {{- define "vllm-tuner.image" -}}
 {{- if .Values.image.digest -}}
 {{ .Values.image.repository }}@{{ .Values.image.digest }}
@@ -67,5 +68,9 @@ vllm-tuner-config-{{ include "vllm-tuner.pool" . }}
 
 {{/* What `vllm-tuner inject` reads from the ConfigMap's vllm-tuner.io/agent annotation (JSON). */}}
 {{- define "vllm-tuner.agent" -}}
-{{- dict "image" (include "vllm-tuner.image" .) "imagePullPolicy" .Values.image.pullPolicy "resources" .Values.agent.resources "livenessProbe" .Values.agent.livenessProbe | toJson -}}
+{{- $agent := dict "imagePullPolicy" .Values.image.pullPolicy "resources" .Values.agent.resources "livenessProbe" .Values.agent.livenessProbe -}}
+{{- if .Values.image.repository -}}
+{{- $_ := set $agent "image" (include "vllm-tuner.image" .) -}}
+{{- end -}}
+{{- $agent | toJson -}}
 {{- end -}}
