@@ -109,7 +109,7 @@ def check(raw: bytes) -> tuple[int, str, list[str]]:
     assert code in (0, 2)
     if code == 2:
         assert out == "" and lines and all(line.startswith(("error: ", "inject: ")) for line in lines), lines
-        assert all("\n" not in line for line in lines)
+    assert all("\n" not in line for line in lines), "one line per problem, warning or adoption"
     return code, out, lines
 
 

@@ -261,9 +261,11 @@ def _dict(value: Any) -> Mapping[str, Any]:
 
 
 def where_of(doc: Mapping[str, Any]) -> str:
+    """``Kind/namespace/name``, one line of at most a few hundred characters whatever the document says."""
     meta = _dict(doc.get("metadata"))
     ns = meta.get("namespace")
-    return f"{doc.get('kind')}/{ns + '/' if isinstance(ns, str) and ns else ''}{meta.get('name')}"
+    text = f"{doc.get('kind')}/{ns + '/' if isinstance(ns, str) and ns else ''}{meta.get('name')}"
+    return " ".join(text.split())[:300]
 
 
 def is_asked(doc: Any) -> bool:
