@@ -184,3 +184,15 @@ def test_status_answers_loopback_only_unless_asked(http: httpx.Client, from_netw
 def test_is_loopback() -> None:
     assert all(httpserver.is_loopback(a) for a in ("127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"))
     assert not any(httpserver.is_loopback(a) for a in ("10.0.0.1", "::ffff:10.0.0.1", "fe80::1%eth0", "", "x"))
+
+
+def test_an_unbounded_max_age_stays_healthy(http: httpx.Client) -> None:
+    """A degraded agent's endpoint (tuner/kube/running.py ``degraded``): no cycle ever finishes, and its
+    liveness probe must not restart it in a loop for that."""
+    h = Harness()
+    clock = Clock(h.now)
+    with httpserver.TunerHttpServer(metrics=h.metrics, state=h.state, max_age_seconds=float("inf"), port=0,
+                                    clock=clock) as server:
+        clock.now += 86_400
+        r = http.get(f"{server.url}/healthz")
+        assert r.status_code == 200 and r.json()["last_cycle"] is None
