@@ -367,6 +367,9 @@ def test_a_users_volume_named_like_an_injected_one_is_refused_naming_both():
     pod(doc)["volumes"] = [{"name": "vllm-tuner-config", "secret": {"secretName": "mine"}}]
     message = refusal(doc)
     assert "volume vllm-tuner-config (secret) has the name of the volume adoption adds (configMap)" in message
+    doc = workload(command=ARGV)
+    pod(doc)["volumes"] = [{"name": "vllm-tuner-config", "configMap": {"name": "my-own-settings"}}]
+    assert "volume vllm-tuner-config (configMap) has the name of the volume adoption adds (configMap)" in refusal(doc)
 
 
 def test_duplicate_container_names_and_a_mount_on_the_state_dir_are_refused():

@@ -691,7 +691,7 @@ def adopt(original: Mapping[str, Any], settings: Settings, *, specs: Mapping[str
         warnings.append(f"container {name}'s {w}")
     if isinstance(image, str) and image_problem(image) is None and (w := image_warning(image)):
         warnings.append(f"the agent's {w}")
-    collide(where, name, engine, containers, inits, volumes, problems)
+    collide(where, name, pool, engine, containers, inits, volumes, problems)
     if problems:
         raise Refused(problems)
 
@@ -740,17 +740,19 @@ def _is_ours(probe_: Any) -> bool:
     return isinstance(command, list) and PROBE in command
 
 
-def collide(where: str, name: str, engine: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
+def collide(where: str, name: str, pool: str, engine: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
             inits: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]],
             problems: list[AdoptionError]) -> None:
     """Refuse what the adoption would silently replace or duplicate: the user's volume, mount or
     container named like one it adds, two containers of one name."""
-    ours = {v["name"]: v for v in pod_volumes("x")}
+    ours = {v["name"]: v for v in pod_volumes(pool)}
     for v in volumes:
-        if v.get("name") in ours and set(v) != set(ours[str(v["name"])]):
-            kinds = sorted(set(v) - {"name"}) or ["nothing"]
-            problems.append(AdoptionError(where, f"the pod's volume {v['name']} ({', '.join(kinds)}) has the name of "
-                                                 f"the volume adoption adds ({next(iter(set(ours[str(v['name'])]) - {'name'}))})",
+        mine = ours.get(str(v.get("name")))
+        if mine is not None and v != mine:  # an earlier adoption's is equal to it
+            kinds = ", ".join(sorted(str(k) for k in set(v) - {"name"})) or "nothing"
+            theirs = next(iter(set(mine) - {"name"}))
+            problems.append(AdoptionError(where, f"the pod's volume {v['name']} ({kinds}) has the name of the "
+                                                 f"volume adoption adds ({theirs}); it would be replaced",
                                           f"rename your volume: the names {', '.join(VOLUMES)} are the tuner's"))
     for c in inits:
         if c.get("name") == AGENT and not (c.get("restartPolicy") == "Always" and any(
