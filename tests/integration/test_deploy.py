@@ -318,14 +318,19 @@ def test_the_chart_refuses_a_mistake_naming_the_field(values, words):
 
 @pytest.mark.parametrize("values", [POOL, FULL], ids=["defaults", "everything-on"])
 def test_the_rendered_configuration_passes_check_config(values, tmp_path):
+    """What `check-config` loads (the configuration and its rule files, validated, and what its mode needs
+    to run); the ConfigMap's files laid out as the agent's volume has them, the rule file's path moved."""
     from tuner import config as config_mod
     from tuner.rules import loading as rules_loading
 
     (cm,) = [d for d in by_kind(helm_render(values), "ConfigMap") if "config.yaml" in d.get("data", {})]
-    settings = config_mod.parse(yaml.safe_load(cm["data"]["config.yaml"]), file="config.yaml")
+    for name, text in cm["data"].items():
+        (tmp_path / name).write_text(text.replace("/etc/vllm-tuner/rules.yaml", str(tmp_path / "rules.yaml")))
+    settings = config_mod.load(tmp_path / "config.yaml")
     assert settings.kubernetes is not None and settings.daemon.status_from_network is False
     if "rules.yaml" in cm["data"]:
-        assert len(rules_loading.parse(yaml.safe_load(cm["data"]["rules.yaml"]), file="rules.yaml")) == 1
+        assert settings.rule_files == [str(tmp_path / "rules.yaml")]
+        assert len(rules_loading.load(tmp_path / "rules.yaml")) == 1
 
 
 def test_the_charts_image_and_agent_values_drive_the_injected_agent():
