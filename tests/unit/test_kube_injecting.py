@@ -518,3 +518,10 @@ def test_the_rewrite_and_the_warnings_are_in_the_output(capsys, monkeypatch):
     assert "adopted as its argv: command [\"vllm\", \"serve\", \"m\"]" in lines[1]
     assert any(line.startswith("warning: Deployment/llm/llama: the engine has no --shutdown-timeout") for line in lines)
     assert any("vllm-tuner:latest is :latest" in line for line in lines)
+
+
+def test_duplicate_mount_paths_in_the_input_are_refused_not_passed_on():
+    doc = workload(command=ARGV)
+    engine_of(doc)["volumeMounts"] = [{"name": "a", "mountPath": "/x"}, {"name": "b", "mountPath": "/x"}]
+    pod(doc)["volumes"] = [{"name": "a", "emptyDir": {}}, {"name": "b", "emptyDir": {}}]
+    assert "container vllm mounts two volumes at /x" in refusal(doc)
