@@ -8,7 +8,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-real test check venv vllm-env system-deps lint typecheck e2e bench evaluate gpu-wheels clean launcher-zipapp image chart
+.PHONY: demo demo-real test check venv vllm-env system-deps lint typecheck e2e bench evaluate gpu-wheels clean launcher-zipapp image chart chart-schema
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -95,6 +95,11 @@ IMAGE ?= vllm-tuner:$(VERSION)
 BASE_IMAGE ?= docker.io/library/python:3.12-slim
 image:
 	podman build -f Containerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(IMAGE) .
+
+# The chart's values.schema.json, from the configuration's pydantic models (tests/integration/test_deploy.py
+# holds the committed file equal to this).
+chart-schema: venv
+	$(PY) -m tuner.kube.chartvalues --write
 
 # The chart as dist/vllm-tuner-<chart version>.tgz (Helm 4's packager, through helm-python-sdk).
 chart: venv

@@ -160,6 +160,10 @@ class DaemonSettings(_Model):
     expose it deliberately."""
     listen_port: int = Field(default=9180, ge=0, le=65535)
     """Port of that endpoint; 0 picks a free one."""
+    status_from_network: bool = False
+    """Serve /status and /recommendations to peers other than loopback too. Off: they answer 403 to
+    anyone but 127.0.0.1/::1 even when listen_host is a pod's or host's address (they show engine
+    arguments, secrets masked); /metrics and /healthz answer whoever reaches listen_host."""
     json_logs: bool = False
     """One JSON object per log line instead of text."""
     maintenance_windows: list[str] = []

@@ -17,6 +17,7 @@
     ├── LockedError            (rollout.locks) another process holds the state's lock
     ├── ApiError               (kube.api) a request to the Kubernetes API server failed (``code``)
     ├── AdoptionError          (kube.injecting) a workload asked for the tuner but cannot be adopted; exit 2
+    │   └── Refused            (kube.injecting) every problem of one ``inject`` run, one line each
     ├── StartupProblem         (kube.running) the agent cannot start as configured: it runs degraded (fails open)
     └── Deposed                (kube.store) a newer leader wrote to the pool's ConfigMap
 

@@ -82,6 +82,24 @@ def test_a_recursive_alias_is_refused(tmp_path: Path, text: str) -> None:
         loading.read_yaml(_write(tmp_path, text), what="f")
 
 
+@pytest.mark.parametrize("text", ["\x00", "mode: observe\n\x07\n", "a: \x1b"])
+def test_a_non_printable_character_is_a_config_error_not_a_traceback(tmp_path: Path, text: str) -> None:
+    # PyYAML's reader refuses it in the loader's constructor (found by tests/fuzz/test_fuzz_inject.py)
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        loading.read_yaml(_write(tmp_path, text), what="f")
+
+
+def test_a_stream_of_documents_shares_one_budget() -> None:
+    one = "a: &a [" + ", ".join(["x"] * 300) + "]\nb: [" + ", ".join(["*a"] * 300) + "]\n"  # 90 000 values
+    assert len(loading.parse_yaml(one, what="s")) == 1
+    with pytest.raises(ConfigError, match="alias bomb"):
+        loading.parse_yaml(one + "---\n" + one, what="s")
+    with pytest.raises(ConfigError, match="line 3, column 1: not valid YAML"):
+        loading.parse_yaml("a: 1\nb: [\n", what="s")
+    with pytest.raises(ConfigError, match="line 2, column 1: not valid YAML: but found another document"):
+        loading.parse_yaml("a: 1\n---\nb: 2\n", what="s", single=True)
+
+
 def test_deep_nesting_and_a_fifo_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="deeper"):
         loading.read_yaml(_write(tmp_path, "[" * 500 + "]" * 500 + "\n"), what="f")

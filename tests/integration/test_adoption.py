@@ -8,7 +8,9 @@ wrote it, else the engine on its own: fail open) and the exec probe (the launche
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -181,3 +183,124 @@ def test_with_the_agents_launcher_the_engine_runs_under_it_and_the_probes_ask_it
         assert probe(state, "livez", probe_port, port) == 0
     finally:
         stop(proc)
+
+
+# --- what people run: vLLM's documented Deployment, args only, kind: List, AIBrix, llm-d ----------------
+
+MANIFESTS = REPO / "tests" / "fixtures" / "manifests"
+
+
+def kustomize_with_annotations(tmp_path: Path, manifest: Path, *, pool: str, container: str) -> str:
+    """The user's manifest as they have it, the tuner's annotations added by a kustomize patch (the
+    way one adopts a manifest one does not own), built by real `kubectl kustomize`."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(manifest, tmp_path / manifest.name)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [manifest.name],
+        "patches": [{"target": {"kind": "Deployment"}, "patch": yaml.safe_dump({
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "not-important", "annotations": {
+                "vllm-tuner.io/inject": "true", "vllm-tuner.io/pool": pool,
+                "vllm-tuner.io/engine-container": container}}})}]}))
+    built = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           check=False)
+    assert built.returncode == 0, built.stderr
+    return built.stdout
+
+
+def inject_cli(text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tuner", "inject", "--require", "--image", IMAGE, *args],
+                          input=text, capture_output=True, text=True, timeout=120, check=False)
+
+
+def engine_after_wrapper(doc: dict[str, Any], name: str) -> tuple[dict[str, Any], list[str]]:
+    (engine,) = [c for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    command = engine["command"]
+    return engine, command[command.index("--") + 1:] + list(engine.get("args") or [])
+
+
+VLLM_DOCS_SCRIPT = ("vllm serve mistralai/Mistral-7B-Instruct-v0.3 --trust-remote-code --enable-chunked-prefill "
+                    "--max_num_batched_tokens 1024")
+
+
+def test_vllms_documented_deployment_is_adopted_as_the_scripts_argv(tmp_path):
+    built = kustomize_with_annotations(tmp_path, MANIFESTS / "vllm-docs" / "deployment-gpu.yaml", pool="mistral",
+                                       container="mistral-7b")
+    out = inject_cli(built)
+    assert out.returncode == 0, out.stderr
+    assert "Deployment/default/mistral-7b: container mistral-7b's script /bin/sh -c" in out.stderr
+    assert "warning: Deployment/default/mistral-7b: the engine has no --shutdown-timeout" in out.stderr
+    assert "vllm/vllm-openai:latest is :latest" in out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (deployment,) = by_kind(docs, "Deployment")
+    engine, argv = engine_after_wrapper(deployment, "mistral-7b")
+    assert argv == shlex.split(VLLM_DOCS_SCRIPT) and "args" not in engine
+    assert engine["livenessProbe"]["initialDelaySeconds"] == 60 and engine["readinessProbe"]["initialDelaySeconds"] == 60
+    assert "exec" in engine["startupProbe"], "a load longer than liveness allows is covered on the fallback path"
+    assert by_kind(docs, "Service") == by_kind([d for d in yaml.safe_load_all(built) if d], "Service")
+    for version in VERSIONS:
+        validate(docs, version)
+
+
+def args_only_deployment() -> dict[str, Any]:
+    """vLLM's documented Deployment written the other common way: args only, after the image's ENTRYPOINT."""
+    (doc, _) = [d for d in yaml.safe_load_all((MANIFESTS / "vllm-docs" / "deployment-gpu.yaml").read_text()) if d]
+    doc["metadata"].update(name="qwen", annotations={"vllm-tuner.io/inject": "true", "vllm-tuner.io/pool": "qwen",
+                                                     "vllm-tuner.io/engine-container": "mistral-7b"})
+    (engine,) = doc["spec"]["template"]["spec"]["containers"]
+    del engine["command"]
+    engine.update(image="vllm/vllm-openai:v0.32.0", args=["Qwen/Qwen3-8B", "--port", "8000", "--shutdown-timeout", "30"])
+    return doc
+
+
+def test_an_args_only_vllm_openai_deployment_and_a_kind_list_of_both_are_adopted():
+    sh = next(d for d in yaml.safe_load_all((MANIFESTS / "vllm-docs" / "deployment-gpu.yaml").read_text()) if d)
+    sh["metadata"]["annotations"] = {"vllm-tuner.io/inject": "true", "vllm-tuner.io/pool": "mistral",
+                                     "vllm-tuner.io/engine-container": "mistral-7b"}
+    listed = {"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": ""},
+              "items": [sh, args_only_deployment()]}  # what `kubectl get deploy -o yaml` prints
+    out = inject_cli(yaml.safe_dump(listed))
+    assert out.returncode == 0, out.stderr
+    assert "Deployment/default/qwen: container mistral-7b gives args only: adopted after the ENTRYPOINT of " \
+           "vllm/vllm-openai:v0.32.0, command [\"vllm\", \"serve\"]" in out.stderr
+    (result,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert result["kind"] == "List" and len(result["items"]) == 2
+    first, second = result["items"]
+    assert engine_after_wrapper(first, "mistral-7b")[1] == shlex.split(VLLM_DOCS_SCRIPT)
+    engine, argv = engine_after_wrapper(second, "mistral-7b")
+    assert argv == ["vllm", "serve", "Qwen/Qwen3-8B", "--port", "8000", "--shutdown-timeout", "30"]
+    assert engine["args"] == ["Qwen/Qwen3-8B", "--port", "8000", "--shutdown-timeout", "30"]
+    for version in VERSIONS:
+        validate(result["items"], version)
+
+
+def test_a_script_with_and_and_is_refused_with_the_list_form():
+    sh = next(d for d in yaml.safe_load_all((MANIFESTS / "vllm-docs" / "deployment-gpu.yaml").read_text()) if d)
+    sh["metadata"]["annotations"] = {"vllm-tuner.io/inject": "true", "vllm-tuner.io/pool": "mistral",
+                                     "vllm-tuner.io/engine-container": "mistral-7b"}
+    sh["spec"]["template"]["spec"]["containers"][0]["args"] = [f"pip install -U hf_transfer && {VLLM_DOCS_SCRIPT}"]
+    out = inject_cli(yaml.safe_dump(sh))
+    assert out.returncode == 2 and out.stdout == ""
+    assert f"command: {json.dumps(shlex.split(VLLM_DOCS_SCRIPT))}" in out.stderr and "more than one command" in out.stderr
+
+
+@pytest.mark.parametrize(("manifest", "container", "engine_argv0"), [
+    (MANIFESTS / "aibrix" / "model.yaml", "vllm-openai", ["vllm", "serve", "--host", "0.0.0.0"]),
+    (MANIFESTS / "llm-d" / "vllm-deployment.yaml", "modelserver", ["vllm", "serve", "Qwen/Qwen3-32B"]),
+], ids=["aibrix", "llm-d"])
+def test_aibrix_and_llm_d_manifests_are_adopted(tmp_path, manifest, container, engine_argv0):
+    original = next(d for d in yaml.safe_load_all(manifest.read_text()) if d)
+    (theirs,) = [c for c in original["spec"]["template"]["spec"]["containers"] if c["name"] == container]
+    built = kustomize_with_annotations(tmp_path, manifest, pool="pool", container=container)
+    out = inject_cli(built)
+    assert out.returncode == 0, out.stderr
+    assert "no --shutdown-timeout" in out.stderr  # neither sets one: vLLM's default 0 s
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (deployment,) = by_kind(docs, "Deployment")
+    engine, argv = engine_after_wrapper(deployment, container)
+    assert argv == [*theirs["command"], *theirs.get("args", [])] and argv[:len(engine_argv0)] == engine_argv0
+    assert engine["startupProbe"] == theirs["startupProbe"], "their own startupProbe is kept"
+    assert engine["livenessProbe"]["periodSeconds"] == theirs["livenessProbe"]["periodSeconds"]
+    assert engine["livenessProbe"]["timeoutSeconds"] >= 5, "an exec probe needs more than their 1 s"
+    assert deployment["spec"]["selector"] == original["spec"]["selector"]
+    for version in VERSIONS:
+        validate(docs, version)

