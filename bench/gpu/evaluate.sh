@@ -3,6 +3,8 @@
 # calls (the machine goes back 30 s after a call ends, a call lasts at most 10 minutes, and a later call lays
 # the working tree anew: the run works from its own copy in /tmp/repo).
 #   bench/gpu/evaluate.sh start PROFILE "ARGS1" ["ARGS2" ...]   one `python3 -m bench.evaluate` per ARGS, in turn
+#   bench/gpu/evaluate.sh start --each "PROFILE1 ARGS1" ["PROFILE2 ARGS2" ...]   one per profile, each into
+#                                                      /tmp/eval/<profile name> (several traces in one lease)
 #   bench/gpu/evaluate.sh wait [SECONDS]                        print the log as it grows until done or SECONDS
 #   bench/gpu/evaluate.sh pack                                  the raw data as $OUT/eval.tgz
 set -u
@@ -15,7 +17,12 @@ start)
   {
     echo "cd /tmp/repo && export PYTHONPATH=/tmp/site:/tmp/repo VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1"
     for a in "$@"; do
-      echo "python3 -m bench.evaluate --profile $profile --out /tmp/eval --no-plots --no-report $a"
+      if [ "$profile" = --each ]; then
+        set -- $a; p=$1; shift
+        echo "python3 -m bench.evaluate --profile $p --out /tmp/eval/$(basename "$p" .yaml) --no-plots --no-report $*"
+      else
+        echo "python3 -m bench.evaluate --profile $profile --out /tmp/eval --no-plots --no-report $a"
+      fi
     done
     echo "echo EVAL-DONE"
   } > /tmp/eval.sh
