@@ -7,11 +7,11 @@
 # Idempotent: call it in every command; it copies what this call carried and unpacks once everything is there.
 set -euo pipefail
 mkdir -p /tmp/parts /tmp/site /tmp/nginx
-for d in .gpu/a .gpu/b; do
+for d in .gpu/a .gpu/b .gpu/c; do
   if [ -d "$d" ]; then cp -r "$d"/. /tmp/parts/; fi
 done
-if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/parts/vllm026.part.ab ]; then
-  cat /tmp/parts/vllm026.part.aa /tmp/parts/vllm026.part.ab | tar -C /tmp/site -xJf -
+if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/parts/vllm026.part.ac ] && [ -d /tmp/parts/whl ]; then
+  cat /tmp/parts/vllm026.part.a? | tar -C /tmp/site -xJf -
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     /tmp/parts/whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
   for deb in /tmp/parts/debs/*.deb; do dpkg -x "$deb" /tmp/nginx; done
