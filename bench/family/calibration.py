@@ -38,7 +38,8 @@ REPLICAS = 2
 KV_TOKENS = GPU.kv_cache_tokens(0.4, 8192)  # each replica's cache at --gpu-memory-utilization 0.4
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "evaluation"
-RUNS = ("h200", "h200-fit", "h200-rise")
+OLDER_LAW = ("h200", "h200-fit", "h200-rise")  # their tuner arms ran an earlier law: only their static arms count
+RUNS = ("h200", "h200-fit", "h200-rise", "h200-rise-issue25", "h200-family-2026-5", "h200-family-2026-124")
 
 
 def capacity(mix: Sequence[traces.Mix], gpu: GpuModel = GPU) -> float:
@@ -66,7 +67,7 @@ def main() -> int:
     print(f"simulated pool: {GPU.name}, decode steps × {DECODE_SHARE} and prefill × {PREFILL_SHARE} of the "
           f"single-GPU model, front end {FRONTEND_SECONDS} s; "
           f"KV {KV_TOKENS} tokens per replica")
-    print(f"{'run':10} {'arm':12} {'goodput real':>12} {'sim':>7} {'sim/real':>8}   "
+    print(f"{'run':20} {'arm':12} {'goodput real':>12} {'sim':>7} {'sim/real':>8}   "
           f"{'TTFT p50 real':>13} {'sim':>6}   {'TTFT p99 real':>13} {'sim':>6}")
     for run in RUNS:
         d = FIXTURES / run
@@ -78,12 +79,12 @@ def main() -> int:
         for arm, real in summary["arms"].items():
             if real.get("kind") == "static":
                 sim = runs.static(trace, _cap(real.get("flags")), gpu=GPU)
-            elif arm == "tuner-live" and run == "h200-rise":  # the earlier runs' tuner ran an older law
+            elif arm == "tuner-live" and run not in OLDER_LAW:
                 sim = runs.tuner(trace, 8, gpu=GPU, live=True)
             else:
                 continue
             ratio = sim.goodput / real["goodput"] if real["goodput"] else math.nan
-            print(f"{run:10} {arm:12} {real['goodput']:12.2f} {sim.goodput:7.2f} {ratio:8.2f}   "
+            print(f"{run:20} {arm:12} {real['goodput']:12.2f} {sim.goodput:7.2f} {ratio:8.2f}   "
                   f"{_fmt(real.get('ttft_p50')):>13} {_fmt(sim.ttft_p50)}   {_fmt(real.get('ttft_p99')):>13} "
                   f"{_fmt(sim.ttft_p99)}")
     return 0
