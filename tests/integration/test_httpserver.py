@@ -146,3 +146,14 @@ def test_no_endpoint_shows_a_secret_of_the_engines_arguments(http: httpx.Client)
         plan_args = status["targets"]["engine-0"]["plan"]["args"]
         assert plan_args[plan_args.index("--api-key") + 1] == "***"
         assert 'flag="--api-key",kind="current",target="engine-0",value="***"' in bodies["/metrics"]
+
+
+def test_status_names_a_replica_a_failed_rollout_left_drained(http: httpx.Client, setup: Setup) -> None:
+    h, server, _, _ = setup
+    assert http.get(f"{server.url}/status").json()["left_drained"] == {}
+    h.state.left_drained = {"engine-0": {"rollout": "r7", "since": 1.0, "seconds": 20.0, "person_asked": False,
+                                         "reason": "the engine serves max_model_len 2048, expected 4096",
+                                         "ask_after_seconds": 900.0}}
+    assert http.get(f"{server.url}/status").json()["left_drained"]["engine-0"]["rollout"] == "r7"
+    h.run()
+    assert http.get(f"{server.url}/status").json()["left_drained"]["engine-0"]["reason"].startswith("the engine")
