@@ -250,3 +250,16 @@ def test_a_readable_self_report_that_differs_on_the_way_back_stays_drained(
     j.close()
     assert rollout.of("a").state is machine.State.FAILED and drainer.drained == {"a"}
     assert set(journal.left_drained(j.records)) == {"a"}
+
+
+def test_a_failed_live_rollout_leaves_nothing_drained() -> None:
+    """A live rollout drains nothing: its FAILED (values not put back) is not a replica out of the pool."""
+    r = machine.new("live", replicas=["a"], changes={"a": (OLD, OLD)}, limits=LIMITS, now=0.0,
+                    live={"a": ({"max_num_seqs": None}, {"max_num_seqs": 4})})
+    records: list[dict[str, Any]] = [{"kind": "rollout", "at": 0.0, **journal.rollout_fields(r)}]
+    for i, event in enumerate((machine.Event.GO, machine.Event.FAILED, machine.Event.FAILED), start=1):
+        after = machine.handle(r, "a", event, now=float(i), reason="refused")
+        records.append({"kind": "event", "at": float(i), **journal.event_fields(r, after, "a", event, "refused")})
+        r = after
+    assert r.of("a").state is machine.State.FAILED
+    assert journal.left_drained(records) == {}

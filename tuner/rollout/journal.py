@@ -367,10 +367,12 @@ class LeftDrained:
 def left_drained(records: Iterable[Record]) -> dict[str, LeftDrained]:
     """Replica → ``LeftDrained`` for every replica whose last rollout to touch it finished with it drained
     (machine ``LEFT_DRAINED``). A later rollout that drained it again (and so undrains it at its end) clears
-    it; one that never admitted it (PENDING when it halted) does not. Pure: a restarted tuner finds the same."""
+    it; one that never admitted it (PENDING when it halted) does not. A live rollout drains nothing (its
+    ``FAILED`` is values not put back), so it neither leaves a replica drained nor clears one. Pure: a
+    restarted tuner finds the same."""
     out: dict[str, LeftDrained] = {}
     for r in replay(records).values():
-        if machine.outcome(r) is machine.Outcome.RUNNING:
+        if machine.outcome(r) is machine.Outcome.RUNNING or r.kind is machine.Kind.LIVE:
             continue
         for p in r.progress:
             if p.state in machine.LEFT_DRAINED:
