@@ -263,3 +263,26 @@ def test_a_failed_live_rollout_leaves_nothing_drained() -> None:
         r = after
     assert r.of("a").state is machine.State.FAILED
     assert journal.left_drained(records) == {}
+
+
+def test_a_replica_left_drained_by_an_earlier_rollout_is_not_counted_as_serving(tmp_path: Path) -> None:
+    """Rule 2: b, left drained by r1, answers /health but serves nobody; r2 must not drain a, the one replica
+    that serves, while b is still out (b first: drained again, restarted, put back; then a)."""
+    actuator = fake.FakeActuator([base.Replica(n, f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("ab")],
+                                 running=dict.fromkeys("ab", OLD))
+    prober = Prober(actuator)
+    drainer = fake.FakeDrainer()
+    j = journal.Journal(tmp_path / "journal.jsonl")
+    confirm = Confirmer("b", "differs", "differs", True, prober)
+    limits = machine.Limits(verify_seconds=0, warmup_requests=1)  # no allow_downtime
+    driver = rolling.RolloutDriver(actuator=actuator, drainer=drainer, prober=prober, journal=j, confirm=confirm,
+                                   poll_seconds=0.001, idle_settle_seconds=0, hold_timeout_seconds=0.2)
+    driver.run(driver.begin("r1", {"b": NEW}, limits=limits))
+    assert drainer.drained == {"b"}
+    confirm.victim = "nobody"
+    r2 = driver.run(driver.begin("r2", dict.fromkeys("ab", NEW), limits=limits, order=["a", "b"]))
+    # a was held (b out of the pool, a the last serving replica) and the rollout aborted: a never drained
+    assert ("drain", "a") not in drainer.calls and r2.of("a").state is machine.State.PENDING, machine.describe(r2)
+    r3 = driver.run(driver.begin("r3", dict.fromkeys("ab", NEW), limits=limits, order=["b", "a"]))
+    assert machine.outcome(r3) is machine.Outcome.DONE and drainer.drained == set(), machine.describe(r3)
+    j.close()

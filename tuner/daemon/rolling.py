@@ -298,12 +298,17 @@ class RolloutDriver:
     def advance(self, rollout: machine.Rollout) -> machine.Rollout:
         """Carry out every step that can be taken now; return the rollout once each replica in flight
         waits (or it finished, or the tuner is stopping). Never waits itself beyond one step's bound."""
+        # An earlier rollout's replica left drained (its way back failed) answers /health but serves nobody:
+        # not to be counted as serving (Rule 2) until this rollout has drained it again and put it back.
+        stranded = set(journaling.left_drained(self.journal.records))
         while not self._stop.is_set():
             if self._on_tick is not None:
                 self._on_tick()
             rollout = self._leave_departed(rollout)
             replicas = self._replicas
-            healthy = frozenset(name for name, replica in replicas.items() if self._safe_healthy(replica))
+            out = {n for n in stranded if n not in rollout.order or rollout.of(n).state is machine.State.PENDING}
+            healthy = frozenset(name for name, replica in replicas.items()
+                                if name not in out and self._safe_healthy(replica))
             actions = machine.next_actions(rollout, now=self._clock(), healthy=healthy)
             if not actions:
                 break

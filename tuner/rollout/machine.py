@@ -41,7 +41,8 @@ current state is a bug in the driver, raised as ``RolloutError``, never silently
 leg's table is the forward table with its two exits renamed (a failure → FAILED, UNDRAINED → ROLLED_BACK).
 
 Rule 2: a replica is admitted (``GO``) only when, counting it, at most ``max_unavailable`` replicas are
-out of service (in flight, failed, or simply not healthy right now), and at least one *other* replica
+out of service (in flight, failed, or simply not healthy right now — the driver counts a replica an
+earlier rollout left drained as not healthy), and at least one *other* replica
 is serving unless ``allow_downtime``. So a replica is never drained while another is still starting
 (the trial's 227 failed requests), and the last healthy replica is never taken down. Nothing is
 admitted once any replica has left the forward leg or the rollout is aborted; replicas already in
