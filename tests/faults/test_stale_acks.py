@@ -176,6 +176,24 @@ def test_the_launch_is_inherited_by_the_processes_it_starts(tmp_path: Path) -> N
     assert out[0] == out[1] == out[2] and out[0] != "stale-1-1" and out[0].split("-")[1].isdigit()
 
 
+def test_ranks_whose_first_process_named_no_launch_share_their_parents(tmp_path: Path) -> None:
+    """Where the launch's first process did not load the plugin before it started its EngineCores, each rank
+    takes its parent (the one that started them all) as the launch: the same for every rank."""
+    import subprocess
+
+    from tests.support.plugin import PLUGIN_SRC
+    env = {k: v for k, v in os.environ.items() if k != protocol.ENV_LAUNCH}
+    env["PYTHONPATH"] = str(PLUGIN_SRC)
+    rank = ("from vllm_tuner_plugin import protocol; import os; "
+            "print(protocol.this_launch(parent=True).id, os.getppid())")
+    code = ("import subprocess, sys, os; "
+            f"outs = [subprocess.run([sys.executable, '-c', {rank!r}], capture_output=True, text=True, check=True)"
+            ".stdout.split() for _ in range(2)]; print(outs[0][0], outs[1][0], os.getpid(), outs[0][1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                         timeout=60).stdout.split()
+    assert out[0] == out[1] and out[0].split("-")[1] == out[2] == out[3]
+
+
 # --- the held-out shape: a one-replica live rollout over a directory an earlier two-rank launch used ------
 
 

@@ -57,7 +57,7 @@ class Controller:
         self.dp_rank = _dp_rank(scheduler)
         # This ack belongs to this launch (protocol docstring): the launch's first process named it in the
         # environment this EngineCore inherited; the rank count from the config or the command line.
-        self.launch = launch if launch is not None else protocol.this_launch()
+        self.launch = launch if launch is not None else protocol.this_launch(parent=True)
         self.ranks = protocol.rank_count(getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None),
                                          argv)
         self.profile: engines.Profile | None = None

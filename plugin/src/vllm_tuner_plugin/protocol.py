@@ -266,10 +266,12 @@ def _launch_of(pid: int, ticks: int, boot: str) -> Launch:
     return Launch(f"{boot}-{pid}-{ticks}", at)
 
 
-def this_launch(environ: MutableMapping[str, str] | None = None) -> Launch:
+def this_launch(environ: MutableMapping[str, str] | None = None, *, parent: bool = False) -> Launch:
     """The launch this process belongs to. ``$VLLM_TUNER_LAUNCH`` when it names this process or one of its
-    ancestors (with the same start time: not a reused pid); else this process starts a launch, and says so in
-    the environment its children inherit. Off Linux: this process and the time now."""
+    ancestors (with the same start time: not a reused pid); else this process starts a launch — or, with
+    ``parent`` (an EngineCore whose launch's first process did not name it: every rank's parent is the
+    process that started them all), its parent does — and says so in the environment its children inherit.
+    Off Linux: this process and the time now."""
     env = os.environ if environ is None else environ
     boot = _boot_id()
     inherited = env.get(ENV_LAUNCH, "")
@@ -288,7 +290,7 @@ def this_launch(environ: MutableMapping[str, str] | None = None) -> Launch:
                     return _launch_of(pid, ticks, boot)
                 break
             walk = st[0]
-    me = os.getpid()
+    me = os.getppid() if parent else os.getpid()
     st = _stat(me)
     launch = _launch_of(me, st[1], boot) if st is not None else Launch(f"{boot}-{me}-{time.time_ns()}", time.time())
     env[ENV_LAUNCH] = launch.id
