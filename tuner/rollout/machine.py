@@ -10,7 +10,7 @@ time (``max_unavailable`` at a time). Each replica walks this path; every arrow 
 FAILED or CRASHED anywhere on that path switches the replica to the *back leg*: ROLLING_BACK (drain
 again) and then the same path with the old arguments, ending in ROLLED_BACK instead of VERIFYING. A
 failure on the back leg ends in FAILED: the replica stays drained and a human must look (the daemon
-shows it on ``/status`` and ``tuner_replica_left_drained``, and asks a person in the log, and with a
+shows it on ``/status`` and ``tuner_replica_left_drained_seconds``, and asks a person in the log, and with a
 Kubernetes Event, once it has been out for ``rollout.left_drained_ask_after_seconds``).
 
 One failure of the back leg is not a reason to keep a replica out: its confirmation failing only because
