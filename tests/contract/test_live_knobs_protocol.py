@@ -107,3 +107,16 @@ def test_the_tuner_prepares_a_directory_the_plugin_accepts_and_refuses_one_it_re
     live_knobs.write_request(bad, 2)
     with pytest.raises(protocol.ProtocolError, match="writable by group or others"):
         protocol.read_control(str(bad), uid=os.geteuid())
+
+
+def test_the_readmes_ack_is_one_the_tuner_reads_whole(tmp_path):
+    """plugin/README.md's example acknowledgement has every field of the protocol, and the tuner reads it."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(protocol.__file__).resolve().parents[2] / "README.md").read_text()
+    example = re.search(r"\*\*`ack-<dp_rank>\.json`\*\*.*?```json\n(.*?)```", readme, re.S).group(1)
+    doc = json.loads(example)
+    assert tuple(doc) == protocol.ACK_FIELDS
+    ack = live_knobs.parse_ack(tmp_path / "ack-0.json", example.encode())
+    assert ack.problem is None and (ack.launch, ack.ranks, ack.seq) == (doc["launch"], 1, 7)

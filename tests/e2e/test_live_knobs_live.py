@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import threading
@@ -142,6 +143,13 @@ class Engine:
 def engine(vllm_ready, tmp_path_factory):
     base = tmp_path_factory.mktemp("live-knobs")
     control_dir = live_knobs.prepare_control_dir(base / "control")
+    # what an earlier launch with two data-parallel ranks left in the directory: removed by the plugin at its
+    # start, never read by the tuner (issue 31)
+    for rank in (0, 1):
+        earlier = {"protocol": 1, "live": True, "seq": 3, "applied": {"max_num_active_seqs": 2}, "refused": None,
+                   "effective": {}, "envelope": {}, "not_live": {}, "at": 1.0, "pid": 1, "dp_rank": rank,
+                   "launch": "earlier-1-1", "launched_at": 1.0, "ranks": 2}
+        (control_dir / f"ack-{rank}.json").write_text(json.dumps(earlier))
     log_path = base / "vllm.log"
     args = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", "1024", "--enforce-eager", "--enable-logging-iteration-details"]
@@ -226,6 +234,8 @@ def test_the_admission_cap_changes_live_under_load_without_a_restart(engine):
                              "max_num_active_seqs": MAX_NUM_SEQS}
     core_pid = boot.pid
     assert core_pid is not None and core_pid != engine.api_pid
+    # the ack belongs to this launch: the API server process named it, its EngineCore inherited it
+    assert boot.launch is not None and boot.launch.split("-")[1] == str(engine.api_pid) and boot.ranks == 1
     assert core_pid in vllm._descendants(engine.api_pid)  # the EngineCore of this API server
     before = engine.metrics()
 

@@ -618,3 +618,32 @@ def test_journal_lines_of_any_bad_shape_are_set_aside_or_refused_never_lost(
     assert shape(after) == shape(original) or (untouched and after is None), (shape(original), shape(after))
     moved = store.set_aside({"journal": text}, parsed)  # what the leader writes
     assert sorted([*moved["journal"].split("\n")[:-1], *moved[store.QUARANTINE].split("\n")[:-1]]) == present
+
+
+def test_a_pod_left_drained_is_reported_on_the_pod_with_a_warning_event(kube: fk.FakeKube, api: kapi.KubeApi,
+                                                                         tuner_settings: config.TunerSettings) -> None:
+    """Issue 31: past rollout.left_drained_ask_after_seconds the leader asks a person with a Warning Event on the
+    pod a failed rollout left drained — through the chart's Role (the fake API enforces it), once."""
+    old, new = ("--max-num-seqs", "8"), ("--max-num-seqs", "16")
+    r = machine.new("r9", replicas=["pod-x"], changes={"pod-x": (old, new)}, limits=machine.Limits(), now=0.0)
+    records: list[dict[str, Any]] = [{"kind": "rollout", "at": 0.0, **journaling.rollout_fields(r)}]
+    E = machine.Event
+    for i, e in enumerate((E.GO, E.DRAINED, E.IDLE, E.STOPPED, E.STARTED, E.CRASHED, E.DRAINED, E.IDLE, E.STOPPED,
+                           E.STARTED, E.HEALTHY, E.FAILED), start=1):
+        after = machine.handle(r, "pod-x", e, now=float(i), reason="runs other arguments")
+        records.append({"kind": "event", "at": float(i), **journaling.event_fields(r, after, "pod-x", e, "why")})
+        r = after
+    assert r.of("pod-x").state is machine.State.FAILED
+    metrics = selfmetrics.TunerMetrics()
+    leader = leading.Leader(tuner_settings, api=api, store=store.PoolStore(api), identity="pod-a_1", rules=(),
+                            client=engine_client(), metrics=metrics)
+    ask_after = tuner_settings.rollout.left_drained_ask_after_seconds
+    shown = leader.left_drained.check(records, now=12.0 + ask_after - 1)
+    assert shown["pod-x"]["rollout"] == "r9" and not shown["pod-x"]["person_asked"]
+    for now in (12.0 + ask_after, 12.0 + ask_after + 60):
+        leader.left_drained.check(records, now=now)
+    events = [o for (_, res, _, _), o in kube.objects.items() if res == "events" and o.get("reason") == "ReplicaLeftDrained"]
+    assert not kube.denied()
+    assert len(events) == 1 and events[0]["type"] == "Warning", events
+    assert events[0]["involvedObject"]["name"] == "pod-x" and "a person must look" in events[0]["message"].lower()
+    assert metrics.registry.get_sample_value("tuner_replica_left_drained_seconds", {"replica": "pod-x"}) == ask_after + 60

@@ -196,3 +196,14 @@ def test_an_unbounded_max_age_stays_healthy(http: httpx.Client) -> None:
         clock.now += 86_400
         r = http.get(f"{server.url}/healthz")
         assert r.status_code == 200 and r.json()["last_cycle"] is None
+
+
+def test_status_names_a_replica_a_failed_rollout_left_drained(http: httpx.Client, setup: Setup) -> None:
+    h, server, _, _ = setup
+    assert http.get(f"{server.url}/status").json()["left_drained"] == {}
+    h.state.left_drained = {"engine-0": {"rollout": "r7", "since": 1.0, "seconds": 20.0, "person_asked": False,
+                                         "reason": "the engine serves max_model_len 2048, expected 4096",
+                                         "ask_after_seconds": 900.0}}
+    assert http.get(f"{server.url}/status").json()["left_drained"]["engine-0"]["rollout"] == "r7"
+    h.run()
+    assert http.get(f"{server.url}/status").json()["left_drained"]["engine-0"]["reason"].startswith("the engine")

@@ -49,6 +49,8 @@ def vllm_config(
     max_num_scheduled_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     dp_rank: int = 0,
+    dp_size: int = 1,
+    moe: bool = False,
     speculative: bool = False,
     with_active_field: bool = True,
 ) -> SimpleNamespace:
@@ -62,8 +64,11 @@ def vllm_config(
         scheduler_config.max_num_active_seqs = max_num_active_seqs
     return SimpleNamespace(
         scheduler_config=scheduler_config,
-        # As vLLM runs a non-MoE DP rank: an independent engine whose data_parallel_rank is reset to 0.
-        parallel_config=SimpleNamespace(data_parallel_rank=0, data_parallel_index=dp_rank),
+        # As vLLM runs a DP rank: a non-MoE one as an independent engine whose data_parallel_rank and
+        # data_parallel_size are reset to 0 and 1 (the rank count is then only on the command line); an MoE
+        # one keeps both (vllm/v1/engine/core.py, reconfigure_for_independent_dp_rank).
+        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank if moe else 0, data_parallel_index=dp_rank,
+                                        data_parallel_size=dp_size if moe else 1),
         speculative_config=SimpleNamespace(num_speculative_tokens=3) if speculative else None,
         model_config=SimpleNamespace(runner_type="generate"),
     )

@@ -401,3 +401,43 @@ def test_whatever_happens_a_live_pool_never_keeps_values_one_replica_put_back(mo
                     (p.state in machine.IN_FLIGHT or p.state is State.DONE)]
             assert not kept, machine.describe(r)
     assert machine.outcome(r) is not Outcome.DONE or all(p.state in (State.DONE, State.LEFT) for p in r.progress)
+
+
+# --- issue 31: an unconfirmable back leg on the old arguments goes back in the pool --------------------------
+
+
+def _to_back_confirm(rollout: machine.Rollout, name: str) -> machine.Rollout:
+    """Forward to CONFIRMING_ARGS, failed there, and the back leg up to its own CONFIRMING_ARGS."""
+    E = machine.Event
+    for event in (E.GO, E.DRAINED, E.IDLE, E.STOPPED, E.STARTED, E.HEALTHY, E.FAILED,
+                  E.DRAINED, E.IDLE, E.STOPPED, E.STARTED, E.HEALTHY):
+        rollout = machine.handle(rollout, name, event, now=1.0, reason="x" if event is E.FAILED else "")
+    assert rollout.of(name).state is machine.State.CONFIRMING_ARGS and rollout.of(name).leg is machine.Leg.BACK
+    return rollout
+
+
+def test_unconfirmed_on_the_back_leg_is_undrained_and_the_rollout_failed() -> None:
+    r = _to_back_confirm(machine.new("r", replicas=["a", "b"], limits=machine.Limits(), now=0.0,
+                                     changes={"a": (["--x", "1"], ["--x", "2"]), "b": (["--x", "1"], ["--x", "2"])}),
+                         "a")
+    r = machine.handle(r, "a", machine.Event.UNCONFIRMED, now=2.0, reason="self-report unreadable")
+    assert r.of("a").state is machine.State.RELEASING
+    assert machine.next_actions(r, now=2.0, healthy=frozenset({"a", "b"}))[0].step is machine.Step.UNDRAIN
+    assert machine.State.RELEASING in machine.MAY_SERVE[machine.Leg.BACK]
+    resumed = machine.handle(r, "a", machine.Event.INTERRUPTED, now=3.0)  # Rule 3: health and argv checked again
+    assert resumed.of("a").state is machine.State.WAITING_HEALTHY
+    failed = machine.handle(r, "a", machine.Event.FAILED, now=3.0, reason="undrain refused")
+    assert failed.of("a").state is machine.State.FAILED  # the undrain failed: drained, a person is asked
+    r = machine.handle(r, "a", machine.Event.UNDRAINED, now=3.0)
+    assert r.of("a").state is machine.State.FAILED_SERVING and r.of("a").reason == "self-report unreadable"
+    assert machine.outcome(r) is machine.Outcome.FAILED
+    assert r.of("b").state is machine.State.PENDING and machine.next_actions(r, now=4.0, healthy=frozenset()) == ()
+
+
+def test_unconfirmed_is_not_an_event_of_the_forward_leg() -> None:
+    r = machine.new("r", replicas=["a"], changes={"a": (["--x", "1"], ["--x", "2"])}, limits=machine.Limits(), now=0.0)
+    for event in (machine.Event.GO, machine.Event.DRAINED, machine.Event.IDLE, machine.Event.STOPPED,
+                  machine.Event.STARTED, machine.Event.HEALTHY):
+        r = machine.handle(r, "a", event, now=1.0)
+    with pytest.raises(machine.RolloutError):
+        machine.handle(r, "a", machine.Event.UNCONFIRMED, now=2.0)

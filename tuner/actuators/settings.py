@@ -164,6 +164,11 @@ class RolloutSettings(_Model):
     """How many tuner restarts a replica's change survives before it is rolled back instead."""
     hold_timeout_seconds: float = Field(default=600.0, gt=0)
     """How long a rollout may wait for another replica to be serving before it is aborted."""
+    left_drained_ask_after_seconds: float = Field(default=900.0, gt=0)
+    """A replica a failed rollout left drained (its way back failed: the machine's FAILED) is shown at once
+    on /status and tuner_replica_left_drained_seconds; after this long the tuner asks a person — an ERROR
+    log line and, on Kubernetes, a Warning Event on the pod — once per rollout. It never undrains such a
+    replica itself: its engine did not come back on arguments anyone confirmed."""
     journal_file: str = "/var/lib/vllm-tuner/journal.jsonl"
     """The append-only journal of decisions and rollout transitions (fsync per record)."""
 

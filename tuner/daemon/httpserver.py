@@ -126,11 +126,13 @@ class TunerHttpServer:
         head = {"started_at": self.state.started_at}
         if last is None:
             return {**head, "cycle": None, "summary": "no cycle finished yet", "targets": {}, "pending": None,
-                    "rollout": dict(self.state.rollout_state) or None}
+                    "rollout": dict(self.state.rollout_state) or None,
+                    "left_drained": dict(self.state.left_drained)}
         body = {**head, **views.status(last)}
         live = self.state.rollout_state
         if live.get("outcome") == "running":  # a rollout in progress (inside a cycle, or resumed at start)
             body["rollout"] = dict(live)
+        body["left_drained"] = dict(self.state.left_drained)  # out of the pool after a failed way back
         return body
 
     def recommendations(self) -> dict[str, Any]:

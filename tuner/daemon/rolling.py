@@ -54,8 +54,15 @@ class Verifier(Protocol):
     def judge(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> verification.Verdict:
         """At the deadline: did the change hold up against the baseline? ``reason`` says why."""
 
+class Unreadable(str):
+    """A confirmer's answer that is not a disagreement: the engine's self-report (``GET /v1/models``'s
+    ``max_model_len``, say) could not be read. On the back leg, with the engine healthy on exactly the old
+    arguments, the replica goes back in the pool unconfirmed (machine ``UNCONFIRMED``)."""
+
+
 Confirmer = Callable[[base.Replica, Sequence[str]], "str | None"]
-"""(replica, argv) → None if the engine shows these values (e.g. vllm:cache_config_info), else why not."""
+"""(replica, argv) → None if the engine shows these values (e.g. vllm:cache_config_info), else why not
+(an ``Unreadable`` where it could not tell)."""
 BadArgsHook = Callable[[str, tuple[str, ...], str], None]
 """(replica, argv, reason): the engine could not run these arguments; remember them as bad."""
 
@@ -291,12 +298,17 @@ class RolloutDriver:
     def advance(self, rollout: machine.Rollout) -> machine.Rollout:
         """Carry out every step that can be taken now; return the rollout once each replica in flight
         waits (or it finished, or the tuner is stopping). Never waits itself beyond one step's bound."""
+        # An earlier rollout's replica left drained (its way back failed) answers /health but serves nobody:
+        # not to be counted as serving (Rule 2) until this rollout has drained it again and put it back.
+        stranded = set(journaling.left_drained(self.journal.records))
         while not self._stop.is_set():
             if self._on_tick is not None:
                 self._on_tick()
             rollout = self._leave_departed(rollout)
             replicas = self._replicas
-            healthy = frozenset(name for name, replica in replicas.items() if self._safe_healthy(replica))
+            out = {n for n in stranded if n not in rollout.order or rollout.of(n).state is machine.State.PENDING}
+            healthy = frozenset(name for name, replica in replicas.items()
+                                if name not in out and self._safe_healthy(replica))
             actions = machine.next_actions(rollout, now=self._clock(), healthy=healthy)
             if not actions:
                 break
@@ -498,7 +510,16 @@ class RolloutDriver:
             if status.argv != action.argv:
                 return Event.FAILED, f"runs {list(status.argv or [])}, expected {list(action.argv or [])}"
             why = self._confirm(replica, action.argv) if self._confirm is not None else None
-            return (Event.FAILED, why) if why else (Event.CONFIRMED, "")
+            if not why:
+                return Event.CONFIRMED, ""
+            if isinstance(why, Unreadable) and rollout.of(name).leg is machine.Leg.BACK:
+                # Health, the process's argv and the arguments it was started with all say "the old
+                # arguments": only the self-report is unreadable, as it was before. Not a reason to keep
+                # the replica out of the pool for good (machine: UNCONFIRMED → RELEASING).
+                if self.prober.is_healthy(replica):
+                    return Event.UNCONFIRMED, f"back on the old arguments, unconfirmed: {why}"
+                return Event.FAILED, f"{why}; and the engine is not healthy"
+            return Event.FAILED, str(why)
         if step is Step.WARM:
             error = self.prober.warm(replica, requests=action.count or 0)
             if error is None:

@@ -24,6 +24,7 @@ from tuner.actuators import settings as actuator_settings
 from tuner.daemon import (
     collecting,
     cycle,
+    drained,
     logs,
     notify,
     results,
@@ -226,7 +227,7 @@ class Applying:
             tried = knobs.EngineArgs.parse(rollout.new_argv[p.name])
             if p.state is machine.State.DONE:
                 outcomes[p.name] = pooling.ReplicaOutcome("ok", tried)
-            elif p.state in (machine.State.ROLLED_BACK, machine.State.FAILED):
+            elif p.state is machine.State.ROLLED_BACK or p.state in machine.FAILURES:
                 outcomes[p.name] = pooling.ReplicaOutcome(
                     "rolled_back" if p.state is machine.State.ROLLED_BACK else "failed", tried,
                     reason=p.reason or rollout.aborted or "rolled back", bad_args=p.bad_args)
@@ -277,8 +278,8 @@ def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: 
             return f"--max-model-len: {exc}"
         if wanted is not None:
             served, why = client.served_max_model_len(replica.base_url, kind)
-            if served is None:
-                return f"the served max_model_len is unreadable: {why}"
+            if served is None:  # not a disagreement: the engine's self-report cannot be read
+                return rolling.Unreadable(f"the served max_model_len is unreadable: {why}")
             if served != wanted:
                 return f"the engine serves max_model_len {served}, expected {wanted}"
         return None
@@ -287,9 +288,10 @@ def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: 
 
 
 def rollout_state(rollout: machine.Rollout) -> dict[str, Any]:
-    """The rollout as /status shows it: id, outcome and each replica's state."""
+    """The rollout as /status shows it: id, outcome, each replica's state, and why where one failed."""
     return {"id": rollout.id, "outcome": machine.outcome(rollout).value,
-            "replicas": {p.name: p.state.value for p in rollout.progress}}
+            "replicas": {p.name: p.state.value for p in rollout.progress},
+            "reasons": {p.name: p.reason for p in rollout.progress if p.reason}}
 
 
 # --- running -----------------------------------------------------------------------------------------
@@ -328,6 +330,9 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
                                    on_transition=lambda r: _show_rollout(state, notifier, r))
         startup.append(lambda: _start_up(applying, state))
 
+    watch = drained.LeftDrainedWatch(ask_after_seconds=settings.rollout.left_drained_ask_after_seconds,
+                                     metrics=metrics)
+
     def step() -> results.CycleResult:
         loop = loop_holder.get("loop")
         should_stop = loop.should_stop if loop is not None else (lambda: False)
@@ -335,9 +340,12 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             startup[0]()  # a failure (a full disk) raises here and is tried again at the next cycle
             startup.pop(0)
         act = applying if applying is None or _resumed(applying, state) else None
-        return cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
-                               rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
-                               should_stop=should_stop)
+        result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
+                                 rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
+                                 should_stop=should_stop)
+        if applying is not None:  # a replica a failed rollout left drained: shown, measured, a person asked
+            state.left_drained = watch.check(applying.journal.records, now=time.time())
+        return result
 
     def between() -> None:  # the rollout in flight goes on between cycles
         if applying is None or not applying.busy:

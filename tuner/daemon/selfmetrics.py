@@ -61,9 +61,23 @@ class TunerMetrics:
         self.epoch_raised = Counter(
             "tuner_pool_epoch_raised", "Times a leader's epoch was raised above the one the pool's ConfigMap "
             "holds (a re-created Lease, an edited epoch).", registry=r)
+        self.left_drained = Gauge(
+            "tuner_replica_left_drained_seconds", "How long a replica has been out of the pool because a rollout's "
+            "way back failed (the machine's FAILED; /status says why); absent for every replica in the pool. "
+            "A person is asked after rollout.left_drained_ask_after_seconds.", ["replica"], registry=r)
         self._lock = threading.Lock()
+        self._left_drained: set[str] = set()
         self._signal_labels: dict[str, set[str]] = {}
         self._arg_labels: dict[str, set[tuple[str, str, str]]] = {}
+
+    def set_left_drained(self, seconds: Mapping[str, float]) -> None:
+        """Replica → seconds out of the pool; a replica not given any more loses its series."""
+        with self._lock:
+            for name in self._left_drained - set(seconds):
+                self.left_drained.remove(name)
+            for name, value in seconds.items():
+                self.left_drained.labels(replica=name).set(value)
+            self._left_drained = set(seconds)
 
     def observe_cycle(self, seconds: float, *, finished_at: float) -> None:
         self.cycle_duration.observe(seconds)

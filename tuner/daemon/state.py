@@ -55,6 +55,7 @@ class TunerState:
     number: int = 0  # cycles run
     last: CycleResult | None = None  # the last cycle's result (what /status and /healthz read)
     rollout_state: Mapping[str, Any] = field(default_factory=dict)  # the rollout as it stands (/status)
+    left_drained: Mapping[str, Any] = field(default_factory=dict)  # replicas a failed rollout left out (/status)
     redactor: secrets.Redactor = secrets.DEFAULT  # what is masked in the file and in current_args
     booked_rollout: str | None = None  # the last rollout booked here ("": none yet; None: not known)
 

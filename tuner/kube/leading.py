@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import collecting, cycle, running, scheduling, selfmetrics, views
+from tuner.daemon import collecting, cycle, drained, running, scheduling, selfmetrics, views
 from tuner.daemon.state import TunerState
 from tuner.kube import acting
 from tuner.kube import store as store_mod
@@ -98,6 +98,12 @@ class Leader:
         self.collectors: dict[str, collecting.Collector] = {}  # by pod, rebuilt when its target changes
         self._tracked = False  # the pods run with --enable-server-load-tracking
         self._unreadable_said: tuple[str, ...] = ()  # the problems last said (once, until they change)
+        # a pod a failed rollout left drained: /status, the metric, and after the bound a Warning Event on it
+        self.left_drained = drained.LeftDrainedWatch(
+            ask_after_seconds=settings.rollout.left_drained_ask_after_seconds, metrics=metrics,
+            ask=lambda pod, message: self.api.create_event(pod=pod, pod_uid=None, reason="ReplicaLeftDrained",
+                                                           message=message, type="Warning",
+                                                           component="vllm-tuner-leader"))
         self._unreadable_keys: set[str] = set()
 
     # --- leading -------------------------------------------------------------------------------------
@@ -251,6 +257,8 @@ class Leader:
         if hold is not None:
             log.info("no rollout: %s", hold)
         self.last, self.cycles = result, self.cycles + 1
+        if self.applying is not None:
+            self.state.left_drained = self.left_drained.check(journal.records, now=now)
         self._verified(journal, members={p.name for p in members})
         self._save_history(journal)
 

@@ -354,5 +354,33 @@ def bad_argv(records: Iterable[Record]) -> list[tuple[str, tuple[str, ...], str]
     return out
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeftDrained:
+    """A replica a finished rollout left out of the pool (machine ``FAILED``): its way back failed."""
+
+    replica: str
+    rollout_id: str
+    since: float  # when its last transition (to FAILED) was journaled
+    reason: str
+
+
+def left_drained(records: Iterable[Record]) -> dict[str, LeftDrained]:
+    """Replica → ``LeftDrained`` for every replica whose last rollout to touch it finished with it drained
+    (machine ``LEFT_DRAINED``). A later rollout that drained it again (and so undrains it at its end) clears
+    it; one that never admitted it (PENDING when it halted) does not. A live rollout drains nothing (its
+    ``FAILED`` is values not put back), so it neither leaves a replica drained nor clears one. Pure: a
+    restarted tuner finds the same."""
+    out: dict[str, LeftDrained] = {}
+    for r in replay(records).values():
+        if machine.outcome(r) is machine.Outcome.RUNNING or r.kind is machine.Kind.LIVE:
+            continue
+        for p in r.progress:
+            if p.state in machine.LEFT_DRAINED:
+                out[p.name] = LeftDrained(p.name, r.id, p.since if p.since is not None else r.created_at, p.reason)
+            elif p.state is not machine.State.PENDING:
+                out.pop(p.name, None)
+    return out
+
+
 def decisions(records: Iterable[Record]) -> list[Record]:
     return [r for r in records if r["kind"] == "decision"]

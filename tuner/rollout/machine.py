@@ -9,7 +9,26 @@ time (``max_unavailable`` at a time). Each replica walks this path; every arrow 
 
 FAILED or CRASHED anywhere on that path switches the replica to the *back leg*: ROLLING_BACK (drain
 again) and then the same path with the old arguments, ending in ROLLED_BACK instead of VERIFYING. A
-failure on the back leg ends in FAILED: the replica stays drained and a human must look.
+failure on the back leg ends in FAILED: the replica stays drained and a human must look (the daemon
+shows it on ``/status`` and ``tuner_replica_left_drained_seconds``, and asks a person in the log, and with a
+Kubernetes Event, once it has been out for ``rollout.left_drained_ask_after_seconds``).
+
+One failure of the back leg is not a reason to keep a replica out: its confirmation failing only because
+the engine's self-report cannot be read (``UNCONFIRMED``: the engine is healthy, its process runs exactly
+the old arguments, it was started with them — only, say, ``GET /v1/models`` answers a ``max_model_len``
+no reader takes, as it did before the rollout). That replica serves what it served before: RELEASING
+undrains it and it ends FAILED_SERVING — the rollout still ends ``failed``, with that reason, but nothing
+is left out of the pool.
+
+What each failure of a confirmation gets (``CONFIRMING_ARGS``; ``tests/faults/test_left_drained.py``):
+
+    leg      self-report        health     event        replica ends         in the pool
+    forward  readable, differs  any        FAILED       back leg → ...       (as the back leg ends)
+    forward  unreadable         any        FAILED       back leg → ...       (as the back leg ends)
+    back     readable, differs  any        FAILED       FAILED               no: drained, a person asked
+    back     unreadable         healthy    UNCONFIRMED  FAILED_SERVING       yes: undrained
+    back     unreadable         unhealthy  FAILED       FAILED               no: drained, a person asked
+    any      argv differs       any        FAILED       (as the leg's FAILED) (as the leg's FAILED)
 
 Before the stop the engine still runs the old arguments: a step that fails there (the drain hook, or
 nginx refusing its new configuration) is ``FAILED_BEFORE_STOP``, and the way back is only the undrain —
@@ -22,7 +41,8 @@ current state is a bug in the driver, raised as ``RolloutError``, never silently
 leg's table is the forward table with its two exits renamed (a failure → FAILED, UNDRAINED → ROLLED_BACK).
 
 Rule 2: a replica is admitted (``GO``) only when, counting it, at most ``max_unavailable`` replicas are
-out of service (in flight, failed, or simply not healthy right now), and at least one *other* replica
+out of service (in flight, failed, or simply not healthy right now — the driver counts a replica an
+earlier rollout left drained as not healthy), and at least one *other* replica
 is serving unless ``allow_downtime``. So a replica is never drained while another is still starting
 (the trial's 227 failed requests), and the last healthy replica is never taken down. Nothing is
 admitted once any replica has left the forward leg or the rollout is aborted; replicas already in
@@ -104,7 +124,9 @@ class State(enum.Enum):
     REQUESTING = "requesting"  # live: the new values asked for, the acknowledgement awaited (Rule 5)
     PUTTING_BACK = "putting_back"  # live, back leg: the old values asked for, the acknowledgement awaited
     ROLLED_BACK = "rolled_back"
-    FAILED = "failed"
+    FAILED = "failed"  # the back leg failed: the replica stays drained, a person is asked
+    RELEASING = "releasing"  # back leg, unconfirmed but serving its old arguments: being undrained
+    FAILED_SERVING = "failed_serving"  # the back leg could not be confirmed; undrained, serving the old arguments
     LEFT = "left"  # the replica is gone for good (Rule 4)
 
 
@@ -117,6 +139,7 @@ class Event(enum.Enum):
     STARTED = "started"  # the actuator launched it (not yet healthy)
     HEALTHY = "healthy"  # /health 200 and /v1/models answers
     CONFIRMED = "confirmed"  # the engine runs exactly the argv of this leg
+    UNCONFIRMED = "unconfirmed"  # back leg: healthy on exactly the old argv, only its self-report unreadable
     WARMED = "warmed"
     UNDRAINED = "undrained"
     VERIFIED = "verified"  # the verification window passed without a regression
@@ -156,7 +179,7 @@ class Outcome(enum.Enum):
     RUNNING = "running"
     DONE = "done"  # every replica runs the new arguments
     ROLLED_BACK = "rolled_back"  # one replica was rolled back; the rest were left as they were
-    FAILED = "failed"  # a rollback failed: a replica is drained and down
+    FAILED = "failed"  # a rollback failed: a replica is drained (FAILED) or serving unconfirmed (FAILED_SERVING)
     ABORTED = "aborted"  # stopped before every replica was admitted; none in flight
 
 
@@ -220,6 +243,14 @@ BACK: Mapping[tuple[State, Event], State] = {
     (_S.ROLLING_BACK, _E.INTERRUPTED): _S.ROLLING_BACK,
     (_S.ROLLING_BACK, _E.FOUND_DOWN): _S.STOPPING,
     (_S.ROLLING_BACK, _E.LEFT): _S.LEFT,
+    # an unreadable self-report on the old arguments: back in the pool, the rollout still failed
+    (_S.CONFIRMING_ARGS, _E.UNCONFIRMED): _S.RELEASING,
+    (_S.RELEASING, _E.UNDRAINED): _S.FAILED_SERVING,
+    (_S.RELEASING, _E.FAILED): _S.FAILED,  # the undrain itself failed: drained, a person is asked
+    (_S.RELEASING, _E.CRASHED): _S.FAILED,
+    (_S.RELEASING, _E.INTERRUPTED): _S.WAITING_HEALTHY,  # Rule 3: health and argv are checked again
+    (_S.RELEASING, _E.FOUND_DOWN): _S.STOPPING,
+    (_S.RELEASING, _E.LEFT): _S.LEFT,
 }
 
 # Rule 5: the live path. Its own rows; the back leg asks for the old values and ends in ROLLED_BACK.
@@ -260,12 +291,15 @@ _STEP_OF: Mapping[State, Step] = {
     _S.CONFIRMING_ARGS: Step.CONFIRM_ARGS,
     _S.WARMING: Step.WARM,
     _S.UNDRAINING: Step.UNDRAIN,
+    _S.RELEASING: Step.UNDRAIN,
     _S.VERIFYING: Step.VERIFY,
     _S.REQUESTING: Step.REQUEST,
     _S.PUTTING_BACK: Step.REQUEST,
 }
 IN_FLIGHT: frozenset[State] = frozenset(_STEP_OF)
-TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED, _S.LEFT})
+TERMINAL: frozenset[State] = frozenset({_S.DONE, _S.ROLLED_BACK, _S.FAILED, _S.FAILED_SERVING, _S.LEFT})
+FAILURES: frozenset[State] = frozenset({_S.FAILED, _S.FAILED_SERVING})  # the rollout's outcome is FAILED
+LEFT_DRAINED: frozenset[State] = frozenset({_S.FAILED})  # out of the pool when the rollout ends
 # Once started, the replica runs the new arguments: a crash there on the forward leg means the engine
 # cannot run them, and the caller remembers the set as bad (a start past its deadline is only rejected).
 _NEW_ARGS_LIVE = frozenset({_S.WAITING_HEALTHY, _S.CONFIRMING_ARGS, _S.WARMING, _S.UNDRAINING, _S.VERIFYING})
@@ -277,7 +311,7 @@ _NEW_ARGS_LIVE = frozenset({_S.WAITING_HEALTHY, _S.CONFIRMING_ARGS, _S.WARMING, 
 # rolled back. The next start resumes the rollout (Rule 3) and drains again where the path needs it.
 MAY_SERVE: Mapping[Leg, frozenset[State]] = {
     Leg.FORWARD: frozenset({_S.DRAINING, _S.WAITING_IDLE, _S.WARMING, _S.UNDRAINING, _S.VERIFYING}),
-    Leg.BACK: frozenset({_S.WARMING, _S.UNDRAINING}),
+    Leg.BACK: frozenset({_S.WARMING, _S.UNDRAINING, _S.RELEASING}),
 }
 
 
@@ -465,7 +499,7 @@ def _handle_one(rollout: Rollout, name: str, event: Event, *, now: float, reason
         raise RolloutError(rollout.id, name, p.state, event, p.leg, rollout.kind)
     q = dataclasses.replace(p, state=target, since=now)
     measured = rollout.measured_start_seconds
-    if event in (Event.FAILED, Event.CRASHED, Event.FAILED_BEFORE_STOP, Event.WITH_THE_POOL):
+    if event in (Event.FAILED, Event.CRASHED, Event.FAILED_BEFORE_STOP, Event.WITH_THE_POOL, Event.UNCONFIRMED):
         q = dataclasses.replace(q, reason=reason or event.value)
         if p.leg is Leg.FORWARD:
             # Only an engine that exited (or went unhealthy on its own) with the new arguments marks them
@@ -569,7 +603,7 @@ def outcome(rollout: Rollout) -> Outcome:
     pending = State.PENDING in states
     if any(s in IN_FLIGHT for s in states) or (pending and not rollout.is_halted):
         return Outcome.RUNNING
-    if State.FAILED in states:
+    if any(s in FAILURES for s in states):
         return Outcome.FAILED
     if State.ROLLED_BACK in states:
         return Outcome.ROLLED_BACK

@@ -37,6 +37,9 @@ class LiveControl:
     def __init__(self, engine: SimEngine, directory: str) -> None:
         self.engine, self.dir = engine, directory
         self._seen: tuple[float, int] | None = None
+        # acks belong to a launch (the plugin's protocol.py): this process is the launch, of one rank
+        self._launched_at = time.time()
+        self._launch = f"sim-{os.getpid()}-{time.time_ns()}"
         self._ack({"seq": None, "applied": None, "refused": None})
 
     def poll(self) -> None:
@@ -76,7 +79,8 @@ class LiveControl:
                             "max_num_active_seqs": cfg.max_num_seqs},
                "not_live": {"max_num_batched_tokens": "not live in the simulator"}, "at": time.time(),
                "pid": os.getpid(), "dp_rank": 0, "engine_version": VLLM_VERSION, "engine_known": True,
-               "mode": "simulated", "plugin_version": "sim"}
+               "mode": "simulated", "plugin_version": "sim", "launch": self._launch,
+               "launched_at": self._launched_at, "ranks": 1}
         tmp = os.path.join(self.dir, f".ack-0.{os.getpid()}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f)

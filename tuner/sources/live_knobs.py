@@ -5,6 +5,13 @@ share (in Kubernetes a subdirectory of an emptyDir, created 0700 by the tuner, b
 as the same uid). The tuner writes ``control.json`` (``write_request``); each EngineCore answers in its
 own ``ack-<dp_rank>.json`` (``read_acks``).
 
+Acknowledgements belong to a launch: the directory outlives the engine, so files of earlier launches (an
+``ack-1.json`` of a launch with two ranks beside this single rank's ``ack-0.json``) lie beside the current
+ones. Each ack names its launch (``launch``, ``launched_at``, ``ranks``: the plugin's ``protocol``
+docstring); ``current`` keeps the newest launch's and sets the others aside, ``state`` reads only those, and
+``Files.read`` removes the stale files (the plugin does too when it starts) — the same code whether the
+directory is on this host or in a pod, read by its agent.
+
 The format is defined in ``plugin/src/vllm_tuner_plugin/protocol.py``; this module mirrors it (the
 tuner never imports the plugin, which lives in vLLM's environment), and
 ``tests/contract/test_live_knobs_protocol.py`` runs both sides against the same files.
@@ -20,6 +27,7 @@ the daemon), or, on Kubernetes, through the agent of the engine's pod, which alo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import stat
@@ -42,7 +50,7 @@ KNOBS = ("max_num_active_seqs", "max_num_batched_tokens")
 REQUEST_FIELDS = ("protocol", "seq", *KNOBS)
 ACK_FIELDS = (
     "protocol", "live", "seq", "applied", "refused", "effective", "envelope", "not_live", "at", "pid",
-    "dp_rank", "engine_version", "engine_known", "mode", "plugin_version",
+    "dp_rank", "engine_version", "engine_known", "mode", "plugin_version", "launch", "launched_at", "ranks",
 )
 MAX_ACK_BYTES = 64 * 1024
 
@@ -70,7 +78,11 @@ class Ack:
     mode: str | None = None
     plugin_version: str | None = None
     protocol: int | None = None
+    launch: str | None = None  # the engine launch it belongs to (None: a plugin before launches, or unread)
+    launched_at: float | None = None
+    ranks: int | None = None  # the launch's data-parallel rank count, where the plugin could tell
     problem: str | None = None
+    key: tuple[int, int] | None = None  # (inode, mtime ns) of the file when it was read
 
     def answers(self, seq: int) -> bool:
         """Whether this acknowledges request ``seq`` (applied or refused)."""
@@ -152,6 +164,8 @@ def parse_ack(path: Path, raw: bytes) -> Ack:
                                       f"this tuner speaks {PROTOCOL}")
     applied = data.get("applied")
     at = data.get("at")
+    launched_at = data.get("launched_at")
+    ranks = _opt_int(data.get("ranks"))
     return Ack(
         path=path,
         protocol=PROTOCOL,
@@ -169,6 +183,10 @@ def parse_ack(path: Path, raw: bytes) -> Ack:
         engine_known=data.get("engine_known") is True,
         mode=_opt_text(data.get("mode")),
         plugin_version=_opt_text(data.get("plugin_version")),
+        launch=_opt_text(data.get("launch")),
+        launched_at=float(launched_at) if isinstance(launched_at, int | float) and not isinstance(launched_at, bool)
+        and launched_at >= 0 else None,
+        ranks=ranks if ranks is not None and 1 <= ranks <= 4096 else None,
     )
 
 
@@ -197,18 +215,61 @@ def read_acks(control_dir: str | os.PathLike[str]) -> list[Ack]:
     acks = []
     for path in paths:
         try:
+            st = path.lstat()
+            key = (st.st_ino, st.st_mtime_ns)
             raw = untrusted.read_bytes(path, max_bytes=MAX_ACK_BYTES)
         except FileNotFoundError:
             continue  # replaced between the listing and the open
         except untrusted.Untrusted as exc:
-            acks.append(Ack(path=path, problem=exc.reason))
+            acks.append(Ack(path=path, problem=exc.reason, key=key))
             continue
-        acks.append(parse_ack(path, raw))
+        except OSError as exc:
+            acks.append(Ack(path=path, problem=f"cannot be read ({exc.strerror})"))
+            continue
+        acks.append(dataclasses.replace(parse_ack(path, raw), key=key))
     return sorted(acks, key=lambda a: (a.dp_rank is None, a.dp_rank or 0, a.path.name))
+
+
+def current(acks: list[Ack]) -> tuple[list[Ack], list[Ack]]:
+    """(the acks of the newest launch, the stale ones). The newest launch is the one that started last
+    (``launched_at``); an ack of no launch (a plugin before launches) is stale beside one that names a launch;
+    one that does not read is stale where its file was last written before the newest launch began, else it
+    stays (and makes the state unavailable, as before). Where no ack names a launch, every ack is current."""
+    named = [a for a in acks if a.launch is not None]
+    if not named:
+        return list(acks), []
+    newest = max(named, key=lambda a: (a.launched_at if a.launched_at is not None else -1.0, a.launch or ""))
+    began = newest.launched_at
+    keep, stale = [], []
+    for a in acks:
+        if a.launch == newest.launch:
+            keep.append(a)
+        elif a.problem is not None and a.key is not None and (began is None or a.key[1] / 1e9 >= began):
+            keep.append(a)  # written during this launch and unreadable: not to be ignored
+        else:
+            stale.append(a)
+    return keep, stale
+
+
+def remove_stale(stale: list[Ack]) -> list[str]:
+    """Remove the files of ``stale`` acks that are still as they were read (a file rewritten since, by a rank
+    of a launch, is kept); the names removed."""
+    removed = []
+    for a in stale:
+        try:
+            st = a.path.lstat()
+            if a.key is None or (st.st_ino, st.st_mtime_ns) != a.key:
+                continue
+            a.path.unlink()
+        except OSError:
+            continue
+        removed.append(a.path.name)
+    return removed
 
 
 def state(acks: list[Ack]) -> live.LiveState:
     """What the engine's acknowledgements say it can change live and runs now (``model.live``)."""
+    acks, _ = current(acks)  # only the current launch's (module docstring)
     if not acks:
         return live.LiveState(why_not="no acknowledgement from the engine yet (the plugin writes one at its "
                                       "first step: is vllm-tuner-plugin installed and VLLM_TUNER_CONTROL_DIR set?)")
@@ -232,6 +293,9 @@ def state(acks: list[Ack]) -> live.LiveState:
             values[knob] = envelope[knob]
     not_live = {by_name.get(name, name): why for name, why in first.not_live.items()}
     seqs = {a.seq for a in acks}
+    ranks = max((a.ranks for a in acks if a.ranks is not None), default=None)
+    if ranks is not None and not set(range(ranks)) <= {a.dp_rank for a in acks}:
+        seqs = set()  # a rank of this launch has not written yet: no request is answered by all of them
     refused = next((a.refused for a in acks if a.refused), None)
     return live.LiveState(available=True, envelope=envelope, values=values, not_live=not_live,
                           seq=seqs.pop() if len(seqs) == 1 else None, refused=refused,
@@ -257,9 +321,11 @@ class Files:
 
     def read(self) -> live.LiveState:
         try:
-            return state(read_acks(self.control_dir))
+            acks = read_acks(self.control_dir)
         except SourceError as exc:
             return live.LiveState(why_not=str(exc))
+        remove_stale(current(acks)[1])  # earlier launches' files: ignored by ``state`` anyway
+        return state(acks)
 
     def request(self, seq: int, values: Mapping[str, int | None]) -> str | None:
         try:

@@ -29,6 +29,9 @@ def register() -> None:
     _registered = True
     control_dir = os.path.abspath(control_dir)
     try:
+        # The launch's first process (vLLM loads general plugins in it before it starts its EngineCores):
+        # name the launch in the environment they inherit, so that their acks say which launch they are of.
+        protocol.this_launch()
         _register(control_dir)
     except Exception as exc:  # noqa: BLE001 - a plugin must not stop vLLM from starting
         _refuse_at_load(control_dir, f"could not hook the scheduler ({type(exc).__name__}: {exc})")
@@ -60,8 +63,10 @@ def _refuse_at_load(control_dir: str, reason: str) -> None:
     """No scheduler to hang an acknowledgement on: log one line and leave ``ack-load.json``."""
     logger.warning("vllm-tuner live knobs refused, nothing will be applied: %s", reason)
     document = dict.fromkeys(protocol.ACK_FIELDS)
+    launch = protocol.this_launch()
     document.update(protocol=protocol.PROTOCOL, live=False, refused=reason, at=time.time(), pid=os.getpid(),
-                    plugin_version=__version__, not_live=dict.fromkeys(protocol.KNOBS, reason))
+                    plugin_version=__version__, not_live=dict.fromkeys(protocol.KNOBS, reason),
+                    launch=launch.id, launched_at=launch.at, ranks=protocol.rank_count(None))
     try:
         os.makedirs(control_dir, mode=0o700, exist_ok=True)
         protocol.write_json_atomically(os.path.join(control_dir, "ack-load.json"), document)

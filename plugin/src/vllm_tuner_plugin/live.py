@@ -46,6 +46,8 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         uid: int | None = None,
+        launch: protocol.Launch | None = None,
+        argv: list[str] | None = None,
     ) -> None:
         self.control_dir = control_dir
         self.engine_version = engine_version
@@ -53,6 +55,11 @@ class Controller:
         self._wall = wall_clock
         self._uid = os.geteuid() if uid is None else uid
         self.dp_rank = _dp_rank(scheduler)
+        # This ack belongs to this launch (protocol docstring): the launch's first process named it in the
+        # environment this EngineCore inherited; the rank count from the config or the command line.
+        self.launch = launch if launch is not None else protocol.this_launch(parent=True)
+        self.ranks = protocol.rank_count(getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None),
+                                         argv)
         self.profile: engines.Profile | None = None
         if refusal is None:
             self.profile, refusal = engines.check_scheduler(scheduler, engine_version)
@@ -83,6 +90,7 @@ class Controller:
         self._written: tuple[Any, ...] | None = None
         self._ack_error_logged = False
         self._ensure_dir()
+        self._remove_stale()
         if self.refusal is not None:
             logger.warning("vllm-tuner live knobs refused, nothing will be applied: %s", self.refusal)
         else:
@@ -223,6 +231,9 @@ class Controller:
             "engine_known": bool(self.profile and self.profile.known),
             "mode": self.profile.mode if self.profile else None,
             "plugin_version": PLUGIN_VERSION,
+            "launch": self.launch.id,
+            "launched_at": self.launch.at,
+            "ranks": self.ranks,
         }
         assert tuple(document) == protocol.ACK_FIELDS
         return document
@@ -250,6 +261,18 @@ class Controller:
             os.makedirs(self.control_dir, mode=0o700, exist_ok=True)
         except OSError as exc:
             logger.warning("vllm-tuner live knobs: cannot create %s: %s", self.control_dir, exc)
+
+    def _remove_stale(self) -> None:
+        """The acks earlier launches left here would disagree with this launch's (a rank that no longer
+        exists never writes its file again): removed before this rank writes its own."""
+        try:
+            removed = protocol.remove_stale(self.control_dir, self.launch)
+        except Exception:  # the tuner ignores them anyway; never a reason to fail the engine
+            logger.exception("vllm-tuner live knobs: could not remove the acknowledgements of earlier launches")
+            return
+        if removed:
+            logger.info("vllm-tuner live knobs: removed the acknowledgements of earlier launches: %s",
+                        ", ".join(removed))
 
     def _fail(self, scheduler: Any, exc: BaseException) -> None:
         logger.error("vllm-tuner live knobs: internal error; restoring the startup values and stopping",

@@ -16,6 +16,15 @@ The control directory (``$VLLM_TUNER_CONTROL_DIR``) holds:
   when it has handled a request, when it starts, and when what it enforces changes (e.g. a drain-down
   finishes). ``ACK_FIELDS`` lists its keys.
 
+Acknowledgements belong to a launch. The directory outlives the engine (a restart, a new
+``--data-parallel-size``), and each rank writes only its own file, so an ``ack-1.json`` of an earlier
+launch with two ranks can lie beside the single rank's ``ack-0.json`` of this one. Every ack therefore
+carries ``launch`` — the identity of the engine launch: the boot, pid and start time of the launch's first
+process (``this_launch``; the plugin puts it into ``$VLLM_TUNER_LAUNCH`` there, so every EngineCore that
+process starts inherits it) — ``launched_at`` (that start, unix time) and ``ranks`` (the data-parallel
+rank count, where the plugin can tell). Readers take only the newest launch's acks; the plugin removes the
+files of older launches when it starts (``remove_stale``), and the tuner does too, whatever the actuator.
+
 The tuner-side reader (``tuner/sources/live_knobs.py``) mirrors this module; a contract test runs both
 against the same files.
 """
@@ -26,7 +35,10 @@ import contextlib
 import json
 import os
 import stat
+import sys
 import tempfile
+import time
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +74,11 @@ ACK_FIELDS = (
     "engine_known",  # whether engine_version is in the plugin's table of versions it was checked against
     "mode",  # "active-cap" (a separate admission attribute) or "follow-down" (one attribute admits and bounds)
     "plugin_version",
+    "launch",  # the engine launch this ack belongs to (see above); the same for every rank of it
+    "launched_at",  # unix time the launch's first process started
+    "ranks",  # the data-parallel rank count of the launch; null where the plugin cannot tell
 )
+ENV_LAUNCH = "VLLM_TUNER_LAUNCH"  # set by the plugin in a launch's first process, inherited by its EngineCores
 
 
 class ProtocolError(ValueError):
@@ -196,3 +212,165 @@ def read_control(control_dir: str, *, uid: int) -> Request | None:
             seq = parse_request(raw).seq
         raise ProtocolError(why, seq=seq)
     return parse_request(raw)
+
+
+# -- the launch ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One start of the engine: ``id`` is the same in every process of it and differs from every other
+    start's; ``at`` is when its first process started (unix time)."""
+
+    id: str
+    at: float
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read(64).strip().replace("-", "")[:12] or "noboot"
+    except OSError:
+        return "noboot"
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks since boot) from ``/proc/<pid>/stat``; None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid ... starttime is field 22
+    try:
+        return int(fields[1]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _boot_time() -> float | None:
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f.read(1 << 20).splitlines():
+                if line.startswith(b"btime "):
+                    return float(int(line.split()[1]))
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _launch_of(pid: int, ticks: int, boot: str) -> Launch:
+    btime = _boot_time()
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    at = btime + ticks / hz if btime is not None else time.time()
+    return Launch(f"{boot}-{pid}-{ticks}", at)
+
+
+def this_launch(environ: MutableMapping[str, str] | None = None, *, parent: bool = False) -> Launch:
+    """The launch this process belongs to. ``$VLLM_TUNER_LAUNCH`` when it names this process or one of its
+    ancestors (with the same start time: not a reused pid); else this process starts a launch — or, with
+    ``parent`` (an EngineCore whose launch's first process did not name it: every rank's parent is the
+    process that started them all), its parent does — and says so in the environment its children inherit.
+    Off Linux: this process and the time now."""
+    env = os.environ if environ is None else environ
+    boot = _boot_id()
+    inherited = env.get(ENV_LAUNCH, "")
+    parts = inherited.split("-")
+    if len(parts) == 3 and parts[0] == boot and parts[1].isdigit() and parts[2].isdigit():
+        pid, ticks = int(parts[1]), int(parts[2])
+        walk: int | None = os.getpid()
+        for _ in range(64):  # the ancestors, up to init
+            if walk is None or walk <= 0:
+                break
+            st = _stat(walk)
+            if st is None:
+                break
+            if walk == pid:
+                if st[1] == ticks:
+                    return _launch_of(pid, ticks, boot)
+                break
+            walk = st[0]
+    me = os.getppid() if parent else os.getpid()
+    st = _stat(me)
+    launch = _launch_of(me, st[1], boot) if st is not None else Launch(f"{boot}-{me}-{time.time_ns()}", time.time())
+    env[ENV_LAUNCH] = launch.id
+    return launch
+
+
+def rank_count(parallel_config: Any, argv: Sequence[str] | None = None) -> int | None:
+    """The launch's data-parallel rank count. vLLM keeps it in ``data_parallel_size`` for an MoE model; a
+    non-MoE rank runs as an independent engine whose size is reset to 1, so it is read from the command line
+    (``--data-parallel-size N``, ``-dp N``, with ``=`` or ``_`` too). None where a ``--config`` file may set
+    it and the command line does not."""
+    size = getattr(parallel_config, "data_parallel_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+        return size
+    args = list(sys.argv if argv is None else argv)
+    found: int | None = None
+    config = False
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name in ("--data-parallel-size", "-dp"):
+            raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            found = int(raw) if raw.isdigit() and int(raw) >= 1 else None
+        elif name == "--config":
+            config = True
+    if found is not None:
+        return found
+    return None if config else 1
+
+
+def _ack_key(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
+
+
+def stale_acks(control_dir: str, launch: Launch) -> list[tuple[str, tuple[int, int]]]:
+    """The ack files of earlier launches (and ones that do not read and were last written before this launch
+    began), each with its (inode, mtime) when read: ``remove_stale`` removes a file only if it is unchanged.
+    An ack of a *later* launch is left alone: it is this one that is stale."""
+    try:
+        names = sorted(os.listdir(control_dir))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not (name.startswith(ACK_PREFIX) and name.endswith(ACK_SUFFIX)):
+            continue
+        path = os.path.join(control_dir, name)
+        key = _ack_key(path)
+        if key is None:
+            continue
+        try:
+            doc = untrusted.mapping(untrusted.read_json(path, max_bytes=MAX_CONTROL_BYTES), what=name)
+        except (OSError, ValueError, untrusted.Untrusted):
+            doc = None
+        if doc is None:
+            if key[1] / 1e9 < launch.at:
+                out.append((path, key))
+            continue
+        theirs, at = doc.get("launch"), doc.get("launched_at")
+        if theirs == launch.id:
+            continue
+        older = not isinstance(at, (int, float)) or isinstance(at, bool) or at <= launch.at
+        if older:
+            out.append((path, key))
+    return out
+
+
+def remove_stale(control_dir: str, launch: Launch) -> list[str]:
+    """Remove the ack files of earlier launches (``stale_acks``); the names removed."""
+    removed = []
+    for path, key in stale_acks(control_dir, launch):
+        if _ack_key(path) != key:
+            continue  # rewritten since it was read: by a rank of this (or a later) launch
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(os.path.basename(path))
+    return removed
