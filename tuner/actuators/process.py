@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -39,16 +40,6 @@ from tuner.model import secrets
 
 PIDFILE_MAX_BYTES = 1024 * 1024
 PID_MAX = 1 << 22  # the kernel's largest pid_max
-
-
-@dataclass
-class _Proc:
-    pid: int
-    starttime: int | None  # /proc/<pid>/stat field 22, in clock ticks since boot
-    argv: tuple[str, ...] | None  # None: a re-adopted engine whose real arguments could not be read back
-    popen: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier tuner
-    stopping: bool = False
-    unknown: str = ""  # why argv is None
 
 
 def _starttime(pid: int) -> int | None:
@@ -94,6 +85,35 @@ def _describe_exit(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with status {returncode}"
+
+
+@dataclass
+class _Proc:
+    pid: int
+    starttime: int | None  # /proc/<pid>/stat field 22, in clock ticks since boot
+    argv: tuple[str, ...] | None  # None: a re-adopted engine whose real arguments could not be read back
+    popen: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier tuner
+    stopping: bool = False
+    unknown: str = ""  # why argv is None
+
+
+def _open_log(path: Path) -> Any:
+    """The engine's log for appending, opened without blocking (a FIFO at its path must not hold the tuner:
+    with no reader the open fails, with one it is refused) and only if it is a regular file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o640)
+    except OSError as exc:
+        raise PermanentActuatorError(f"process actuator: cannot open the engine log {path}: "
+                                     f"{exc.strerror or exc}; expected a regular file or none") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PermanentActuatorError(f"process actuator: the engine log {path} is not a regular file "
+                                         "(FIFOs, devices and directories are refused)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class ProcessActuator:
@@ -203,12 +223,10 @@ class ProcessActuator:
 
     def _last_log_line(self, name: str) -> str:
         try:
-            with self.log_path(name).open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 4096))
-                lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
-        except OSError:
+            tail = untrusted.read_tail(self.log_path(name), max_bytes=4096)
+        except (OSError, untrusted.Untrusted):
             return ""
+        lines = [x for x in tail.decode("utf-8", "replace").splitlines() if x.strip()]
         return self._redactor.text(lines[-1].strip())[:300] if lines else ""
 
     # --- the contract ------------------------------------------------------------------------------
@@ -249,7 +267,7 @@ class ProcessActuator:
         with self._locks[name]:
             if base.is_running_already(self.status(name), argv, who=f"process actuator: {name}"):
                 return
-            log = self.log_path(name).open("ab")
+            log = _open_log(self.log_path(name))
             try:
                 shown = self._redactor.argv([*self.command, *argv])
                 log.write(f"=== vllm-tuner: starting {name}: {json.dumps(shown)}\n".encode())

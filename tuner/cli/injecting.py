@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from tuner.launcher import untrusted
+
 
 def cmd_inject(args: argparse.Namespace) -> int:
     import yaml
@@ -26,8 +28,13 @@ def cmd_inject(args: argparse.Namespace) -> int:
     if args.file in (None, "-"):
         text = sys.stdin.read()
     else:
-        with open(args.file, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            text = untrusted.read_bytes(args.file, max_bytes=64 * 1024 * 1024, follow_symlinks=True).decode("utf-8")
+        except (OSError, ValueError) as exc:  # Untrusted is a ValueError; so is a bad UTF-8 byte
+            why = exc.reason if isinstance(exc, untrusted.Untrusted) else getattr(exc, "strerror", None) or str(exc)
+            print(f"error: inject: cannot read {args.file}: {why}; expected a YAML file of Kubernetes objects",
+                  file=sys.stderr)
+            return 2
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:

@@ -44,6 +44,7 @@ from tuner.errors import ConfigError, TunerError
 from tuner.kube import electing, leading, podside, reporting
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
+from tuner.launcher import untrusted
 from tuner.rules import loading
 from tuner.rules.schema import Rule
 from tuner.sources import engines
@@ -83,8 +84,8 @@ def namespace_of(settings: config.KubernetesSettings) -> str:
     if env:
         return env
     try:
-        return Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
-    except OSError:
+        return untrusted.read_bytes(SERVICE_ACCOUNT_NAMESPACE, max_bytes=256, follow_symlinks=True).decode().strip()
+    except (OSError, ValueError):
         raise ConfigError("<kubernetes>", [("kubernetes.namespace", "not given, $POD_NAMESPACE is not set and the "
                                             "service account's namespace file is missing")]) from None
 
@@ -295,8 +296,8 @@ def degraded(config_path: str, exc: StartupProblem, *, state_dir: str | None, po
 
 def _fingerprint(path: str) -> str | None:
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
+        return hashlib.sha256(untrusted.read_bytes(path, max_bytes=64 * 1024 * 1024, follow_symlinks=True)).hexdigest()
+    except (OSError, ValueError):
         return None
 
 
