@@ -160,6 +160,10 @@ class DaemonSettings(_Model):
     expose it deliberately."""
     listen_port: int = Field(default=9180, ge=0, le=65535)
     """Port of that endpoint; 0 picks a free one."""
+    allowed_hosts: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$", max_length=253)]] = []
+    """Names a request's ``Host`` header may carry on top of loopback names, IP addresses, ``listen_host``
+    and this machine's name (e.g. a Service's DNS name that Prometheus scrapes). Any other name is answered
+    421: a DNS-rebinding web page cannot read ``/status``."""
     json_logs: bool = False
     """One JSON object per log line instead of text."""
     maintenance_windows: list[str] = []

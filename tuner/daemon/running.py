@@ -360,6 +360,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
         is_alive=loop.is_alive, is_busy=loop.is_busy,
         host=settings.daemon.listen_host, port=settings.daemon.listen_port,
+        allowed_hosts=settings.daemon.allowed_hosts,
     )
     with server:  # starts it (once) and closes it
         log.info("status endpoint on %s", server.url)

@@ -205,7 +205,8 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
     server = TunerHttpServer(metrics=metrics, state=leader.state, is_alive=lambda: not stop.is_set(),
                              is_busy=lambda: not elector.is_leader(),
                              max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
-                             host=settings.daemon.listen_host, port=settings.daemon.listen_port).start()
+                             host=settings.daemon.listen_host, port=settings.daemon.listen_port,
+                             allowed_hosts=settings.daemon.allowed_hosts).start()
 
     def relay() -> None:
         stop.wait()
