@@ -190,7 +190,7 @@ def test_no_reader_of_a_named_path_waits_on_a_fifo_a_directory_or_a_device(tmp_p
             outcome["value"] = READERS[reader](path)
         except (TunerError, untrusted.Untrusted, OSError) as exc:  # an OSError names its cause (EISDIR)
             outcome["error"] = exc
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             outcome["crash"] = exc
 
     thread = threading.Thread(target=call, daemon=True)

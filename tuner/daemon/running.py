@@ -22,6 +22,7 @@ from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
 from tuner.daemon import (
+    clocks,
     collecting,
     cycle,
     logs,
@@ -288,28 +289,30 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     logs.redact(redactor)
     rules = loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir))
     log.info("effective configuration: %s", json.dumps(settings.redacted_dump(redactor)))
-    client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
+    loop_clock = clocks.LoopClock()  # every time inside the loop: monotonic, labelled with wall time
+    client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds, clock=loop_clock.now)
     if settings.live.enabled:  # the engines' control directories, private to this uid
         for t in settings.targets:
             live_knobs.prepare_control_dir(settings.live.dir_for(t.name))
-    collectors = [collecting.collector_for(t, settings, client=client) for t in settings.targets]
+    collectors = [collecting.collector_for(t, settings, client=client, stamp=loop_clock.now) for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
     state_path = state_path if state_path.is_absolute() else config_dir / state_path
-    state = TunerState.load(state_path, settings.targets, redactor=redactor)
+    state = TunerState.load(state_path, settings.targets, redactor=redactor, now=loop_clock.now())
+    state.started_at = loop_clock.now()
     metrics = selfmetrics.TunerMetrics()
     maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                  timezone=settings.daemon.maintenance_timezone)
                    if settings.daemon.maintenance_windows else None)
     stop_event = threading.Event()
     notifier = _MaskedNotifier(redactor)
-    gatherer = collecting.Gatherer(stop=stop_event)  # SIGTERM ends a gathering at once
+    gatherer = collecting.Gatherer(stop=stop_event, clock=loop_clock.now)  # SIGTERM ends a gathering at once
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
 
     if settings.mode == "apply":
         applying = _build_applying(settings, state, client, config_dir, stop_event=stop_event,
-                                   on_transition=lambda r: _show_rollout(state, notifier, r))
+                                   on_transition=lambda r: _show_rollout(state, notifier, r), clock=loop_clock.now)
         startup.append(lambda: _start_up(applying, state))
 
     def step() -> results.CycleResult:
@@ -321,7 +324,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         act = applying if applying is None or _resumed(applying, state) else None
         return cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
                                rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
-                               should_stop=should_stop)
+                               should_stop=should_stop, clock=loop_clock)
 
     def between() -> None:  # the rollout in flight goes on between cycles
         if applying is None or not applying.busy:
@@ -358,7 +361,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     server = TunerHttpServer(
         metrics=metrics, state=state,
         max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
-        is_alive=loop.is_alive, is_busy=loop.is_busy,
+        is_alive=loop.is_alive, is_busy=loop.is_busy, clock=loop_clock.now,
         host=settings.daemon.listen_host, port=settings.daemon.listen_port,
         allowed_hosts=settings.daemon.allowed_hosts,
     )
@@ -382,7 +385,8 @@ class _MaskedNotifier(notify.Notifier):
 
 def _build_applying(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient,
                     config_dir: Path, *, stop_event: threading.Event,
-                    on_transition: Callable[[machine.Rollout], None]) -> Applying:
+                    on_transition: Callable[[machine.Rollout], None],
+                    clock: Callable[[], float] = time.time) -> Applying:
     assert settings.actuator is not None  # validated
     kind = settings.targets[0].kind
     redactor = state.redactor
@@ -427,7 +431,7 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
                       stop_event=stop_event, server_load=tracked, drains=settings.drain.kind != "none",
                       plugin=(lambda name: live_knobs.Files(settings.live.dir_for(name))) if settings.live.enabled
                       else lambda name: None,
-                      on_transition=on_transition, restore=restore, power=power)
+                      on_transition=on_transition, restore=restore, power=power, clock=clock)
 
 
 def dispatcher(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient, *,

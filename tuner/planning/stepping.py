@@ -45,6 +45,7 @@ from tuner.model import dialects, knobs, snapshots
 from tuner.model import live as live_mod
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.planning import history as history_mod
 from tuner.planning import planner, pooling
 from tuner.planning.history import History
 from tuner.rules.schema import Rule
@@ -266,3 +267,16 @@ def replay(
                 if pool.change.live:
                     live = replace(live, values={**live.values, **pool.change.values})
         yield decision
+
+
+# --- a re-based loop clock (issue 28) -------------------------------------------------------------------
+
+
+def rebased(state: TargetState, *, by: float) -> TargetState:
+    """``state`` with every time of the loop moved by ``by`` seconds: the daemon's clock re-based on a
+    stepped wall clock (``daemon.clocks``), so the window keeps its order and span and nothing in it, or
+    in the history, is "in the future". The engine's own start time is the engine's clock: kept."""
+    if not by:
+        return state
+    return replace(state, window=tuple(replace(s, scraped_at=s.scraped_at + by) for s in state.window),
+                   history=history_mod.shifted(state.history, by=by))
