@@ -151,7 +151,7 @@ def run_cycle(
         targets[name] = TargetResult(name, decision.signals, got.info, got.gpus, len(decision.state.window),
                                      scrape_error=got.snapshot.error, plan=decision.plan,
                                      planner_error=planner_error, current_args=state.current_args(name),
-                                     live=got.live)
+                                     live=got.live, held=decision.held)
     for gone in set(state.targets) - set(targets):  # a target removed from the config
         del state.targets[gone]
         if metrics is not None:
