@@ -28,6 +28,7 @@ import stat
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,10 @@ def read_pidfile(path: Path) -> dict[str, Any] | None:
     ``PermanentActuatorError``: the engine it describes may still run."""
     try:
         data = untrusted.mapping(untrusted.read_json(path, max_bytes=PIDFILE_MAX_BYTES), what="the pid file")
-        untrusted.integer(data["pid"], what="pid", lo=1, hi=PID_MAX)  # never 0 or negative: a process group
+        if data.get("pid") is None and isinstance(data.get("marker"), str):
+            pass  # written before the spawn: the engine is found by its marker (``ProcessActuator._adopt``)
+        else:
+            untrusted.integer(data["pid"], what="pid", lo=1, hi=PID_MAX)  # never 0 or negative: a process group
         if not isinstance(data["argv"], list) or not all(isinstance(a, str) for a in data["argv"]):
             raise TypeError("argv is not a list of strings")
     except FileNotFoundError:
@@ -76,6 +80,30 @@ def read_pidfile(path: Path) -> dict[str, Any] | None:
             f"process actuator: unreadable pid file {path} ({exc}); remove it once no engine it names is running"
         ) from exc
     return data
+
+
+MARKER_ENV = "VLLM_TUNER_ENGINE_MARKER"  # in each engine's environment: which start of which replica it is
+
+
+def _environ_has(pid: int, entry: bytes) -> bool:
+    try:
+        return entry in untrusted.read_bytes(f"/proc/{pid}/environ", max_bytes=PIDFILE_MAX_BYTES).split(b"\0")
+    except (OSError, untrusted.Untrusted):
+        return False
+
+
+def _find_marked(marker: str) -> int | None:
+    """The session leader whose environment holds ``MARKER_ENV=marker``: an engine spawned by a tuner
+    killed before it wrote the engine's pid (procfs; processes of this uid only)."""
+    entry = f"{MARKER_ENV}={marker}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        pid = int(d.name)
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == pid and _environ_has(pid, entry) and _starttime(pid) is not None:
+                return pid
+    return None
 
 
 def _describe_exit(returncode: int) -> str:
@@ -167,6 +195,13 @@ class ProcessActuator:
         data = read_pidfile(self._pidfile(name))
         if data is None:
             return None
+        if data.get("pid") is None:  # the tuner died between its write-ahead record and the spawn's
+            found = _find_marked(str(data["marker"]))
+            if found is None:  # never spawned, or gone since: nothing to adopt
+                with contextlib.suppress(FileNotFoundError):
+                    self._pidfile(name).unlink()
+                return None
+            data = {**data, "pid": found, "starttime": _starttime(found)}
         pid, starttime = int(str(data["pid"])), data.get("starttime")
         recorded = tuple(str(a) for a in data["argv"])
         digest = data.get("argv_sha256")
@@ -190,11 +225,13 @@ class ProcessActuator:
             f"pid {pid}'s command line (/proc/{pid}/cmdline) {why}: its arguments are unknown and rollouts of "
             f"{name} are refused; restart it (or stop it and remove {self._pidfile(name)}) to let the tuner own it"))
 
-    def _write_pidfile(self, name: str, proc: _Proc) -> None:
-        """pid, start time, the argv masked and the real one's sha256 (``model.secrets``)."""
+    def _write_pidfile(self, name: str, proc: _Proc, *, marker: str | None = None) -> None:
+        """pid, start time, the argv masked and the real one's sha256 (``model.secrets``), and the marker
+        in the engine's environment. ``proc.pid`` 0: the write-ahead record before the spawn (no pid yet)."""
         argv = proc.argv or ()
-        record = {"pid": proc.pid, "starttime": proc.starttime, "argv": self._redactor.argv(argv),
-                  "argv_sha256": secrets.digest(argv), "command": self._redactor.argv(self.command)}
+        record = {"pid": proc.pid or None, "starttime": proc.starttime, "argv": self._redactor.argv(argv),
+                  "argv_sha256": secrets.digest(argv), "command": self._redactor.argv(self.command),
+                  "marker": marker}
         files.write_atomically(self._pidfile(name), json.dumps(record).encode(), mode=0o600)
 
     def _check(self, name: str) -> None:
@@ -268,16 +305,24 @@ class ProcessActuator:
             if base.is_running_already(self.status(name), argv, who=f"process actuator: {name}"):
                 return
             log = _open_log(self.log_path(name))
+            # Write-ahead: the pid file names the engine's marker before the engine exists, so a tuner
+            # killed between the spawn and the pid's write is not left with an engine it cannot find (its
+            # own session outlives the tuner): the next tuner adopts it by the marker (``_adopt``).
+            marker = f"{name}-{uuid.uuid4().hex}"
+            env = {**(self._env_for(name) or os.environ), MARKER_ENV: marker}
             try:
+                self._write_pidfile(name, _Proc(0, None, argv), marker=marker)
                 shown = self._redactor.argv([*self.command, *argv])
                 log.write(f"=== vllm-tuner: starting {name}: {json.dumps(shown)}\n".encode())
                 log.flush()
                 popen = subprocess.Popen(
                     [*self.command, *argv],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, close_fds=True, env=self._env_for(name), cwd=self._cwd,
+                    start_new_session=True, close_fds=True, env=env, cwd=self._cwd,
                 )
             except OSError as exc:
+                with contextlib.suppress(FileNotFoundError):  # the write-ahead record of a start that never was
+                    self._pidfile(name).unlink()
                 raise PermanentActuatorError(
                     f"process actuator: cannot run {self.command[0]!r} for {name}: {exc.strerror or exc}"
                 ) from exc
@@ -285,7 +330,7 @@ class ProcessActuator:
                 log.close()
             proc = _Proc(popen.pid, _starttime(popen.pid), argv, popen)
             self._procs[name] = proc
-            self._write_pidfile(name, proc)
+            self._write_pidfile(name, proc, marker=marker)
 
     def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> base.ReplicaStatus:
         self._check(name)

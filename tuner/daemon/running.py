@@ -68,6 +68,7 @@ class Applying:
         # waits return early when the tuner is stopping
         self.sleep = sleep or (lambda seconds: self.driver.stop_event.wait(seconds))
         self.in_flight: machine.Rollout | None = None  # the rollout being carried out
+        self.held_down: dict[str, str] = {}  # replicas down and not started again, and why (said once)
         self._changes: tuple[history_mod.Change, ...] = ()  # ... and the changes it books
 
     @property
@@ -322,9 +323,12 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             startup[0]()  # a failure (a full disk) raises here and is tried again at the next cycle
             startup.pop(0)
         act = applying if applying is None or _resumed(applying, state) else None
-        return cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
-                               rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
-                               should_stop=should_stop, clock=loop_clock)
+        result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
+                                 rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
+                                 should_stop=should_stop, clock=loop_clock)
+        if applying is not None and not should_stop():
+            tend(applying, state, result, now=loop_clock.now())
+        return result
 
     def between() -> None:  # the rollout in flight goes on between cycles
         if applying is None or not applying.busy:
@@ -518,6 +522,47 @@ def _start_the_rest(applying: Applying, state: TunerState) -> None:
         actuator.adopt(name, argv)
         log.warning("started %s (down at start; %s in the unfinished rollout %s): %s", name, where, unfinished.id,
                     " ".join(state.redactor.argv(argv)))
+
+
+def tend(applying: Applying, state: TunerState, result: results.CycleResult, *, now: float) -> list[str]:
+    """After a cycle: each replica whose scrape failed and that no rollout holds is asked of the actuator
+    (the process actuator reaps an engine that exited: no zombie). One that is down is said, with how it
+    ended, and started again on the arguments the tuner owns — the start-up's path (``adopt``) — within
+    the restart budget (``decisions.safety``: each such start counts as a restart); beyond it, it stays
+    down and the hold is said once. Returns what was said (one line per replica)."""
+    in_flight = set(applying.in_flight.in_flight) if applying.in_flight is not None else set()
+    actuator = applying.driver.actuator
+    said: list[str] = []
+    for name, target in result.targets.items():
+        if target.scrape_error is None or name in in_flight or name not in applying.replicas:
+            applying.held_down.pop(name, None)
+            continue
+        status = actuator.status(name)
+        if status.state is base.State.RUNNING:
+            continue
+        how = status.detail or status.state.value
+        history = state.history(name)
+        budget = guards.restart_budget(history, applying.settings.decisions.safety, now=now)
+        if not budget.allowed:
+            line = f"{name} is down ({how}); not started again: {budget.reason}"
+            if applying.held_down.get(name) != budget.reason:
+                log.warning("%s", line)
+                said.append(line)
+            applying.held_down[name] = budget.reason
+            continue
+        applying.held_down.pop(name, None)
+        argv = state.args[name].argv()
+        line = f"{name} is down ({how}); starting it again: {' '.join(state.redactor.argv(argv))} ({budget.reason})"
+        log.warning("%s", line)
+        said.append(line)
+        try:
+            actuator.adopt(name, argv)
+        except TunerError as exc:
+            log.error("%s: starting it again failed: %s", name, exc)
+        state.set_history(name, history_mod.restarted(history, now=now))
+        with contextlib.suppress(StorageError):
+            state.save()
+    return said
 
 
 def _start_up(applying: Applying, state: TunerState) -> None:
