@@ -103,7 +103,7 @@ def test_two_targets_on_one_engine_are_refused(port: int, data: st.DataObject) -
 def test_one_control_directory_for_two_targets_is_refused(control_dir: str, enabled: bool) -> None:
     targets = [{"name": "a", "metrics_url": "http://127.0.0.1:8000/metrics"},
                {"name": "b", "metrics_url": "http://127.0.0.1:8001/metrics"}]
-    with pytest.raises(ConfigError, match="live.control_dir"):
+    with pytest.raises(ConfigError, match=r"live\.control_dir"):
         config.parse({"targets": targets, "live": {"enabled": enabled, "control_dir": control_dir}})
     config.parse({"targets": targets, "live": {"enabled": enabled, "control_dir": control_dir + "/{name}"}})
     config.parse({"targets": targets[:1], "live": {"enabled": enabled, "control_dir": control_dir}})
