@@ -84,6 +84,7 @@ def run_cycle(
         if abs(clock.offset()) > clock.tolerance_seconds and not (rollout is not None and rollout.busy):
             moved = clock.rebase()
             state.rebase(moved)
+            now = None if now is None else now + moved  # read before the re-base: on the old base
             for c in collectors:  # readings kept between slow reads are stamped on the old base
                 forget = getattr(c, "forget_cached", None)
                 if forget is not None:
