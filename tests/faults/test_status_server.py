@@ -151,3 +151,91 @@ def test_a_host_that_is_not_the_servers_gets_no_document(name: str, port: int | 
     assert refused.status_code == 421, (host, refused.status_code)
     assert "engine" not in refused.text and "targets" not in refused.text
     assert all(code in (200, 503) for code in own), own
+
+
+SERVER_AT_128 = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+from prometheus_client import CollectorRegistry
+from tuner.daemon import httpserver, selfmetrics
+from tuner.daemon.state import TunerState
+from tuner.sources import engines
+state = TunerState(targets={}, args={}, config_args={})
+server = httpserver.TunerHttpServer(metrics=selfmetrics.TunerMetrics(CollectorRegistry()), state=state,
+                                    max_age_seconds=60, port=0).start()
+print(server.port, flush=True)
+client = engines.EngineClient(deadline_seconds=2)
+ok, failed, why = 0, 0, ""
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    snap = client.scrape(sys.argv[1])
+    if snap.ok:
+        ok += 1
+    else:
+        failed, why = failed + 1, snap.error
+    time.sleep(0.2)
+print(json.dumps({"ok": ok, "failed": failed, "why": why}), flush=True)
+"""
+
+
+def test_a_flood_at_a_file_limit_of_128_stops_no_engine_scrape_and_no_healthz() -> None:
+    """The review's case, in a real process: a file limit of 128, 130 clients trickling a byte every 3 s."""
+    import json
+    import subprocess
+    import sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from pathlib import Path
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'vllm:num_requests_running{engine="0",model_name="m"} 0\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_AT_128, f"http://127.0.0.1:{engine.server_port}/metrics",
+                             "12"], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        stop = threading.Event()
+        socks: list[socket.socket] = []
+
+        def trickle() -> None:
+            while not stop.wait(3.0):
+                for s in list(socks):
+                    with contextlib.suppress(OSError):
+                        s.send(b"G")
+
+        for _ in range(130):
+            with contextlib.suppress(OSError):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        threading.Thread(target=trickle, daemon=True).start()
+        health = []
+        with httpx.Client(timeout=2) as client:
+            for _ in range(8):
+                time.sleep(1)
+                try:
+                    health.append(client.get(f"http://127.0.0.1:{port}/healthz").status_code)
+                except httpx.HTTPError as exc:
+                    health.append(type(exc).__name__)  # type: ignore[arg-type]
+        stop.set()
+        report = json.loads(proc.stdout.readline())
+    finally:
+        for s in socks:
+            s.close()
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        engine.shutdown()
+        engine.server_close()
+    assert report["failed"] == 0, f"engine scrapes failed during the flood: {report}"
+    assert health == [200] * 8, health

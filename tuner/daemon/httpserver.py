@@ -274,6 +274,7 @@ class _BoundedServer:
         self._selector = selectors.DefaultSelector()
         self._stop = threading.Event()
         self._workers: list[threading.Thread] = []
+        self._accept_failing = False
         self.evicted = 0  # connections closed unanswered: evicted, past their deadline, or over the queue
 
     def start_workers(self) -> None:
@@ -304,10 +305,15 @@ class _BoundedServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # EMFILE: the process is out of descriptors; what waits is shed first
-                log.warning("status endpoint: accept failed: %s", exc.strerror or exc)
+                if not self._accept_failing:
+                    log.warning("status endpoint: accept failed: %s (said once until it succeeds)", exc.strerror or exc)
+                self._accept_failing = True
                 if self._pending:
                     self._drop(next(iter(self._pending)))
+                else:
+                    self._stop.wait(0.05)  # the listener stays readable: no busy loop while nothing can be freed
                 return
+            self._accept_failing = False
             if len(self._pending) >= MAX_PENDING:  # the oldest waiting head is the slowest client
                 self._drop(next(iter(self._pending)))
             sock.setblocking(False)
