@@ -121,6 +121,34 @@ class NginxBalancer:
             parameters=self.parameters, **kwargs,  # type: ignore[arg-type]
         )
 
+    def workers(self) -> set[int]:
+        """The pids of this balancer's worker processes (children of its master; a reload replaces them)."""
+        master = int((self.dir / "nginx.pid").read_text())
+        out = set()
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    stat = (d / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat[stat.rindex(")") + 2:].split()[1]) == master:
+                    out.add(int(d.name))
+        return out
+
+    def wait_reloaded(self, old_workers: set[int], *, timeout_seconds: float = 15.0) -> None:
+        """Until a reload took effect: new workers run and none of ``old_workers`` is left. ``nginx -s
+        reload`` only signals the master; until its old workers exit they may still admit a request
+        under the old upstreams (seen on a loaded host well after a fixed settle of 0.2 s)."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            now = self.workers()
+            if now and not now & old_workers:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nginx did not finish reloading in {timeout_seconds:g}s: workers {sorted(now)} "
+                                   f"(before: {sorted(old_workers)})")
+            time.sleep(0.02)
+
     def _is_listening(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):

@@ -11,6 +11,7 @@ import math
 import posixpath
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -164,6 +165,10 @@ class DaemonSettings(_Model):
     """Serve /status and /recommendations to peers other than loopback too. Off: they answer 403 to
     anyone but 127.0.0.1/::1 even when listen_host is a pod's or host's address (they show engine
     arguments, secrets masked); /metrics and /healthz answer whoever reaches listen_host."""
+    allowed_hosts: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$", max_length=253)]] = []
+    """Names a request's ``Host`` header may carry on top of loopback names, IP addresses, ``listen_host``
+    and this machine's name (e.g. a Service's DNS name that Prometheus scrapes). Any other name is answered
+    421: a DNS-rebinding web page cannot read ``/status``."""
     json_logs: bool = False
     """One JSON object per log line instead of text."""
     maintenance_windows: list[str] = []
@@ -220,6 +225,50 @@ class LiveSettings(_Model):
 
     def dir_for(self, name: str) -> str:
         return self.control_dir.replace("{name}", name)
+
+
+def engine_address(url: str) -> str:
+    """Where ``url`` lands, for telling two targets' engines apart: scheme, host (any loopback spelling as
+    one), port (the scheme's default filled in) and path without a trailing slash."""
+    parts = urlsplit(url.strip())
+    host = (parts.hostname or "").lower().rstrip(".")
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        host = "loopback"
+    try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        port = 0
+    return f"{parts.scheme.lower()}://{host}:{port}{parts.path.rstrip('/')}"
+
+
+def _one_engine_each(targets: list[Target], live: LiveSettings) -> None:
+    """Each target is one engine of its own: two targets on one URL are one engine counted twice (or two
+    engines behind a Service, read as one that restarts at every flip), and one control directory for two
+    targets sends a live change meant for one to all, bypassing one-at-a-time."""
+    seen: dict[str, str] = {}
+    for t in targets:
+        for what, url in (("metrics_url", t.metrics_url), ("base_url", t.base_url or "")):
+            if not url:
+                continue
+            key = f"{what}:{engine_address(url)}"
+            if key in seen and seen[key] != t.name:
+                raise ValueError(
+                    f"targets {seen[key]!r} and {t.name!r} have the same {what} ({url}): each target must reach "
+                    "one engine of its own, e.g. http://127.0.0.1:8000/metrics and http://127.0.0.1:8001/metrics "
+                    "(not a Service or load balancer in front of several)")
+            seen[key] = t.name
+    if len(targets) > 1:
+        if "{name}" not in live.control_dir:
+            raise ValueError(
+                f"live.control_dir {live.control_dir!r} has no {{name}}: every target would read one control file, "
+                "so a live change meant for one replica would reach all at once; e.g. /var/lib/vllm-tuner/live/{name}")
+        dirs: dict[str, str] = {}
+        for t in targets:
+            d = posixpath.normpath(live.dir_for(t.name))
+            if d in dirs:
+                raise ValueError(f"live.control_dir gives targets {dirs[d]!r} and {t.name!r} one directory ({d}); "
+                                 "e.g. /var/lib/vllm-tuner/live/{name}")
+            dirs[d] = t.name
 
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -360,6 +409,7 @@ class TunerSettings(_Model):
                 raise ValueError("targets: give at least one target (or a `kubernetes:` section, whose pods are "
                                  "the targets), e.g. targets: [{name: a, metrics_url: 'http://127.0.0.1:8000/metrics'}]")
             unique([t.name for t in self.targets], what="target names")
+            _one_engine_each(self.targets, self.live)
             return self
         clash = [k for k, given in (("targets", bool(self.targets)), ("actuator", self.actuator is not None),
                                     ("drain", self.drain.kind != "none")) if given]

@@ -419,11 +419,18 @@ def test_nginx_really_stops_routing_to_a_drained_replica(tmp_path: Path) -> None
                 return {client.get(lb.url + "/stub/argv").json()["pid"] for _ in range(12)}
             pids = {n: engines.status(n).pid for n in ports}
             assert seen() == set(pids.values())
+            # Judged on requests admitted after the drain took effect: `nginx -s reload` returns before the
+            # old workers stop admitting (on a loaded host, later than the drainer's settle time), and a
+            # request an old worker admitted is in flight under the old upstreams, not routed after the drain.
             d = lb.drainer(settle_seconds=0.2)
+            before = lb.workers()
             d.drain("a")
+            lb.wait_reloaded(before)
             assert seen() == {pids["b"]}
             assert lb.drainer().drained == {"a"}  # a restarted tuner reads the state back from the file
+            before = lb.workers()
             d.undrain("a")
+            lb.wait_reloaded(before)
             assert seen() == set(pids.values())
             # A config nginx rejects is never left in place.
             broken = draining.NginxDrainer([], upstream_file=lb.upstream_file, nginx=lb.command,

@@ -72,15 +72,19 @@ def test_the_tpot_frontier_caps_the_step_or_says_overloaded():
     assert e.value == 118 and "no TPOT frontier (tpot_p99_s unknown (absent))" in e.text
 
 
-def test_down_lowers_to_the_frontier():
-    # 64 running at TPOT p99 0.2 s, twice the SLO: 64 × 0.5^(1/0.3) = 6.35 → 6
+def test_down_lowers_to_the_frontier_at_most_half_the_batch_a_step():
+    # 64 running at TPOT p99 0.2 s, twice the SLO: 64 × 0.5^(1/0.3) = 6.35, but one step keeps half the batch
+    # (models.MAX_LOWERING: the α law is measured between 8 and 128 slots and extrapolates badly) → 32
     breached = dict(CLOSED, requests_running_mean=64, requests_waiting_mean=0, requests_running=64,
                     requests_waiting=0, arrival_rate_per_s=0.5, tpot_p99_s=0.2, requests_running_max=64)
     e = models.concurrency(sig(**breached), M, slo=SLO, down=True)
-    assert e.value == 6 and e.text.endswith("TPOT SLO frontier 6.35 → 6")
+    assert e.value == 32 and e.text.endswith("TPOT SLO frontier 6.35; at most half the batch 64 in one step → 32")
+    # a breach near the SLO: the frontier itself, 64 × (0.1 / 0.11)^(1/0.3) = 46.2 → 46
+    near = models.concurrency(sig(**(breached | dict(tpot_p99_s=0.11))), M, slo=SLO, down=True)
+    assert near.value == 46 and near.text.endswith("→ 46")
     # when Little's law needs more than the frontier, it says so (the TTFT SLO is traded for the TPOT SLO)
     e = models.concurrency(sig(**(breached | dict(arrival_rate_per_s=20))), M, slo=SLO, down=True)
-    assert e.value == 6 and "(overloaded: Little's law needs more" in e.text
+    assert e.value == 32 and "(overloaded: Little's law needs more" in e.text
     # without a frontier there is nothing to lower to
     assert models.concurrency(sig(**breached), M, down=True).value is None
 
@@ -88,7 +92,10 @@ def test_down_lowers_to_the_frontier():
 def test_unknown_inputs_and_no_traffic_size_nothing():
     e = models.concurrency(sig(**(CLOSED | dict(slot_seconds_mean=None))), M)
     assert e.value is None and "slot_seconds_mean unknown (absent)" in e.text
+    # no arrivals but 56 waiting at the cap: a standing backlog is sized whatever the arrival rate (issue 25)
     e = models.concurrency(sig(**(CLOSED | dict(arrival_rate_per_s=0))), M)
+    assert e.value == 80 and e.text.startswith("no arrivals in the window but 64 requests inside")
+    e = models.concurrency(sig(**(CLOSED | dict(arrival_rate_per_s=0, requests_waiting_mean=0))), M)
     assert e.value is None and e.text.startswith("no traffic to size for (arrivals 0/s")
 
 
@@ -107,4 +114,6 @@ def test_up_never_passes_the_frontier_and_down_is_the_frontier(lam, s0, n0, wait
     assert up.value == (free.value if free.value <= frontier
                         else max(1, math.floor(frontier + 1e-9), math.floor(n0)))
     down = models.concurrency(s, M, slo=SLO, down=True)
-    assert down.value == pytest.approx(max(1, math.floor(frontier + 1e-9)))
+    half = math.floor(n0 * models.MAX_LOWERING)
+    want = max(1, math.floor(frontier + 1e-9))
+    assert down.value == pytest.approx(want if want >= n0 * models.MAX_LOWERING else max(1, half))

@@ -34,6 +34,7 @@ import httpx
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+from tuner.launcher import untrusted
 
 
 def _fields(replica: base.Replica) -> dict[str, str]:
@@ -148,6 +149,7 @@ class HttpDrainer(_HookDrainer):
         self._client.close()
 
 
+UPSTREAM_MAX_BYTES = 1024 * 1024  # one server line per replica
 _SERVER_LINE = re.compile(r"^\s*server\s+(\S+)(.*?);")
 
 
@@ -186,10 +188,10 @@ class NginxDrainer:
 
     def _read_drained(self) -> set[str]:
         """Recover the drained set from the file itself (a restarted tuner must not forget one)."""
-        try:
-            text = self.upstream_file.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        previous = self._read_file()
+        if previous is None:
             return set()
+        text = previous.decode("utf-8", "replace")
         by_address = {address: name for name, address in self._servers.items()}
         drained = set()
         for line in text.splitlines():
@@ -198,15 +200,22 @@ class NginxDrainer:
                 drained.add(by_address[m.group(1)])
         return drained
 
+    def _read_file(self) -> bytes | None:
+        """The include file as it is (None: absent), through the one bounded reader."""
+        try:
+            return untrusted.read_bytes(self.upstream_file, max_bytes=UPSTREAM_MAX_BYTES, follow_symlinks=True)
+        except FileNotFoundError:
+            return None
+        except untrusted.Untrusted as exc:
+            raise PermanentActuatorError(f"nginx drainer: {exc.reason}; expected the upstream include file the "
+                                         "tuner writes (server lines only)") from None
+
     def _nginx_run(self, *args: str) -> subprocess.CompletedProcess[str]:
         return files.run([*self._nginx, *args], who="nginx drainer", timeout_seconds=self._timeout)
 
     def _apply(self, drained: set[str], *, draining: bool) -> None:
         content = render_upstreams(self._servers, drained=frozenset(drained), parameters=self._parameters)
-        try:
-            previous: bytes | None = self.upstream_file.read_bytes()
-        except FileNotFoundError:
-            previous = None
+        previous = self._read_file()
         data = content.encode("utf-8")
         if previous == data and (self._loaded == data or not draining):
             # Already so, and loaded by us (a re-drain on rollback, a resumed rollout): no reload. Every

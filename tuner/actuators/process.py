@@ -24,9 +24,11 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +41,6 @@ from tuner.model import secrets
 
 PIDFILE_MAX_BYTES = 1024 * 1024
 PID_MAX = 1 << 22  # the kernel's largest pid_max
-
-
-@dataclass
-class _Proc:
-    pid: int
-    starttime: int | None  # /proc/<pid>/stat field 22, in clock ticks since boot
-    argv: tuple[str, ...] | None  # None: a re-adopted engine whose real arguments could not be read back
-    popen: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier tuner
-    stopping: bool = False
-    unknown: str = ""  # why argv is None
 
 
 def _starttime(pid: int) -> int | None:
@@ -75,7 +67,10 @@ def read_pidfile(path: Path) -> dict[str, Any] | None:
     ``PermanentActuatorError``: the engine it describes may still run."""
     try:
         data = untrusted.mapping(untrusted.read_json(path, max_bytes=PIDFILE_MAX_BYTES), what="the pid file")
-        untrusted.integer(data["pid"], what="pid", lo=1, hi=PID_MAX)  # never 0 or negative: a process group
+        if data.get("pid") is None and isinstance(data.get("marker"), str):
+            pass  # written before the spawn: the engine is found by its marker (``ProcessActuator._adopt``)
+        else:
+            untrusted.integer(data["pid"], what="pid", lo=1, hi=PID_MAX)  # never 0 or negative: a process group
         if not isinstance(data["argv"], list) or not all(isinstance(a, str) for a in data["argv"]):
             raise TypeError("argv is not a list of strings")
     except FileNotFoundError:
@@ -87,6 +82,30 @@ def read_pidfile(path: Path) -> dict[str, Any] | None:
     return data
 
 
+MARKER_ENV = "VLLM_TUNER_ENGINE_MARKER"  # in each engine's environment: which start of which replica it is
+
+
+def _environ_has(pid: int, entry: bytes) -> bool:
+    try:
+        return entry in untrusted.read_bytes(f"/proc/{pid}/environ", max_bytes=PIDFILE_MAX_BYTES).split(b"\0")
+    except (OSError, untrusted.Untrusted):
+        return False
+
+
+def _find_marked(marker: str) -> int | None:
+    """The session leader whose environment holds ``MARKER_ENV=marker``: an engine spawned by a tuner
+    killed before it wrote the engine's pid (procfs; processes of this uid only)."""
+    entry = f"{MARKER_ENV}={marker}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        pid = int(d.name)
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == pid and _environ_has(pid, entry) and _starttime(pid) is not None:
+                return pid
+    return None
+
+
 def _describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -94,6 +113,35 @@ def _describe_exit(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with status {returncode}"
+
+
+@dataclass
+class _Proc:
+    pid: int
+    starttime: int | None  # /proc/<pid>/stat field 22, in clock ticks since boot
+    argv: tuple[str, ...] | None  # None: a re-adopted engine whose real arguments could not be read back
+    popen: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier tuner
+    stopping: bool = False
+    unknown: str = ""  # why argv is None
+
+
+def _open_log(path: Path) -> Any:
+    """The engine's log for appending, opened without blocking (a FIFO at its path must not hold the tuner:
+    with no reader the open fails, with one it is refused) and only if it is a regular file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o640)
+    except OSError as exc:
+        raise PermanentActuatorError(f"process actuator: cannot open the engine log {path}: "
+                                     f"{exc.strerror or exc}; expected a regular file or none") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PermanentActuatorError(f"process actuator: the engine log {path} is not a regular file "
+                                         "(FIFOs, devices and directories are refused)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class ProcessActuator:
@@ -147,6 +195,13 @@ class ProcessActuator:
         data = read_pidfile(self._pidfile(name))
         if data is None:
             return None
+        if data.get("pid") is None:  # the tuner died between its write-ahead record and the spawn's
+            found = _find_marked(str(data["marker"]))
+            if found is None:  # never spawned, or gone since: nothing to adopt
+                with contextlib.suppress(FileNotFoundError):
+                    self._pidfile(name).unlink()
+                return None
+            data = {**data, "pid": found, "starttime": _starttime(found)}
         pid, starttime = int(str(data["pid"])), data.get("starttime")
         recorded = tuple(str(a) for a in data["argv"])
         digest = data.get("argv_sha256")
@@ -170,11 +225,13 @@ class ProcessActuator:
             f"pid {pid}'s command line (/proc/{pid}/cmdline) {why}: its arguments are unknown and rollouts of "
             f"{name} are refused; restart it (or stop it and remove {self._pidfile(name)}) to let the tuner own it"))
 
-    def _write_pidfile(self, name: str, proc: _Proc) -> None:
-        """pid, start time, the argv masked and the real one's sha256 (``model.secrets``)."""
+    def _write_pidfile(self, name: str, proc: _Proc, *, marker: str | None = None) -> None:
+        """pid, start time, the argv masked and the real one's sha256 (``model.secrets``), and the marker
+        in the engine's environment. ``proc.pid`` 0: the write-ahead record before the spawn (no pid yet)."""
         argv = proc.argv or ()
-        record = {"pid": proc.pid, "starttime": proc.starttime, "argv": self._redactor.argv(argv),
-                  "argv_sha256": secrets.digest(argv), "command": self._redactor.argv(self.command)}
+        record = {"pid": proc.pid or None, "starttime": proc.starttime, "argv": self._redactor.argv(argv),
+                  "argv_sha256": secrets.digest(argv), "command": self._redactor.argv(self.command),
+                  "marker": marker}
         files.write_atomically(self._pidfile(name), json.dumps(record).encode(), mode=0o600)
 
     def _check(self, name: str) -> None:
@@ -203,12 +260,10 @@ class ProcessActuator:
 
     def _last_log_line(self, name: str) -> str:
         try:
-            with self.log_path(name).open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 4096))
-                lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
-        except OSError:
+            tail = untrusted.read_tail(self.log_path(name), max_bytes=4096)
+        except (OSError, untrusted.Untrusted):
             return ""
+        lines = [x for x in tail.decode("utf-8", "replace").splitlines() if x.strip()]
         return self._redactor.text(lines[-1].strip())[:300] if lines else ""
 
     # --- the contract ------------------------------------------------------------------------------
@@ -249,17 +304,25 @@ class ProcessActuator:
         with self._locks[name]:
             if base.is_running_already(self.status(name), argv, who=f"process actuator: {name}"):
                 return
-            log = self.log_path(name).open("ab")
+            log = _open_log(self.log_path(name))
+            # Write-ahead: the pid file names the engine's marker before the engine exists, so a tuner
+            # killed between the spawn and the pid's write is not left with an engine it cannot find (its
+            # own session outlives the tuner): the next tuner adopts it by the marker (``_adopt``).
+            marker = f"{name}-{uuid.uuid4().hex}"
+            env = {**(self._env_for(name) or os.environ), MARKER_ENV: marker}
             try:
+                self._write_pidfile(name, _Proc(0, None, argv), marker=marker)
                 shown = self._redactor.argv([*self.command, *argv])
                 log.write(f"=== vllm-tuner: starting {name}: {json.dumps(shown)}\n".encode())
                 log.flush()
                 popen = subprocess.Popen(
                     [*self.command, *argv],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, close_fds=True, env=self._env_for(name), cwd=self._cwd,
+                    start_new_session=True, close_fds=True, env=env, cwd=self._cwd,
                 )
             except OSError as exc:
+                with contextlib.suppress(FileNotFoundError):  # the write-ahead record of a start that never was
+                    self._pidfile(name).unlink()
                 raise PermanentActuatorError(
                     f"process actuator: cannot run {self.command[0]!r} for {name}: {exc.strerror or exc}"
                 ) from exc
@@ -267,7 +330,7 @@ class ProcessActuator:
                 log.close()
             proc = _Proc(popen.pid, _starttime(popen.pid), argv, popen)
             self._procs[name] = proc
-            self._write_pidfile(name, proc)
+            self._write_pidfile(name, proc, marker=marker)
 
     def stop(self, name: str, *, timeout_seconds: float, force_after_seconds: float | None = None) -> base.ReplicaStatus:
         self._check(name)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+from tuner.launcher import untrusted
 from tuner.model import secrets
 
 _SHOW = ("LoadState", "ActiveState", "SubState", "Result", "MainPID", "ExecMainStatus", "ExecMainCode")
@@ -57,6 +58,9 @@ def environment_file(variable: str, argv: Sequence[str]) -> str:
         f"{_ARGV_MARK}{json.dumps(list(argv), ensure_ascii=False)}\n"
         f"{quote_environment(variable, argv)}\n"
     )
+
+
+ENV_MAX_BYTES = 1024 * 1024  # a replica's EnvironmentFile: one argv line and a few settings
 
 
 class SystemdActuator:
@@ -119,9 +123,13 @@ class SystemdActuator:
     def written_argv(self, name: str) -> tuple[str, ...] | None:
         """The argv in the replica's EnvironmentFile, or None if there is no file written by the tuner."""
         try:
-            text = self.env_path(name).read_text(encoding="utf-8")
+            raw = untrusted.read_bytes(self.env_path(name), max_bytes=ENV_MAX_BYTES, follow_symlinks=True)
         except FileNotFoundError:
             return None
+        except untrusted.Untrusted as exc:
+            raise PermanentActuatorError(f"systemd actuator: {exc.reason}; expected the EnvironmentFile the "
+                                         "tuner writes for the replica") from None
+        text = raw.decode("utf-8", "replace")
         for line in text.splitlines():
             if line.startswith(_ARGV_MARK):
                 return tuple(json.loads(line[len(_ARGV_MARK):]))

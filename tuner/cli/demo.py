@@ -26,6 +26,7 @@ from typing import Any
 
 from tuner import config
 from tuner.cli import arguments, deciding, inputs
+from tuner.launcher import untrusted
 from tuner.model import knobs
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -165,7 +166,7 @@ def run_live(*, seconds: float, out: Any = print) -> int:
             _stop_engines(tmp)
         state = tmp / "state.json"
         if state.exists():
-            data = json.loads(state.read_text())
+            data = untrusted.read_json(state, max_bytes=64 * 1024 * 1024)
             for name, t in data["targets"].items():
                 out(f"   {name} now runs: {' '.join(t['args'])}")
     if finished_at is None:
@@ -180,9 +181,9 @@ def _stop_engines(tmp: Path) -> None:
     """The process actuator's engines run in their own sessions; the demo cleans them up."""
     for pidfile in (tmp / "engines").glob("*.json"):
         try:
-            pid = int(json.loads(pidfile.read_text()).get("pid"))
+            pid = int(untrusted.read_json(pidfile).get("pid"))
             os.killpg(pid, signal.SIGTERM)
-        except (ValueError, TypeError, OSError, ProcessLookupError):
+        except (ValueError, TypeError, AttributeError, OSError, ProcessLookupError):
             continue
 
 

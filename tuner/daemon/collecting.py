@@ -75,7 +75,8 @@ def base_url(target: config.Target) -> str:
 
 
 def collector_for(target: config.Target, settings: config.TunerSettings, *, client: engines.EngineClient,
-                  live: Callable[[str], live_knobs.Channel] | None = None) -> Collector:
+                  live: Callable[[str], live_knobs.Channel] | None = None,
+                  stamp: Callable[[], float] = time.time) -> Collector:
     """One target's collector as ``vllm-tuner run`` and the Kubernetes leader both build it: GET /load with
     sleep mode, the slow reads every ``scrape.gpu_interval_seconds``, and with ``live.enabled`` the live
     knobs through ``live(name)`` (the target's control directory by default)."""
@@ -83,7 +84,7 @@ def collector_for(target: config.Target, settings: config.TunerSettings, *, clie
     if settings.live.enabled:
         channel = live(target.name) if live is not None else live_knobs.Files(settings.live.dir_for(target.name))
     return Collector(target, client=client, server_load=settings.decisions.idle.sleep_after_seconds is not None,
-                     live=channel, slow_every_seconds=settings.scrape.gpu_interval_seconds)
+                     live=channel, slow_every_seconds=settings.scrape.gpu_interval_seconds, stamp=stamp)
 
 
 class Collector:
@@ -94,7 +95,7 @@ class Collector:
 
     def __init__(self, target: config.Target, *, client: engines.EngineClient, server_load: bool = False,
                  live: live_knobs.Channel | None = None, slow_every_seconds: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, stamp: Callable[[], float] = time.time) -> None:
         self.target = target
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
@@ -105,8 +106,13 @@ class Collector:
         self._nvml: object | None = None
         self._slow_every = slow_every_seconds
         self._clock = clock
+        self._stamp = stamp  # the time GPU readings are labelled with (the loop's clock in the daemon)
         self._gpus: tuple[float, GpuInputs] | None = None
         self._info: tuple[float, EngineInfo] | None = None
+
+    def forget_cached(self) -> None:
+        """Drop the readings kept between slow reads (the loop's clock was re-based: their times are not)."""
+        self._gpus = self._info = None
 
     def _fresh(self, kept: tuple[float, object] | None) -> bool:
         return kept is not None and self._clock() - kept[0] < self._slow_every
@@ -149,7 +155,7 @@ class Collector:
             from tuner.sources import nvml
 
             if self._nvml is None:
-                self._nvml = nvml.NvmlSource(source.devices)
+                self._nvml = nvml.NvmlSource(source.devices, clock=self._stamp)
             src = self._nvml
             assert isinstance(src, nvml.NvmlSource)
             readings = src.read()

@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from tuner import config
-from tuner.daemon import selfmetrics, views
+from tuner.daemon import clocks, selfmetrics, views
 from tuner.daemon.collecting import Collecting, Gatherer
 from tuner.daemon.results import CycleResult, RolloutOutcome, TargetResult
 from tuner.daemon.scheduling import MaintenanceWindows
@@ -80,9 +80,25 @@ def run_cycle(
     now: float | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     monotonic: Callable[[], float] = time.monotonic,
+    clock: clocks.LoopClock | None = None,
 ) -> CycleResult:
     """Run one cycle; ``state`` is updated in place (``state.last`` last). ``now``: the cycle's time
-    (seconds since the epoch; default: the clock)."""
+    (seconds since the epoch; default: ``clock``'s, else the wall clock). ``clock``: the loop's clock
+    (``daemon.clocks``); a step of the wall clock is logged once, and the loop re-based on it with
+    everything ``state`` holds — between rollouts, never inside one."""
+    if clock is not None:
+        clock.detected()
+        if abs(clock.offset()) > clock.tolerance_seconds and not (rollout is not None and rollout.busy):
+            moved = clock.rebase()
+            state.rebase(moved)
+            now = None if now is None else now + moved  # read before the re-base: on the old base
+            for c in collectors:  # readings kept between slow reads are stamped on the old base
+                forget = getattr(c, "forget_cached", None)
+                if forget is not None:
+                    forget()
+            log.warning("re-based the loop's time by %+.1fs on the wall clock (windows, cooldowns and the "
+                        "pending change moved with it)", moved)
+        now = clock.now() if now is None else now
     now = time.time() if now is None else now
     state.number += 1
     mode = settings.mode
@@ -143,7 +159,7 @@ def run_cycle(
         targets[name] = TargetResult(name, decision.signals, got.info, got.gpus, len(decision.state.window),
                                      scrape_error=got.snapshot.error, plan=decision.plan,
                                      planner_error=planner_error, current_args=state.current_args(name),
-                                     live=got.live)
+                                     live=got.live, held=decision.held)
     for gone in set(state.targets) - set(targets):  # a target removed from the config
         del state.targets[gone]
         if metrics is not None:

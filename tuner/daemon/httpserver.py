@@ -14,18 +14,38 @@ wider address (the Kubernetes agent's, for Prometheus), ``/status`` and ``/recom
 answer loopback peers only unless ``status_from_network`` (``daemon.status_from_network``). Never their
 secrets: every document goes out through the ``redactor`` (``model.secrets``: ``--api-key ***``).
 Handlers only read ``state.last``, an immutable ``CycleResult`` that the loop swaps in atomically.
+
+Bounded against the clients it cannot trust (a slow client, a flood of them, a web page):
+
+- One thread accepts and reads every request's head without blocking (``selectors``); a connection may
+  wait at most ``REQUEST_DEADLINE_SECONDS`` in all for its head (not per read: a byte every 3 s does not
+  keep it), and at most ``MAX_PENDING`` wait at once — a new one evicts the oldest, so a flood of slow
+  clients costs ``MAX_PENDING`` descriptors and never stands in front of a scrape that sends its request
+  at once.
+- A complete request is answered by one of ``WORKERS`` threads (``MAX_QUEUED`` may wait for one; beyond
+  that: 503). Nothing else makes a thread, so the tuner's descriptors stay for its engines.
+- ``Host`` must name this server: a loopback name, an IP address, the listen address, this machine's
+  name or one of ``daemon.allowed_hosts`` (a DNS-rebinding page, whose Host is its own domain, gets 421
+  and never ``/status``).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import ipaddress
 import json
 import logging
+import queue
+import selectors
+import socket
+import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Self
 
 from tuner.daemon import selfmetrics, views
@@ -36,6 +56,13 @@ log = logging.getLogger("tuner.http")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9180
+REQUEST_DEADLINE_SECONDS = 5.0  # a client's whole request head, from its connect
+MAX_PENDING = 64  # connections whose head is still arriving; a new one evicts the oldest
+MAX_HEAD_BYTES = 16 * 1024  # a request line and headers (curl and Prometheus send < 1 KiB)
+WORKERS = 4  # threads that answer complete requests
+MAX_QUEUED = 32  # complete requests waiting for a worker; beyond: 503
+WRITE_TIMEOUT_SECONDS = 5.0  # an answer's send to a client that does not read
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
 
 class TunerHttpServer:
@@ -54,6 +81,8 @@ class TunerHttpServer:
         clock: Callable[[], float] = time.time,
         redactor: secrets.Redactor | None = None,
         status_from_network: bool = False,
+        allowed_hosts: Iterable[str] = (),
+        request_deadline_seconds: float = REQUEST_DEADLINE_SECONDS,
     ) -> None:
         self.metrics = metrics
         self.status_from_network = status_from_network
@@ -63,17 +92,35 @@ class TunerHttpServer:
         self.is_alive = is_alive  # the loop runs and its current cycle (if any) is not stuck
         self.is_busy = is_busy  # a cycle is running now: a long one (a rollout) is not a wedged loop
         self.clock = clock
-        self._server = ThreadingHTTPServer((host, port), _handler_class(self))
-        self._server.daemon_threads = True
+        self.allowed_hosts = allowed_host_names(host, allowed_hosts)
+        self._server = _BoundedServer(host, port, _handler_class(self), deadline_seconds=request_deadline_seconds)
         self._thread: threading.Thread | None = None
 
     @property
     def host(self) -> str:
-        return str(self._server.server_address[0])
+        return str(self._server.address[0])
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return int(self._server.address[1])
+
+    def is_allowed_host(self, header: str | None) -> bool:
+        """The ``Host`` header names this server (see the module docstring); no header (HTTP/1.0) passes."""
+        if header is None:
+            return True
+        name = header.strip().lower()
+        if name.startswith("["):  # [::1]:9180
+            name = name[1:name.find("]")] if "]" in name else name
+        elif name.count(":") == 1:
+            name = name.rsplit(":", 1)[0]
+        name = name.rstrip(".")
+        if name in self.allowed_hosts:
+            return True
+        try:  # an address: a page of another origin cannot send it (its Host is its own domain)
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
 
     @property
     def url(self) -> str:
@@ -81,8 +128,8 @@ class TunerHttpServer:
         return f"http://{host}:{self.port}"
 
     def start(self) -> Self:
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="tuner-http", daemon=True)
+        self._server.start_workers()
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tuner-http", daemon=True)
         self._thread.start()
         log.info("serving /metrics, /healthz, /status, /recommendations on %s", self.url)
         return self
@@ -153,12 +200,15 @@ def is_loopback(address: str) -> bool:
 
 
 def _handler_class(owner: TunerHttpServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(_Handler):
         server_version = "vllm-tuner"
-        timeout = 10  # seconds a slow client may hold a handler thread
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0].rstrip("/") or "/"
+            if not owner.is_allowed_host(self.headers.get("Host")):
+                self._json(HTTPStatus.MISDIRECTED_REQUEST, {"error": (
+                    "this Host is not one of the tuner's names; add it to daemon.allowed_hosts if it is")})
+                return
             try:
                 if path == "/metrics":
                     text = owner.redactor.text(owner.metrics.render().decode("utf-8"))
@@ -203,3 +253,181 @@ def _handler_class(owner: TunerHttpServer) -> type[BaseHTTPRequestHandler]:
             log.debug("%s %s", self.address_string(), format % args)
 
     return Handler
+
+
+def allowed_host_names(listen_host: str, extra: Iterable[str]) -> frozenset[str]:
+    """The names a ``Host`` header may carry (addresses pass on their own): loopback, the listen address,
+    this machine's name, and ``extra`` (``daemon.allowed_hosts``)."""
+    names = set(LOOPBACK_NAMES) | {listen_host.lower().strip("[]"), socket.gethostname().lower()}
+    with contextlib.suppress(OSError):
+        names.add(socket.getfqdn().lower())
+    names |= {h.lower().rstrip(".") for h in extra}
+    return frozenset(n for n in names if n)
+
+
+class _Connection:
+    __slots__ = ("address", "deadline", "head", "sock")
+
+    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+        self.sock, self.address, self.head, self.deadline = sock, address, bytearray(), deadline
+
+
+class _BoundedServer:
+    """Accepts and reads request heads on one thread, answers complete ones on ``WORKERS`` threads."""
+
+    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler], *,
+                 deadline_seconds: float) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((host, port))
+            self._listener.listen(128)
+        except OSError:
+            self._listener.close()
+            raise
+        self._listener.setblocking(False)
+        self.address = self._listener.getsockname()
+        self._handler = handler
+        self._deadline = deadline_seconds
+        self._pending: collections.OrderedDict[socket.socket, _Connection] = collections.OrderedDict()
+        self._queue: queue.Queue[tuple[socket.socket, Any, bytes] | None] = queue.Queue(MAX_QUEUED)
+        self._selector = selectors.DefaultSelector()
+        self._stop = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self._accept_failing = False
+        self.evicted = 0  # connections closed unanswered: evicted, past their deadline, or over the queue
+
+    def start_workers(self) -> None:
+        for i in range(WORKERS):
+            t = threading.Thread(target=self._work, name=f"tuner-http-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def serve_forever(self) -> None:
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._selector.select(timeout=0.1):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    else:
+                        self._read(key.fileobj)  # type: ignore[arg-type]
+                self._expire(time.monotonic())
+        finally:
+            for sock in list(self._pending):
+                self._drop(sock)
+            self._selector.close()
+
+    def _accept(self) -> None:
+        for _ in range(MAX_PENDING):
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE: the process is out of descriptors; what waits is shed first
+                if not self._accept_failing:
+                    log.warning("status endpoint: accept failed: %s (said once until it succeeds)", exc.strerror or exc)
+                self._accept_failing = True
+                if self._pending:
+                    self._drop(next(iter(self._pending)))
+                else:
+                    self._stop.wait(0.05)  # the listener stays readable: no busy loop while nothing can be freed
+                return
+            self._accept_failing = False
+            if len(self._pending) >= MAX_PENDING:  # the oldest waiting head is the slowest client
+                self._drop(next(iter(self._pending)))
+            sock.setblocking(False)
+            self._pending[sock] = _Connection(sock, address, time.monotonic() + self._deadline)
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, sock: socket.socket) -> None:
+        conn = self._pending.get(sock)
+        if conn is None:
+            return
+        try:
+            chunk = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(sock)
+            return
+        conn.head += chunk
+        end = conn.head.find(b"\r\n\r\n")
+        if end < 0 and len(conn.head) > MAX_HEAD_BYTES:
+            self._drop(sock)
+            return
+        if end < 0:
+            return
+        self._selector.unregister(sock)
+        del self._pending[sock]
+        try:
+            self._queue.put_nowait((sock, conn.address, bytes(conn.head[:end + 4])))
+        except queue.Full:
+            self.evicted += 1
+            with contextlib.suppress(OSError):
+                sock.send(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n\r\n")
+            sock.close()
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            sock, conn = next(iter(self._pending.items()))
+            if conn.deadline > now:
+                return
+            self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._pending.pop(sock, None)
+        self.evicted += 1
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        sock.close()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            sock, address, head = item
+            try:
+                sock.setblocking(True)
+                sock.settimeout(WRITE_TIMEOUT_SECONDS)
+                self._handler(_Request(sock, head), address, self)  # type: ignore[arg-type]
+            except Exception:  # a client gone mid-answer: nothing to report
+                log.debug("status endpoint: answering %s failed", address, exc_info=True)
+            finally:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for _ in self._workers:
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=1)
+
+    def server_close(self) -> None:
+        self._listener.close()
+
+
+class _Request:
+    """What a handler reads: the head already received, and the socket to answer on."""
+
+    def __init__(self, sock: socket.socket, head: bytes) -> None:
+        self.sock, self.head = sock, head
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Reads the request from the head the acceptor collected; writes to the socket."""
+
+    def setup(self) -> None:
+        request: _Request = self.request
+        self.connection = request.sock
+        self.rfile = io.BytesIO(request.head)
+        self.wfile = socketserver._SocketWriter(request.sock)  # type: ignore[attr-defined]
+
+    def finish(self) -> None:
+        with contextlib.suppress(OSError):
+            self.wfile.flush()

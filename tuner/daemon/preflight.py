@@ -29,6 +29,7 @@ from tuner.actuators import settings as actuator_settings
 from tuner.daemon import collecting, scheduling
 from tuner.daemon.state import TunerState
 from tuner.errors import ConfigError, TunerError
+from tuner.launcher import untrusted
 from tuner.rollout import journal as journaling
 from tuner.rollout import locks
 from tuner.rules import loading
@@ -178,7 +179,8 @@ def _lock_holder(path: Path) -> int | None:
     """The pid holding ``path``'s lock (0 if unknown), None if nobody does. Never creates the file: a
     lock file that does not exist is held by nobody (holders keep it, ``locks``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # non-blocking: a FIFO at the lock's path must not hold check-config (it is then nobody's lock)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -255,10 +257,16 @@ def _program(where: str, name: str, *, path: str | None = None, example: str) ->
     return []
 
 
+PEM_MAX_BYTES = 16 * 1024 * 1024  # a CA bundle of every public root is ~0.2 MiB
+
+
 def _unreadable(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a small regular file (through the one bounded reader: a FIFO named as
+    a CA file must not hang ``check-config``), or None."""
     try:
-        with path.open("rb") as f:
-            f.read(1)
+        untrusted.read_bytes(path, max_bytes=PEM_MAX_BYTES, follow_symlinks=True)
+    except untrusted.Untrusted as exc:
+        return exc.reason
     except OSError as exc:
         return exc.strerror or str(exc)
     return None

@@ -41,6 +41,7 @@ class TargetResult:
     planner_error: str | None = None
     current_args: Mapping[str, str] = field(default_factory=dict)
     live: LiveState = NONE
+    held: str | None = None  # why nothing is decided for it (two engines behind one URL)
 
 
 @dataclass(frozen=True)

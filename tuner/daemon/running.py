@@ -22,6 +22,7 @@ from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
 from tuner.daemon import (
+    clocks,
     collecting,
     cycle,
     drained,
@@ -68,6 +69,7 @@ class Applying:
         # waits return early when the tuner is stopping
         self.sleep = sleep or (lambda seconds: self.driver.stop_event.wait(seconds))
         self.in_flight: machine.Rollout | None = None  # the rollout being carried out
+        self.held_down: dict[str, str] = {}  # replicas down and not started again, and why (said once)
         self._changes: tuple[history_mod.Change, ...] = ()  # ... and the changes it books
 
     @property
@@ -306,28 +308,30 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     logs.redact(redactor)
     rules = loading.load_all(loading.rule_paths(settings.rule_files, base_dir=config_dir))
     log.info("effective configuration: %s", json.dumps(settings.redacted_dump(redactor)))
-    client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
+    loop_clock = clocks.LoopClock()  # every time inside the loop: monotonic, labelled with wall time
+    client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds, clock=loop_clock.now)
     if settings.live.enabled:  # the engines' control directories, private to this uid
         for t in settings.targets:
             live_knobs.prepare_control_dir(settings.live.dir_for(t.name))
-    collectors = [collecting.collector_for(t, settings, client=client) for t in settings.targets]
+    collectors = [collecting.collector_for(t, settings, client=client, stamp=loop_clock.now) for t in settings.targets]
     state_path = Path(settings.daemon.state_file)
     state_path = state_path if state_path.is_absolute() else config_dir / state_path
-    state = TunerState.load(state_path, settings.targets, redactor=redactor)
+    state = TunerState.load(state_path, settings.targets, redactor=redactor, now=loop_clock.now())
+    state.started_at = loop_clock.now()
     metrics = selfmetrics.TunerMetrics()
     maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                  timezone=settings.daemon.maintenance_timezone)
                    if settings.daemon.maintenance_windows else None)
     stop_event = threading.Event()
     notifier = _MaskedNotifier(redactor)
-    gatherer = collecting.Gatherer(stop=stop_event)  # SIGTERM ends a gathering at once
+    gatherer = collecting.Gatherer(stop=stop_event, clock=loop_clock.now)  # SIGTERM ends a gathering at once
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
 
     if settings.mode == "apply":
         applying = _build_applying(settings, state, client, config_dir, stop_event=stop_event,
-                                   on_transition=lambda r: _show_rollout(state, notifier, r))
+                                   on_transition=lambda r: _show_rollout(state, notifier, r), clock=loop_clock.now)
         startup.append(lambda: _start_up(applying, state))
 
     watch = drained.LeftDrainedWatch(ask_after_seconds=settings.rollout.left_drained_ask_after_seconds,
@@ -342,9 +346,11 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         act = applying if applying is None or _resumed(applying, state) else None
         result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
                                  rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
-                                 should_stop=should_stop)
+                                 should_stop=should_stop, clock=loop_clock)
         if applying is not None:  # a replica a failed rollout left drained: shown, measured, a person asked
-            state.left_drained = watch.check(applying.journal.records, now=time.time())
+            state.left_drained = watch.check(applying.journal.records, now=loop_clock.now())
+        if applying is not None and not should_stop():
+            tend(applying, state, result, now=loop_clock.now())
         return result
 
     def between() -> None:  # the rollout in flight goes on between cycles
@@ -385,9 +391,10 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     server = TunerHttpServer(
         metrics=metrics, state=state,
         max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
-        is_alive=loop.is_alive, is_busy=loop.is_busy,
+        is_alive=loop.is_alive, is_busy=loop.is_busy, clock=loop_clock.now,
         host=settings.daemon.listen_host, port=settings.daemon.listen_port,
         status_from_network=settings.daemon.status_from_network,
+        allowed_hosts=settings.daemon.allowed_hosts,
     )
     with server:  # starts it (once) and closes it
         log.info("status endpoint on %s", server.url)
@@ -409,7 +416,8 @@ class _MaskedNotifier(notify.Notifier):
 
 def _build_applying(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient,
                     config_dir: Path, *, stop_event: threading.Event,
-                    on_transition: Callable[[machine.Rollout], None]) -> Applying:
+                    on_transition: Callable[[machine.Rollout], None],
+                    clock: Callable[[], float] = time.time) -> Applying:
     assert settings.actuator is not None  # validated
     kind = settings.targets[0].kind
     redactor = state.redactor
@@ -454,7 +462,7 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
                       stop_event=stop_event, server_load=tracked, drains=settings.drain.kind != "none",
                       plugin=(lambda name: live_knobs.Files(settings.live.dir_for(name))) if settings.live.enabled
                       else lambda name: None,
-                      on_transition=on_transition, restore=restore, power=power)
+                      on_transition=on_transition, restore=restore, power=power, clock=clock)
 
 
 def dispatcher(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient, *,
@@ -541,6 +549,47 @@ def _start_the_rest(applying: Applying, state: TunerState) -> None:
         actuator.adopt(name, argv)
         log.warning("started %s (down at start; %s in the unfinished rollout %s): %s", name, where, unfinished.id,
                     " ".join(state.redactor.argv(argv)))
+
+
+def tend(applying: Applying, state: TunerState, result: results.CycleResult, *, now: float) -> list[str]:
+    """After a cycle: each replica whose scrape failed and that no rollout holds is asked of the actuator
+    (the process actuator reaps an engine that exited: no zombie). One that is down is said, with how it
+    ended, and started again on the arguments the tuner owns — the start-up's path (``adopt``) — within
+    the restart budget (``decisions.safety``: each such start counts as a restart); beyond it, it stays
+    down and the hold is said once. Returns what was said (one line per replica)."""
+    in_flight = set(applying.in_flight.in_flight) if applying.in_flight is not None else set()
+    actuator = applying.driver.actuator
+    said: list[str] = []
+    for name, target in result.targets.items():
+        if target.scrape_error is None or name in in_flight or name not in applying.replicas:
+            applying.held_down.pop(name, None)
+            continue
+        status = actuator.status(name)
+        if status.state is base.State.RUNNING:
+            continue
+        how = status.detail or status.state.value
+        history = state.history(name)
+        budget = guards.restart_budget(history, applying.settings.decisions.safety, now=now)
+        if not budget.allowed:
+            line = f"{name} is down ({how}); not started again: {budget.reason}"
+            if applying.held_down.get(name) != budget.reason:
+                log.warning("%s", line)
+                said.append(line)
+            applying.held_down[name] = budget.reason
+            continue
+        applying.held_down.pop(name, None)
+        argv = state.args[name].argv()
+        line = f"{name} is down ({how}); starting it again: {' '.join(state.redactor.argv(argv))} ({budget.reason})"
+        log.warning("%s", line)
+        said.append(line)
+        try:
+            actuator.adopt(name, argv)
+        except TunerError as exc:
+            log.error("%s: starting it again failed: %s", name, exc)
+        state.set_history(name, history_mod.restarted(history, now=now))
+        with contextlib.suppress(StorageError):
+            state.save()
+    return said
 
 
 def _start_up(applying: Applying, state: TunerState) -> None:

@@ -68,9 +68,34 @@ class TunerState:
 
     @classmethod
     def load(cls, path: Path, targets: Sequence[config.Target], *,
-             redactor: secrets.Redactor = secrets.DEFAULT) -> TunerState:
+             redactor: secrets.Redactor = secrets.DEFAULT, now: float | None = None) -> TunerState:
         """The saved state for these targets (a fresh one where nothing was saved). A file that cannot
-        be read is a ``ConfigError`` naming it: the tuner does not start on state it cannot trust."""
+        be read is a ``ConfigError`` naming it: the tuner does not start on state it cannot trust. A
+        history written while the wall clock ran ahead (set back since) is re-based so that nothing in it
+        is later than ``now`` (default: the clock): a cooldown does not hold for the size of the step."""
+        state = cls._load(path, targets, redactor=redactor)
+        now = time.time() if now is None else now
+        for name, target in state.targets.items():
+            latest = history_mod.latest_time(target.history)
+            if latest is not None and latest > now + 1.0:
+                log.warning("%s: the state file holds times up to %.0fs ahead of the clock (it ran fast when "
+                            "they were written): re-based to now", name, latest - now)
+                state.set_history(name, history_mod.shifted(target.history, by=now - latest))
+        return state
+
+    def rebase(self, by: float) -> None:
+        """Every time the state holds moved by ``by`` seconds: the loop's clock was re-based on a stepped
+        wall clock (``daemon.clocks``). Windows, histories, the pending change."""
+        if not by:
+            return
+        self.targets = {name: stepping.rebased(t, by=by) for name, t in self.targets.items()}
+        if self.pending is not None:
+            self.pending = replace(self.pending, since=self.pending.since + by)
+        self.started_at += by
+
+    @classmethod
+    def _load(cls, path: Path, targets: Sequence[config.Target], *,
+              redactor: secrets.Redactor = secrets.DEFAULT) -> TunerState:
         state = cls.fresh(targets, path=path, redactor=redactor)
         if not path.exists():
             return state

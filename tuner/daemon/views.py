@@ -59,6 +59,8 @@ def summary(result: CycleResult, *, has_rollout: bool) -> str:
             parts.append(f"{who(name)}scrape failed ({t.scrape_error[:120]})")
         elif t.planner_error:
             parts.append(f"{who(name)}planner error ({t.planner_error[:120]})")
+        elif t.held:
+            parts.append(f"{who(name)}held: {t.held[:200]}")
         elif plan is None:
             parts.append(f"{who(name)}{_load_text(t.signals)}")
         elif name == deferred and result.pending is not None:
@@ -135,7 +137,8 @@ def record(result: CycleResult) -> dict[str, Any]:
         "steps": {k: round(v, 6) for k, v in result.step_seconds.items()},
         "targets": {
             name: {"scrape_error": t.scrape_error, "snapshots": t.snapshots,
-                   "plan": t.plan.as_dict() if t.plan is not None else None, "planner_error": t.planner_error}
+                   "plan": t.plan.as_dict() if t.plan is not None else None, "planner_error": t.planner_error,
+                   "held": t.held}
             for name, t in result.targets.items()
         },
         "pending": _pending_json(result.pending),
@@ -161,6 +164,7 @@ def status(result: CycleResult) -> dict[str, Any]:
                 "current_args": dict(t.current_args),
                 "plan": t.plan.as_dict() if t.plan is not None else None,
                 "planner_error": t.planner_error,
+                "held": t.held,
                 "live": _live_json(t.live),
             }) for name, t in result.targets.items()
         },

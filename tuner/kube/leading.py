@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import collecting, cycle, drained, running, scheduling, selfmetrics, views
+from tuner.daemon import clocks, collecting, cycle, drained, running, scheduling, selfmetrics, views
 from tuner.daemon.state import TunerState
 from tuner.kube import acting
 from tuner.kube import store as store_mod
@@ -81,11 +81,13 @@ def claim(store: store_mod.PoolStore, epoch: int, *, identity: str,
 class Leader:
     def __init__(self, settings: config.TunerSettings, *, api: KubeApi, store: store_mod.PoolStore, identity: str,
                  rules: Sequence[Rule], client: engines.EngineClient,
-                 metrics: selfmetrics.TunerMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
+                 metrics: selfmetrics.TunerMetrics | None = None, clock: Callable[[], float] = time.time,
+                 loop_clock: clocks.LoopClock | None = None) -> None:
         assert settings.kubernetes is not None
         self.settings, self.k = settings, settings.kubernetes
         self.api, self.store, self.identity, self.rules, self.client = api, store, identity, tuple(rules), client
         self.metrics, self.clock = metrics, clock
+        self.loop_clock = loop_clock  # the cycle's clock (daemon.clocks); ``clock`` is its ``now`` where given
         self.gatherer = collecting.Gatherer()
         self.maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                           timezone=settings.daemon.maintenance_timezone)
@@ -253,7 +255,7 @@ class Leader:
         settings = self.settings.model_copy(update={"targets": targets})
         result = cycle.run_cycle(self.state, settings=settings, collectors=self._collectors(targets),
             rules=self.rules, rollout=applying if hold is None or (applying is not None and applying.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
-            gatherer=self.gatherer, now=now, should_stop=stop.is_set)
+            gatherer=self.gatherer, now=now, should_stop=stop.is_set, clock=self.loop_clock)
         if hold is not None:
             log.info("no rollout: %s", hold)
         self.last, self.cycles = result, self.cycles + 1
@@ -270,7 +272,8 @@ class Leader:
         for t in targets:
             kept = self.collectors.get(t.name)
             if kept is None or kept.target != t:
-                kept = collecting.collector_for(t, self.settings, client=self.client, live=self._plugin)
+                kept = collecting.collector_for(t, self.settings, client=self.client, live=self._plugin,
+                                                stamp=self.clock)
             out.append(kept)
         self.collectors = {c.target.name: c for c in out}
         return out
@@ -294,7 +297,7 @@ class Leader:
             server_load=lambda: self._tracked, drains=True,
             plugin=self._plugin if self.settings.live.enabled else lambda name: None,
             admission=acting.DisruptionCheck(self.api, self.k, allow_downtime=r.allow_downtime),
-            departed=acting.departed(self.api))
+            departed=acting.departed(self.api), clock=self.clock)
 
     def _track(self, targets: Sequence[config.Target], keep: Sequence[str] = ()) -> None:
         """The state follows the pods: a new pod inherits the pool's history (cooldowns, rejected and bad

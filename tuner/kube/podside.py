@@ -43,7 +43,7 @@ from tuner.errors import SourceError
 from tuner.kube import acting, reporting
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError
-from tuner.launcher import packaging, protocol
+from tuner.launcher import packaging, protocol, untrusted
 from tuner.model import knobs
 from tuner.planning import guards
 from tuner.rules.schema import Rule
@@ -117,6 +117,16 @@ OWN_ARGS: Mapping[str, Any] = {"serial": 0, "overrides": [], "base_sha256": None
 """The desired state of an engine on its own command line (no overrides, not drained)."""
 
 
+ZIPAPP_MAX_BYTES = 64 * 1024 * 1024  # launcher.pyz is ~40 KiB
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return untrusted.read_bytes(path, max_bytes=ZIPAPP_MAX_BYTES)
+    except (OSError, untrusted.Untrusted):
+        return None  # not ours as it is: replaced
+
+
 def install_launcher(state_dir: Path, zipapp: Path | None) -> None:
     """``launcher.pyz`` into the shared directory, atomically (``zipapp``: the image's copy; else built
     from this package, reproducibly)."""
@@ -125,10 +135,10 @@ def install_launcher(state_dir: Path, zipapp: Path | None) -> None:
     os.close(fd)
     try:
         if zipapp is not None:
-            Path(tmp).write_bytes(zipapp.read_bytes())
+            Path(tmp).write_bytes(untrusted.read_bytes(zipapp, max_bytes=ZIPAPP_MAX_BYTES, follow_symlinks=True))
         else:
             packaging.build_zipapp(Path(tmp))
-        if target.exists() and target.read_bytes() == Path(tmp).read_bytes():
+        if (old := _read(target)) is not None and old == _read(Path(tmp)):
             return
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)

@@ -38,13 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from tuner import config
-from tuner.daemon import collecting, selfmetrics
+from tuner.daemon import clocks, collecting, selfmetrics
 from tuner.daemon.httpserver import DEFAULT_HOST, DEFAULT_PORT, TunerHttpServer
 from tuner.daemon.state import TunerState
 from tuner.errors import ConfigError, TunerError
 from tuner.kube import electing, leading, podside, reporting
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
+from tuner.launcher import untrusted
 from tuner.rules import loading
 from tuner.rules.schema import Rule
 from tuner.sources import engines
@@ -84,8 +85,8 @@ def namespace_of(settings: config.KubernetesSettings) -> str:
     if env:
         return env
     try:
-        return Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
-    except OSError:
+        return untrusted.read_bytes(SERVICE_ACCOUNT_NAMESPACE, max_bytes=256, follow_symlinks=True).decode().strip()
+    except (OSError, ValueError):
         raise ConfigError("<kubernetes>", [("kubernetes.namespace", "not given, $POD_NAMESPACE is not set and the "
                                             "service account's namespace file is missing")]) from None
 
@@ -194,19 +195,21 @@ def _run(w: Wiring, *, state_dir: str | None, stop: threading.Event, startup_tim
         t.start()
 
     http = collecting.http_settings(settings.scrape, config_dir=w.config_dir)
-    client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds)
+    loop_clock = clocks.LoopClock()  # the leader's cycles: monotonic, labelled with wall time (issue 28)
+    client = engines.EngineClient(http, deadline_seconds=settings.scrape.deadline_seconds, clock=loop_clock.now)
     leader = leading.Leader(settings, api=api, store=store, identity=identity, rules=w.rules, client=client,
-                            metrics=metrics)
+                            metrics=metrics, clock=loop_clock.now, loop_clock=loop_clock)
     agent_metrics.watch(reporting.Pool(
         is_leader=elector.is_leader, leader_epoch=lambda: (lambda ld: ld.epoch if ld else None)(elector.leadership),
         pool_epoch=lambda: store_mod.epoch_floor(store.data), refused_writes=lambda: store.refused,
         conflicts=lambda: store.conflicts))
     # /metrics, /status, /recommendations: the leader's cycles (a follower has none; it is healthy while it runs)
-    server = TunerHttpServer(metrics=metrics, state=leader.state, is_alive=lambda: not stop.is_set(),
+    server = TunerHttpServer(metrics=metrics, state=leader.state, is_alive=lambda: not stop.is_set(), clock=loop_clock.now,
                              is_busy=lambda: not elector.is_leader(),
                              max_age_seconds=settings.daemon.health_max_age_seconds or 3 * settings.scrape.interval_seconds,
                              host=settings.daemon.listen_host, port=settings.daemon.listen_port,
-                             status_from_network=settings.daemon.status_from_network).start()
+                             status_from_network=settings.daemon.status_from_network,
+                             allowed_hosts=settings.daemon.allowed_hosts).start()
 
     def relay() -> None:
         stop.wait()
@@ -300,8 +303,8 @@ def degraded(config_path: str, exc: StartupProblem, *, state_dir: str | None, po
 
 def _fingerprint(path: str) -> str | None:
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
+        return hashlib.sha256(untrusted.read_bytes(path, max_bytes=64 * 1024 * 1024, follow_symlinks=True)).hexdigest()
+    except (OSError, ValueError):
         return None
 
 

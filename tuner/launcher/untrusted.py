@@ -13,6 +13,7 @@ its size, its type, where it went wrong — and never quotes it:
   Kubernetes Secret's files are links into ``..data``) and without blocking (``O_NONBLOCK``: a FIFO
   cannot hold the reader), refuses anything but a regular file, and reads at most ``max_bytes``.
   A missing file is ``FileNotFoundError``, as from ``open``: callers tell "absent" from "bad".
+  ``read_tail`` reads a file's last bytes (a log) with the same refusals.
 - ``loads``: JSON no deeper than ``max_depth``, no larger than ``max_bytes``, with ``NaN``,
   ``Infinity`` and numbers that overflow a float refused, so what comes back is plain data whose
   every number is finite; valid-for-Python JSON never surfaces as ``RecursionError``,
@@ -46,10 +47,8 @@ class Untrusted(ValueError):
         self.reason = reason
 
 
-def read_bytes(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES, follow_symlinks: bool = False) -> bytes:
-    """The bytes of a small regular file. ``FileNotFoundError`` when it is absent; ``Untrusted`` for a
-    link (unless ``follow_symlinks``), a FIFO, a device, a directory, more than ``max_bytes`` bytes."""
-    name = os.fspath(path)
+def _open_regular(name: str, *, follow_symlinks: bool) -> int:
+    """A descriptor of the regular file ``name``, opened without blocking; ``Untrusted`` for anything else."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -62,9 +61,21 @@ def read_bytes(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES, foll
             raise Untrusted(f"{name} is a symbolic link (refused: only a regular file is read)") from None
         raise Untrusted(f"{name} cannot be opened ({exc.strerror})") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise Untrusted(f"{name} is not a regular file (FIFOs, devices and directories are refused)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bytes(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES, follow_symlinks: bool = False) -> bytes:
+    """The bytes of a small regular file. ``FileNotFoundError`` when it is absent; ``Untrusted`` for a
+    link (unless ``follow_symlinks``), a FIFO, a device, a directory, more than ``max_bytes`` bytes."""
+    name = os.fspath(path)
+    fd = _open_regular(name, follow_symlinks=follow_symlinks)
+    try:
+        st = os.fstat(fd)
         if st.st_size > max_bytes:
             raise Untrusted(f"{name} is larger than the limit of {max_bytes} bytes ({st.st_size})")
         chunks: list[bytes] = []
@@ -81,6 +92,20 @@ def read_bytes(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES, foll
         if size > max_bytes:
             raise Untrusted(f"{name} grew past the limit of {max_bytes} bytes while read")
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_tail(path: str | os.PathLike[str], *, max_bytes: int, follow_symlinks: bool = False) -> bytes:
+    """The last ``max_bytes`` bytes of a regular file (a log of any size), with ``read_bytes``' refusals."""
+    name = os.fspath(path)
+    fd = _open_regular(name, follow_symlinks=follow_symlinks)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            return os.pread(fd, max_bytes, max(0, size - max_bytes))
+        except OSError as exc:
+            raise Untrusted(f"{name} cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
 

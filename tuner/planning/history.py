@@ -203,3 +203,27 @@ def from_dict(data: Mapping[str, Any]) -> History:
         own_restarts_until=data.get("own_restarts_until"),
         power_capped=bool(data.get("power_capped", False)),
     )
+
+
+def shifted(history: History, *, by: float) -> History:
+    """Every time ``history`` holds moved by ``by`` seconds (the loop re-based on a stepped wall clock:
+    ``daemon.clocks``). Engine start times are the engine's own clock, not the loop's: kept."""
+    if not by:
+        return history
+    return replace(
+        history,
+        streak_since=_frozen({k: v + by for k, v in history.streak_since.items()}),
+        changes=_frozen({k: replace(c, at=c.at + by) for k, c in history.changes.items()}),
+        restarts=tuple(t + by for t in history.restarts),
+        rejected_args=_frozen({k: (until + by, why) for k, (until, why) in history.rejected_args.items()}),
+        idle_since=None if history.idle_since is None else history.idle_since + by,
+        last_keep_warm=None if history.last_keep_warm is None else history.last_keep_warm + by,
+        own_restarts_until=None if history.own_restarts_until is None else history.own_restarts_until + by,
+    )
+
+
+def latest_time(history: History) -> float | None:
+    """The latest time ``history`` holds (for a state file written while the wall clock ran ahead)."""
+    times = [*history.streak_since.values(), *(c.at for c in history.changes.values()), *history.restarts,
+             *(t for t in (history.idle_since, history.last_keep_warm, history.own_restarts_until) if t is not None)]
+    return max(times, default=None)

@@ -45,6 +45,8 @@ from tuner.model import dialects, knobs, snapshots
 from tuner.model import live as live_mod
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.planning import history as history_mod
+from tuner.planning import identities as identities_mod
 from tuner.planning import planner, pooling
 from tuner.planning.history import History
 from tuner.rules.schema import Rule
@@ -79,6 +81,7 @@ class TargetState:
     window: tuple[snapshots.Snapshot, ...] = ()
     history: History = field(default_factory=History)
     engine_started_at: float | None = None  # the engine's process start time last seen
+    identities: identities_mod.Seen = field(default_factory=identities_mod.Seen)  # which engines the URL reached
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,7 @@ class Decision:
     skipped: str | None = None  # why there is no plan (a failed scrape, observe mode)
     decided_since: float | None = None  # where the decision window began (rule 1a); None: the whole window
     change_point: change_points.ChangePoint | None = None  # the arrivals' change it restarted at, if one
+    held: str | None = None  # why decisions for this target are held (two engines behind one URL)
 
 
 def step(
@@ -121,7 +125,11 @@ def step(
     dialect = dialects.DIALECTS[kind]
 
     started = engine_signals.gauge(snapshot, dialect, "process_start") if snapshot.ok else None
-    restarted_at = started if started is not None and state.engine_started_at not in (None, started) else None
+    # two engines behind one URL (planning.identities): a flip is no restart, and nothing is decided
+    seen, _ = identities_mod.observe(state.identities, identities_mod.of(snapshot, dialect), now=now)
+    held = identities_mod.held(seen, now=now, hold_seconds=window.window_seconds)
+    restarted_at = (started if started is not None and state.engine_started_at not in (None, started)
+                    and held is None else None)
     engine_started_at = started if started is not None else state.engine_started_at
 
     max_running = _engine_cap(started_args, live, kind=kind)
@@ -138,7 +146,10 @@ def step(
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
                                        stale_after_seconds=window.gpu_stale_after_seconds
                                        or window.stale_after_seconds))
-    after = TargetState(window=kept, history=state.history, engine_started_at=engine_started_at)
+    after = TargetState(window=kept, history=state.history, engine_started_at=engine_started_at, identities=seen)
+    if held is not None and snapshot.ok:
+        return Decision(target, now, signals, None, after, skipped=held, decided_since=since, change_point=point,
+                        held=held)
     if not snapshot.ok:
         return Decision(target, now, signals, None, after, skipped=f"scrape failed: {snapshot.error}",
                         decided_since=since, change_point=point)
@@ -266,3 +277,16 @@ def replay(
                 if pool.change.live:
                     live = replace(live, values={**live.values, **pool.change.values})
         yield decision
+
+
+# --- a re-based loop clock (issue 28) -------------------------------------------------------------------
+
+
+def rebased(state: TargetState, *, by: float) -> TargetState:
+    """``state`` with every time of the loop moved by ``by`` seconds: the daemon's clock re-based on a
+    stepped wall clock (``daemon.clocks``), so the window keeps its order and span and nothing in it, or
+    in the history, is "in the future". The engine's own start time is the engine's clock: kept."""
+    if not by:
+        return state
+    return replace(state, window=tuple(replace(s, scraped_at=s.scraped_at + by) for s in state.window),
+                   history=history_mod.shifted(state.history, by=by))

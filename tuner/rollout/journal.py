@@ -45,7 +45,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, Self
 
-from tuner.errors import TunerError
+from tuner.errors import ConfigError, TunerError
+from tuner.launcher import untrusted
 from tuner.model import secrets
 from tuner.rollout import locks, machine
 
@@ -105,10 +106,23 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
     """The journal's complete records, read without taking its lock or repairing a torn tail (for
     readers beside a running tuner). A missing file has none."""
     try:
-        data = Path(path).read_bytes()
+        data = _read(Path(path))
     except FileNotFoundError:
         return []
     return list(_parse(data, str(path))[0])
+
+
+JOURNAL_MAX_BYTES = 1 << 30  # a journal this large is not one the tuner wrote (a record is ~1 KiB)
+
+
+def _read(path: Path) -> bytes:
+    """The journal's bytes through the one bounded reader: a FIFO or a device at its path is a ConfigError
+    that says so, never a read that waits for a writer."""
+    try:
+        return untrusted.read_bytes(path, max_bytes=JOURNAL_MAX_BYTES, follow_symlinks=True)
+    except untrusted.Untrusted as exc:
+        raise ConfigError(str(path), [("rollout.journal_file", f"{exc.reason}; expected the tuner's journal, "
+                                       "a regular file (or a path where it can create one)")]) from None
 
 
 class JournalLike(Protocol):
@@ -153,7 +167,7 @@ class Journal:
         self._damaged = False  # a failed write could not be undone: repair before the next one
 
     def _load(self) -> list[dict[str, Any]]:
-        records, good, tail = _parse(self.path.read_bytes(), str(self.path))
+        records, good, tail = _parse(_read(self.path), str(self.path))
         if tail:
             os.ftruncate(self._fd, good)
             if self._fsync:

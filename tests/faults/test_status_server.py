@@ -1,0 +1,241 @@
+"""Class 3 of issue 28: the status server against clients it cannot trust.
+
+Before: one thread per connection, no cap, a per-read timeout of 10 s — a client trickling a byte every
+3 s was never cut off, 130 of them at a file limit of 128 stopped every engine scrape ("Too many open
+files"), and ``/status`` answered any ``Host``, so a DNS-rebinding page could read engine arguments.
+
+Generated floods of hostile clients (silent, trickling a byte at a time, a head that never ends, a head
+over the size limit, connect-and-close) are held open against a real server on a real socket while a
+scraper asks for ``/metrics`` and ``/healthz`` the way Prometheus and a probe do. The promise, for every
+flood: every scrape is answered, each within ``SCRAPE_SECONDS``; the descriptors the server holds stay
+below a bound that does not grow with the flood; every trickling client is cut off by the whole-request
+deadline. And generated ``Host`` names: a name that is not the server's gets 421 and no document; an
+address, a loopback name or an allowed name gets the document.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tuner.daemon import httpserver, selfmetrics
+from tuner.daemon.state import TunerState
+
+SCRAPE_SECONDS = 1.0
+DEADLINE_SECONDS = 1.5  # the server's whole-request deadline in this test (5 s in the daemon)
+
+
+def _server(**kwargs: object) -> httpserver.TunerHttpServer:
+    from prometheus_client import CollectorRegistry
+
+    state = TunerState(targets={}, args={}, config_args={})
+    return httpserver.TunerHttpServer(metrics=selfmetrics.TunerMetrics(CollectorRegistry()), state=state,
+                                      max_age_seconds=60, port=0, **kwargs)  # type: ignore[arg-type]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+KINDS = ("silent", "trickle", "endless-head", "oversized-head", "connect-close")
+
+
+class Flood:
+    """Hostile clients on threads of their own; ``cut`` counts those the server closed on them."""
+
+    def __init__(self, port: int, kinds: list[str]) -> None:
+        self.port, self.kinds = port, kinds
+        self.stop = threading.Event()
+        self.cut = 0
+        self.trickling = sum(k == "trickle" for k in kinds)
+        self.cut_trickling = 0
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in kinds]
+
+    def _client(self, kind: str) -> None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        except OSError:
+            return
+        with sock:
+            try:
+                if kind == "connect-close":
+                    return
+                if kind == "oversized-head":
+                    sock.sendall(b"GET /status HTTP/1.1\r\nX-Pad: " + b"a" * 20_000)
+                elif kind == "endless-head":
+                    sock.sendall(b"GET /status HTTP/1.1\r\nHost: localhost\r\n")
+                while not self.stop.is_set():
+                    if kind == "trickle":
+                        sock.sendall(b"G")
+                    elif kind == "endless-head":
+                        sock.sendall(b"X-More: 1\r\n")
+                    self.stop.wait(0.3)
+                    if kind in ("silent", "oversized-head"):
+                        sock.settimeout(0.01)
+                        with contextlib.suppress(TimeoutError):
+                            if sock.recv(1) == b"":
+                                raise ConnectionResetError
+            except OSError:
+                with self._lock:
+                    self.cut += 1
+                    self.cut_trickling += kind == "trickle"
+
+    def __enter__(self) -> Flood:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=160))
+def test_a_flood_of_slow_clients_never_delays_a_scrape_nor_holds_descriptors(kinds: list[str]) -> None:
+    with _server(request_deadline_seconds=DEADLINE_SECONDS) as server:
+        before = _fds()
+        with Flood(server.port, kinds) as flood, httpx.Client(timeout=SCRAPE_SECONDS + 1) as client:
+            time.sleep(0.2)  # the flood is connected
+            worst = 0.0
+            held = 0
+            end = time.monotonic() + DEADLINE_SECONDS + 1.0  # past the deadline of every hostile client
+            while time.monotonic() < end:
+                for path in ("/metrics", "/healthz"):
+                    t = time.monotonic()
+                    r = client.get(server.url + path, headers={"Connection": "close"})
+                    worst = max(worst, time.monotonic() - t)
+                    assert r.status_code == 200, (path, r.status_code)
+                held = max(held, _fds() - before)
+                time.sleep(0.05)
+            trickling, cut_trickling = flood.trickling, flood.cut_trickling
+        assert worst < SCRAPE_SECONDS, f"a scrape took {worst:.2f}s during a flood of {len(kinds)}"
+        # the flood's own client sockets are in this process too: the server's share is what exceeds them
+        assert held - len(kinds) <= httpserver.MAX_PENDING + httpserver.WORKERS + 8, held
+        assert cut_trickling == trickling, f"{trickling - cut_trickling} trickling clients were never cut off"
+
+
+def _names() -> st.SearchStrategy[str]:
+    label = st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9]", fullmatch=True)
+    return st.lists(label, min_size=2, max_size=4).map(".".join)
+
+
+@contextlib.contextmanager
+def _one_server(**kwargs: object) -> Iterator[httpserver.TunerHttpServer]:
+    with _server(**kwargs) as server:
+        yield server
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=_names(), port=st.one_of(st.none(), st.integers(1, 65535)),
+       path=st.sampled_from(["/status", "/recommendations", "/metrics", "/healthz"]))
+def test_a_host_that_is_not_the_servers_gets_no_document(name: str, port: int | None, path: str) -> None:
+    host = name if port is None else f"{name}:{port}"
+    with _one_server(allowed_hosts=["tuner.example.internal"]) as server, httpx.Client(timeout=5) as client:
+        refused = client.get(server.url + path, headers={"Host": host})
+        own = [client.get(server.url + path, headers={"Host": h}).status_code
+               for h in ("localhost", f"127.0.0.1:{server.port}", "[::1]", "tuner.example.internal:9180",
+                         socket.gethostname())]
+    if name in httpserver.allowed_host_names("127.0.0.1", ["tuner.example.internal"]):
+        return  # a generated name that happens to be this machine's
+    assert refused.status_code == 421, (host, refused.status_code)
+    assert "engine" not in refused.text and "targets" not in refused.text
+    assert all(code in (200, 503) for code in own), own
+
+
+SERVER_AT_128 = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+from prometheus_client import CollectorRegistry
+from tuner.daemon import httpserver, selfmetrics
+from tuner.daemon.state import TunerState
+from tuner.sources import engines
+state = TunerState(targets={}, args={}, config_args={})
+server = httpserver.TunerHttpServer(metrics=selfmetrics.TunerMetrics(CollectorRegistry()), state=state,
+                                    max_age_seconds=60, port=0).start()
+print(server.port, flush=True)
+client = engines.EngineClient(deadline_seconds=2)
+ok, failed, why = 0, 0, ""
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    snap = client.scrape(sys.argv[1])
+    if snap.ok:
+        ok += 1
+    else:
+        failed, why = failed + 1, snap.error
+    time.sleep(0.2)
+print(json.dumps({"ok": ok, "failed": failed, "why": why}), flush=True)
+"""
+
+
+def test_a_flood_at_a_file_limit_of_128_stops_no_engine_scrape_and_no_healthz() -> None:
+    """The review's case, in a real process: a file limit of 128, 130 clients trickling a byte every 3 s."""
+    import json
+    import subprocess
+    import sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from pathlib import Path
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'vllm:num_requests_running{engine="0",model_name="m"} 0\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_AT_128, f"http://127.0.0.1:{engine.server_port}/metrics",
+                             "12"], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        stop = threading.Event()
+        socks: list[socket.socket] = []
+
+        def trickle() -> None:
+            while not stop.wait(3.0):
+                for s in list(socks):
+                    with contextlib.suppress(OSError):
+                        s.send(b"G")
+
+        for _ in range(130):
+            with contextlib.suppress(OSError):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        threading.Thread(target=trickle, daemon=True).start()
+        health = []
+        with httpx.Client(timeout=2) as client:
+            for _ in range(8):
+                time.sleep(1)
+                try:
+                    health.append(client.get(f"http://127.0.0.1:{port}/healthz").status_code)
+                except httpx.HTTPError as exc:
+                    health.append(type(exc).__name__)  # type: ignore[arg-type]
+        stop.set()
+        report = json.loads(proc.stdout.readline())
+    finally:
+        for s in socks:
+            s.close()
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        engine.shutdown()
+        engine.server_close()
+    assert report["failed"] == 0, f"engine scrapes failed during the flood: {report}"
+    assert health == [200] * 8, health
