@@ -138,10 +138,14 @@ def test_a_breach_lowering_supersedes_the_raise_being_verified() -> None:
 def test_a_lowering_step_at_most_halves_the_batch() -> None:
     """TPOT p99 3.5 × the SLO at a batch of 170 (a burst of long prefills, not the batch) read as 170 → 1
     through TPOT ∝ running^0.3; one step now keeps half the batch and the next window measures again."""
-    s = sig(arrival_rate_per_s=8.0, slot_seconds_mean=14.0, requests_running_mean=140.0, requests_waiting_mean=0.0,
+    s = sig(arrival_rate_per_s=2.0, slot_seconds_mean=14.0, requests_running_mean=140.0, requests_waiting_mean=0.0,
             in_system_growth_per_s=0.0, requests_running_max=170.0, tpot_p99_s=0.35)
     est = models.concurrency(s, models.ModelSettings(), slo=models.SloSettings(), down=True)
     assert est.value == 85 and "at most half the batch 170 in one step" in est.text
+    # and never below what the arrivals need in service: at 8/s, 102 (fewer would build a queue without end)
+    busy = models.concurrency({**s, "arrival_rate_per_s": Signal(8.0)}, models.ModelSettings(),
+                              slo=models.SloSettings(), down=True)
+    assert busy.value == 102 and "not below the 102 in service the arrivals need" in busy.text
     gentle = models.concurrency({**s, "tpot_p99_s": Signal(0.11)}, models.ModelSettings(), slo=models.SloSettings(),
                                 down=True)
     assert gentle.value == math.floor(170 * (0.1 / 0.11) ** (1 / 0.3))  # near the SLO: the frontier itself

@@ -82,9 +82,11 @@ def test_down_lowers_to_the_frontier_at_most_half_the_batch_a_step():
     # a breach near the SLO: the frontier itself, 64 × (0.1 / 0.11)^(1/0.3) = 46.2 → 46
     near = models.concurrency(sig(**(breached | dict(tpot_p99_s=0.11))), M, slo=SLO, down=True)
     assert near.value == 46 and near.text.endswith("→ 46")
-    # when Little's law needs more than the frontier, it says so (the TTFT SLO is traded for the TPOT SLO)
+    # when Little's law needs more than the frontier, it says so, and never goes below what the arrivals need in
+    # service (fewer slots than that build a queue without end: every request would miss its TTFT)
     e = models.concurrency(sig(**(breached | dict(arrival_rate_per_s=20))), M, slo=SLO, down=True)
-    assert e.value == 32 and "(overloaded: Little's law needs more" in e.text
+    assert e.value == 19 and "(overloaded: Little's law needs more" in e.text
+    assert e.text.endswith("not below the 19 in service the arrivals need → 19")
     # without a frontier there is nothing to lower to
     assert models.concurrency(sig(**breached), M, down=True).value is None
 
@@ -114,6 +116,11 @@ def test_up_never_passes_the_frontier_and_down_is_the_frontier(lam, s0, n0, wait
     assert up.value == (free.value if free.value <= frontier
                         else max(1, math.floor(frontier + 1e-9), math.floor(n0)))
     down = models.concurrency(s, M, slo=SLO, down=True)
-    half = math.floor(n0 * models.MAX_LOWERING)
-    want = max(1, math.floor(frontier + 1e-9))
-    assert down.value == pytest.approx(want if want >= n0 * models.MAX_LOWERING else max(1, half))
+    want, need = max(1, math.floor(frontier + 1e-9)), math.ceil(slots_for(lam, s0, n0) - 1e-9)
+    if want < need:  # never below what the arrivals need in service
+        expected = need
+    elif want < n0 * models.MAX_LOWERING:  # at most half the batch in one step
+        expected = max(1, math.floor(n0 * models.MAX_LOWERING))
+    else:
+        expected = want
+    assert down.value == pytest.approx(expected)

@@ -199,6 +199,14 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         f = max(1, math.floor(frontier + 1e-9))
         over = " (overloaded: Little's law needs more — fewer slots trade the TTFT SLO for the TPOT SLO)" \
             if little > f else ""
+        need = math.ceil(little - 1e-9)
+        if f < need:
+            # never below what the arrivals need in service: fewer slots than that build a queue without end,
+            # and every request then misses its TTFT instead of some missing their TPOT (the trace family: a
+            # TPOT breach caused by long prefills, not by the batch, halved the cap 1024 → … → 13 while the
+            # queue grew, 0.95 × the static default it started from)
+            return Estimate(float(need), f"{text}; TPOT SLO frontier {frontier:.3g}{over}; not below the "
+                                         f"{need} in service the arrivals need → {need}")
         batch = _v(signals, "requests_running_max") or 0.0
         if f < batch * MAX_LOWERING:
             # one step at most halves the batch: TPOT ∝ running^α is measured between 8 and 128 slots (H200)
