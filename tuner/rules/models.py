@@ -199,14 +199,15 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         f = max(1, math.floor(frontier + 1e-9))
         over = " (overloaded: Little's law needs more — fewer slots trade the TTFT SLO for the TPOT SLO)" \
             if little > f else ""
+        why = [f"TPOT SLO frontier {frontier:.3g}{over}"]
         need = math.ceil(little - 1e-9)
         if f < need:
             # never below what the arrivals need in service: fewer slots than that build a queue without end,
             # and every request then misses its TTFT instead of some missing their TPOT (the trace family: a
             # TPOT breach caused by long prefills, not by the batch, halved the cap 1024 → … → 13 while the
             # queue grew, 0.95 × the static default it started from)
-            return Estimate(float(need), f"{text}; TPOT SLO frontier {frontier:.3g}{over}; not below the "
-                                         f"{need} in service the arrivals need → {need}")
+            f = need
+            why.append(f"not below the {need} in service the arrivals need")
         batch = _v(signals, "requests_running_max") or 0.0
         if f < batch * MAX_LOWERING:
             # one step at most halves the batch: TPOT ∝ running^α is measured between 8 and 128 slots (H200)
@@ -214,9 +215,8 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
             # SLO (a burst of 2,000-token prefills, not the batch) read as "170 → 1"; the live law iterates,
             # and the next window measures the halved batch
             f = max(1, math.floor(batch * MAX_LOWERING))
-            return Estimate(float(f), f"{text}; TPOT SLO frontier {frontier:.3g}{over}; at most half the batch "
-                                      f"{batch:.3g} in one step → {f}")
-        return Estimate(float(f), f"{text}; TPOT SLO frontier {frontier:.3g}{over} → {f}")
+            why.append(f"at most half the batch {batch:.3g} in one step")
+        return Estimate(float(f), f"{text}; {'; '.join(why)} → {f}")
     if target > frontier:
         # never below today's batch: a raise the frontier forbids is a no-op here, the lowering rule's to make
         f = max(1, math.floor(frontier + 1e-9), math.floor(_v(signals, "requests_running_max") or 1))
