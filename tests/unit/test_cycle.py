@@ -142,7 +142,7 @@ def test_observe_mode_summary_and_signals() -> None:
     assert t.plan is None
     assert "\n" not in second.summary
     v = h.metrics.registry.get_sample_value
-    assert v("tuner_signal", {"target": "engine-0", "signal": "requests_waiting"}) == 112
+    assert v("tuner_signal_requests", {"target": "engine-0", "signal": "requests_waiting"}) == 112
     assert v("tuner_cycle_duration_seconds_count") == 2
     for step in cycle.STEPS:
         assert v("tuner_cycle_step_duration_seconds_count", {"step": step}) == 2
@@ -326,7 +326,7 @@ def test_a_removed_target_is_forgotten() -> None:
     h.run()
     assert set(h.state.targets) == {"engine-0"}
     assert h.metrics.registry.get_sample_value(
-        "tuner_signal", {"target": "engine-1", "signal": "requests_waiting"}) is None
+        "tuner_signal_requests", {"target": "engine-1", "signal": "requests_waiting"}) is None
 
 
 def test_records_are_json_and_the_json_formatter_carries_them(caplog: pytest.LogCaptureFixture) -> None:

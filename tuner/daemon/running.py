@@ -271,8 +271,8 @@ def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: 
 
 
 def rollout_state(rollout: machine.Rollout) -> dict[str, Any]:
-    """The rollout as /status shows it: id, outcome and each replica's state."""
-    return {"id": rollout.id, "outcome": machine.outcome(rollout).value,
+    """The rollout as /status shows it: id, kind (restart or live), outcome and each replica's state."""
+    return {"id": rollout.id, "kind": rollout.kind.value, "outcome": machine.outcome(rollout).value,
             "replicas": {p.name: p.state.value for p in rollout.progress}}
 
 

@@ -43,6 +43,7 @@ from tuner.errors import TunerError
 INJECT = "vllm-tuner.io/inject"
 POOL = "vllm-tuner.io/pool"
 ENGINE_CONTAINER = "vllm-tuner.io/engine-container"
+ENGINE_PORT = "vllm-tuner.io/engine-port"  # written on the pod: where monitoring finds the engine's /metrics
 AGENT_LABEL = "vllm-tuner.io/agent"
 AGENT = "vllm-tuner-agent"
 STATE_DIR = "/var/run/vllm-tuner"
@@ -293,6 +294,9 @@ def adopt(original: Mapping[str, Any], settings: Settings) -> tuple[dict[str, An
     merge_by_key(spec.setdefault("volumes", []), pod_volumes(pool), "name")
     tmeta.setdefault("labels", {}).update({POOL: pool, AGENT_LABEL: "true"})
     tmeta.setdefault("annotations", {})["kubectl.kubernetes.io/default-container"] = name
+    # The engine's /metrics port, whatever its port is named (production-stack: container-port) or if it is
+    # not declared at all: deploy/kubernetes/monitoring/podmonitor.yaml scrapes the address this names.
+    tmeta["annotations"][ENGINE_PORT] = str(engine_port)
     return doc, Adopted(where, pool, name, shutdown, stop, grace)
 
 
