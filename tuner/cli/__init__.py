@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import yaml
 
 from tuner import __version__, config
-from tuner.cli import agent, deciding, demo, injecting, inspecting
+from tuner.cli import agent, deciding, demo, injecting, inspecting, operating
 from tuner.errors import ConfigError, TunerError
 
 
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)
     agent.register(sub)
     injecting.register(sub)
+    operating.register(sub)
 
     sub.add_parser("launch", help="the in-pod engine launcher: launch [options] -- vllm serve ... "
                                   "(docs/kubernetes.md; `launch --help` lists its options)")

@@ -23,6 +23,7 @@ from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
 from tuner.daemon import (
     collecting,
+    control,
     cycle,
     logs,
     notify,
@@ -303,6 +304,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     stop_event = threading.Event()
     notifier = _MaskedNotifier(redactor)
     gatherer = collecting.Gatherer(stop=stop_event)  # SIGTERM ends a gathering at once
+    control_path = control.path_for(settings, config_path)
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
@@ -319,7 +321,14 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             startup[0]()  # a failure (a full disk) raises here and is tried again at the next cycle
             startup.pop(0)
         act = applying if applying is None or _resumed(applying, state) else None
-        return cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
+        switches = control.load(control_path)  # the operator's pause and pins, read every cycle
+        report = control.report(settings.decisions, switches)
+        if report != state.control:
+            _say_control(report, state.control)
+        state.control = report
+        metrics.set_control(paused=report["paused"], pins=set(report["pins"]))
+        effective = settings.model_copy(update={"decisions": control.effective(settings.decisions, switches)})
+        return cycle.run_cycle(state, settings=effective, collectors=collectors, rules=tuple(rules),
                                rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
                                should_stop=should_stop)
 
@@ -366,6 +375,19 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             return loop.run()
     return 0
+
+
+def _say_control(now: Mapping[str, Any], before: Mapping[str, Any]) -> None:
+    """One line when a switch changes (and at start, when one is on): paused, resumed, pinned, unpinned."""
+    if now.get("paused") and (not before.get("paused") or now.get("paused_reason") != before.get("paused_reason")):
+        log.warning("paused (%s): no change goes out until resumed", now.get("paused_reason"))
+    elif before.get("paused") and not now.get("paused"):
+        log.warning("resumed: changes go out again")
+    pins, was = now.get("pins", {}), before.get("pins", {})
+    for flag in sorted(set(pins) - set(was)):
+        log.warning("pinned %s (%s): the tuner holds changes to it", flag, pins[flag].get("reason"))
+    for flag in sorted(set(was) - set(pins)):
+        log.warning("unpinned %s", flag)
 
 
 class _MaskedNotifier(notify.Notifier):

@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from tuner import __version__
 from tuner.signals import VOCABULARY, Signal
 
-disable_created_metrics()  # process-wide in prometheus_client: the tuner's own registry is the only one it serves
+disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide in prometheus_client: the tuner's own registry is the only one it serves
 
 # A signal's unit (signals.VOCABULARY) → the gauge that holds it: one unit per metric name.
 SIGNAL_METRICS = {

@@ -57,6 +57,7 @@ class TunerState:
     rollout_state: Mapping[str, Any] = field(default_factory=dict)  # the rollout as it stands (/status)
     redactor: secrets.Redactor = secrets.DEFAULT  # what is masked in the file and in current_args
     booked_rollout: str | None = None  # the last rollout booked here ("": none yet; None: not known)
+    control: Mapping[str, Any] = field(default_factory=dict)  # the pause and pins in force (/status)
 
     @classmethod
     def fresh(cls, targets: Sequence[config.Target], *, path: Path | None = None,
