@@ -108,6 +108,26 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def gist(result: CycleResult) -> tuple[Any, ...]:
+    """What a cycle's line says, without what changes every cycle (its number, load figures, time left on a
+    cooldown): two cycles with the same gist say the same thing, and the daemon logs it once
+    (``cycle.run_cycle``) — then again when it changes, and every ``REPEAT_SECONDS``."""
+    targets = tuple(
+        (name, t.scrape_error is not None, t.planner_error is not None,
+         tuple((c.flag, c.as_dict()["to"], c.rule) for c in t.plan.changes) if t.plan is not None else None,
+         tuple(a.kind for a in t.plan.actions) if t.plan is not None else None,
+         tuple(sorted({(h.rule, h.guard) for h in t.plan.held})) if t.plan is not None else None)
+        for name, t in sorted(result.targets.items()))
+    pending = tuple((c.flag, c.as_dict()["to"]) for c in result.pending.plan.changes) if result.pending else None
+    handed = result.handed_over.id if result.handed_over is not None else None
+    rollout = result.rollout.summary if result.rollout is not None else None
+    return (result.mode, targets, pending, handed, rollout, result.rollout_error, result.stopped,
+            result.pool.refused if result.pool is not None else None)
+
+
+REPEAT_SECONDS = 600.0  # an unchanged line is said again this often, so a quiet log still shows the tuner alive
+
+
 # --- structured views ----------------------------------------------------------------------------------
 
 
