@@ -126,3 +126,24 @@ def test_the_file_lives_beside_the_state_file(tmp_path: Path) -> None:
     settings = config.TunerSettings.model_validate({"daemon": {"state_file": "state/state.json"}, **TARGETS})
     assert control.path_for(settings, tmp_path / "c.yaml") == tmp_path / "state" / "control.json"
     assert control.path_for(config.TunerSettings.model_validate(TARGETS), "/x/c.yaml") == Path("/var/lib/vllm-tuner/control.json")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["pin", "--max-num-seqs", "--reason", "x"], ["pin", "--reason", "x", "--", "--max-num-seqs"]),
+    (["pin", "--config", "c.yaml", "--max-model-len"], ["pin", "--config", "c.yaml", "--", "--max-model-len"]),
+    (["unpin", "--config=c.yaml", "--max-model-len"], ["unpin", "--config=c.yaml", "--", "--max-model-len"]),
+    (["pin", "--reason", "--weird-reason", "max-num-seqs"], ["pin", "--reason", "--weird-reason", "max-num-seqs"]),
+    (["pin", "--", "--max-num-seqs"], ["pin", "--", "--max-num-seqs"]),
+    (["status", "--max-num-seqs"], ["status", "--max-num-seqs"]),
+])
+def test_pin_takes_the_engine_flag_as_written(argv: list[str], expected: list[str]) -> None:
+    from tuner.cli import operating
+
+    assert operating.flag_as_positional(argv) == expected
+
+
+def test_a_flag_is_pinned_in_its_own_spelling_or_without_dashes() -> None:
+    assert control.pin_name("max-num-seqs") == "--max-num-seqs"
+    assert control.pin_name("--max_num_seqs") == "--max-num-seqs"
+    with pytest.raises(control.ControlFileError, match="--bogus: not a flag the tuner changes"):
+        control.pin_name("bogus")

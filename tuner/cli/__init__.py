@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tuner.launcher.__main__ import main as launch
 
         return launch(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(operating.flag_as_positional(argv))
     try:
         return int(args.func(args))
     except TunerError as exc:  # every expected failure: one line per problem, no traceback

@@ -234,6 +234,20 @@ def cmd_switch(ns: argparse.Namespace) -> int:
     return 0
 
 
+OWN_OPTIONS = frozenset({"--config", "--reason", "--help", "-h"})
+
+
+def flag_as_positional(argv: list[str]) -> list[str]:
+    """``pin --max-num-seqs --reason x`` as written: the engine flag is the positional argument, not an
+    option of ``pin`` (argparse would refuse it), so it is moved behind ``--``."""
+    if argv[:1] not in (["pin"], ["unpin"]) or "--" in argv:
+        return argv
+    for i, token in enumerate(argv[1:], start=1):
+        if token.startswith("--") and token.split("=", 1)[0] not in OWN_OPTIONS and argv[i - 1] not in OWN_OPTIONS:
+            return [*argv[:i], *argv[i + 1:], "--", token]
+    return argv
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("status", help="what the running tuner sees and does: the pool, each engine's flags, the "
                                       "rollout in flight, the last decisions with reasons (reads its /status)")
@@ -261,7 +275,7 @@ def register(sub: Any) -> None:
     for name, what in (("pin", "hold one engine flag where it is (the tuner never changes it); survives restarts"),
                        ("unpin", "undo `pin`")):
         p = sub.add_parser(name, help=what)
-        p.add_argument("flag", help="an engine flag the tuner changes, e.g. --max-num-seqs")
+        p.add_argument("flag", help="an engine flag the tuner changes, e.g. --max-num-seqs (or max-num-seqs)")
         p.add_argument("--config", default=DEFAULT_CONFIG, help=f"the tuner's configuration (default {DEFAULT_CONFIG})")
         if name == "pin":
             p.add_argument("--reason", help="why (shown on /status, in `status` and in the log)")

@@ -120,7 +120,10 @@ def save(path: Path, control: Control) -> None:
 
 
 def pin_name(flag: str) -> str:
-    """A flag as pinned: the spelling given, checked to be one the tuner changes."""
+    """A flag as pinned: the spelling given (``max-num-seqs`` read as ``--max-num-seqs``), checked to be one
+    the tuner changes."""
+    if not flag.startswith("-") and knobs.knob_for(flag) is None:
+        flag = "--" + flag
     if knobs.knob_for(flag) is None:
         raise ControlFileError(f"{flag}: not a flag the tuner changes; expected one of "
                                f"{', '.join(knobs.known_flags())}")
