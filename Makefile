@@ -42,6 +42,9 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing:$$missing: install them (apt-get install$$missing) or run as root" >&2; exit 1; fi; fi
 	@test -x /lib/systemd/systemd || { echo "systemd (/lib/systemd/systemd) is missing: apt-get install systemd" >&2; exit 1; }
+	@# promtool evaluates the shipped alert rules (tests/integration/test_alerts.py); Debian ships it in prometheus.
+	@command -v promtool >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	  else echo "promtool is missing: apt-get install --no-install-recommends prometheus" >&2; exit 1; fi; }
 
 demo: venv
 	$(PY) -m tuner demo

@@ -148,3 +148,13 @@ def test_pause_and_pins_are_gauges() -> None:
     assert v("tuner_paused") == 1 and v("tuner_pinned", {"flag": "--max-num-seqs"}) == 1
     m.set_control(paused=False, pins={"--max-model-len"})
     assert v("tuner_paused") == 0 and v("tuner_pinned", {"flag": "--max-num-seqs"}) is None
+
+
+def test_the_rollout_in_flight_and_since_when() -> None:
+    m = selfmetrics.TunerMetrics()
+    v = m.registry.get_sample_value
+    assert v("tuner_rollout_in_flight") == 0
+    m.set_rollout(started_at=1234.5)
+    assert v("tuner_rollout_in_flight") == 1 and v("tuner_rollout_started_timestamp_seconds") == 1234.5
+    m.set_rollout(started_at=None)
+    assert v("tuner_rollout_in_flight") == 0 and v("tuner_rollout_started_timestamp_seconds") == 0

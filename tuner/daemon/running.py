@@ -311,7 +311,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
 
     if settings.mode == "apply":
         applying = _build_applying(settings, state, client, config_dir, stop_event=stop_event,
-                                   on_transition=lambda r: _show_rollout(state, notifier, r))
+                                   on_transition=lambda r: _show_rollout(state, notifier, r, metrics))
         startup.append(lambda: _start_up(applying, state))
 
     def step() -> results.CycleResult:
@@ -589,7 +589,12 @@ def _wait_started(applying: Applying, name: str) -> None:
         applying.sleep(rollout.poll_seconds)
 
 
-def _show_rollout(state: TunerState, notifier: notify.Notifier, rollout: machine.Rollout) -> None:
-    """Every transition: /status shows the rollout as it stands, systemd's STATUS= too."""
+def _show_rollout(state: TunerState, notifier: notify.Notifier, rollout: machine.Rollout,
+                  metrics: selfmetrics.TunerMetrics | None = None) -> None:
+    """Every transition: /status shows the rollout as it stands, systemd's STATUS= too, and
+    ``tuner_rollout_in_flight`` whether one is (the RolloutStuck alert's input)."""
     state.rollout_state = {**rollout_state(rollout), "summary": machine.describe(rollout)}
     notifier.status(state.rollout_state["summary"])
+    if metrics is not None:
+        running = machine.outcome(rollout) is machine.Outcome.RUNNING
+        metrics.set_rollout(started_at=rollout.created_at if running else None)

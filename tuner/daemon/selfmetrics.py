@@ -93,6 +93,12 @@ class TunerMetrics:
             "`vllm-tuner pause`), else 0.", registry=r)
         self.pinned = Gauge(
             "tuner_pinned", "1 for each engine flag pinned (the tuner holds changes to it).", ["flag"], registry=r)
+        self.rollout_in_flight = Gauge(
+            "tuner_rollout_in_flight", "1 while a rollout is being carried out, else 0.", registry=r)
+        self.rollout_started = Gauge(
+            "tuner_rollout_started_timestamp_seconds", "When the rollout in flight began (seconds since the "
+            "epoch); 0 while none is.", registry=r)
+        self.rollout_in_flight.set(0)
         self.scrape_errors = Counter(
             "tuner_scrape_errors", "Failed reads by target and source (engine, engine_info, gpu).",
             ["target", "source"], registry=r)
@@ -147,6 +153,11 @@ class TunerMetrics:
 
     def count_live_change(self, *, target: str, result: str) -> None:
         self.live_changes.labels(target=target, result=result).inc()
+
+    def set_rollout(self, *, started_at: float | None) -> None:
+        """A rollout began at ``started_at`` and is in flight; None: none is."""
+        self.rollout_in_flight.set(0 if started_at is None else 1)
+        self.rollout_started.set(0 if started_at is None else started_at)
 
     def set_control(self, *, paused: bool, pins: set[str] | frozenset[str]) -> None:
         """``tuner_paused`` and ``tuner_pinned{flag}``: the switches in force."""
