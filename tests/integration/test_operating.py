@@ -177,3 +177,56 @@ def test_status_history_pause_and_pins_on_a_running_tuner(tuner: Tuner) -> None:
         out = cli(*args)
         assert out.returncode == 2 and out.stderr.startswith(expected), (args, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def test_sighup_reloads_a_valid_configuration_and_keeps_the_running_one_otherwise(tmp_path: Path) -> None:
+    """`systemctl reload vllm-tuner` (ExecReload: SIGHUP): it used to end the tuner with 129."""
+    port = free_port()
+    base = {"mode": "recommend",
+            "targets": [{"name": "a", "metrics_url": f"http://127.0.0.1:{free_port()}/metrics",
+                         "args": ["--max-num-seqs", "8"]}],
+            "scrape": {"interval_seconds": 0.5},
+            "daemon": {"listen_port": port, "state_file": str(tmp_path / "state.json")}}
+    cfg = tmp_path / "tuner.yaml"
+    cfg.write_text(json.dumps(base))
+    log_path = tmp_path / "tuner.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(cfg)], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status() -> dict[str, Any]:
+        try:
+            return dict(httpx.get(f"http://127.0.0.1:{port}/status", timeout=5).json())
+        except httpx.HTTPError:
+            return {}
+
+    def logged(text: str, count: int = 1) -> bool:
+        return log_path.read_text().count(text) >= count
+
+    try:
+        wait_for(lambda: status().get("cycle"), 30, log_path.read_text)
+        # 1. not YAML, then a field out of range, then a rule file that is missing: each kept out
+        for broken in ("targets: [", json.dumps({**base, "scrape": {"interval_seconds": -1}}),
+                       json.dumps({**base, "rule_files": [str(tmp_path / "missing.yaml")]})):
+            cfg.write_text(broken)
+            before = log_path.read_text().count("keeping the running configuration")
+            os.kill(proc.pid, signal.SIGHUP)
+            wait_for(lambda b=before: logged("keeping the running configuration", b + 1), 10, log_path.read_text)
+        assert proc.poll() is None, "SIGHUP ended the tuner"
+        cycle = status()["cycle"]
+        wait_for(lambda: status().get("cycle", 0) > cycle + 2, 15, log_path.read_text)  # cycles go on
+        assert not status()["control"]["paused"]
+        text = log_path.read_text()
+        assert "reload: " in text and "interval_seconds" in text and "missing.yaml" in text
+        assert "Traceback" not in text
+        # 2. a valid one: the decisions section takes effect at the next cycle; a scrape change waits
+        cfg.write_text(json.dumps({**base, "decisions": {"paused": "reloaded"}, "scrape": {"interval_seconds": 1}}))
+        os.kill(proc.pid, signal.SIGHUP)
+        wait_for(lambda: (status().get("control") or {}).get("paused"), 15, log_path.read_text)
+        assert status()["control"]["paused_reason"] == "reloaded"
+        assert logged("not applied until a restart (systemctl restart vllm-tuner): scrape")
+        assert proc.poll() is None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0, log_path.read_text()[-2000:]

@@ -305,6 +305,7 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     notifier = _MaskedNotifier(redactor)
     gatherer = collecting.Gatherer(stop=stop_event)  # SIGTERM ends a gathering at once
     control_path = control.path_for(settings, config_path)
+    reloadable = [(settings, tuple(rules))]  # the configuration the cycles decide with; SIGHUP replaces it
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
@@ -321,14 +322,15 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             startup[0]()  # a failure (a full disk) raises here and is tried again at the next cycle
             startup.pop(0)
         act = applying if applying is None or _resumed(applying, state) else None
+        running, rules_now = reloadable[0]  # what SIGHUP last loaded (one tuple: swapped at once)
         switches = control.load(control_path)  # the operator's pause and pins, read every cycle
-        report = control.report(settings.decisions, switches)
+        report = control.report(running.decisions, switches)
         if report != state.control:
             _say_control(report, state.control)
         state.control = report
         metrics.set_control(paused=report["paused"], pins=set(report["pins"]))
-        effective = settings.model_copy(update={"decisions": control.effective(settings.decisions, switches)})
-        return cycle.run_cycle(state, settings=effective, collectors=collectors, rules=tuple(rules),
+        effective = running.model_copy(update={"decisions": control.effective(running.decisions, switches)})
+        return cycle.run_cycle(state, settings=effective, collectors=collectors, rules=rules_now,
                                rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
                                should_stop=should_stop)
 
@@ -355,8 +357,32 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         state.save()
         return 0
 
+    def reload() -> str:
+        """SIGHUP: re-read and validate the configuration and its rule files; keep the running one if they
+        do not load. The rules and ``decisions`` take effect at the next cycle; any other section that
+        changed waits for a restart, and the log says which."""
+        running = reloadable[0][0]
+        try:
+            new = config.load(config_path)
+            new_rules = tuple(loading.load_all(loading.rule_paths(new.rule_files, base_dir=config_dir)))
+        except TunerError as exc:
+            problems, file = getattr(exc, "problems", None), getattr(exc, "file", config_path)
+            why = "; ".join(f"{file}: {w + ': ' if w else ''}{what}" for w, what in problems) if problems else str(exc)
+            log.error("reload: the configuration does not load (%s); keeping the running configuration",
+                      " ".join(why.split()))
+            return "reload failed: the running configuration is kept (see the log)"
+        waiting = [k for k in type(new).model_fields if k not in RELOADABLE and getattr(new, k) != getattr(running, k)]
+        reloadable[0] = (running.model_copy(update={k: getattr(new, k) for k in RELOADABLE}), new_rules)
+        log.info("effective configuration: %s", json.dumps(reloadable[0][0].redacted_dump(redactor)))
+        said = f"reloaded {config_path}: {len(new_rules)} rule(s), the decisions section"
+        if waiting:
+            said += f"; changed but not applied until a restart (systemctl restart vllm-tuner): {', '.join(waiting)}"
+        log.warning("%s", said)
+        return said
+
     loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=state.save,
-                           notifier=notifier, between=between, between_seconds=settings.rollout.poll_seconds)
+                           notifier=notifier, between=between, between_seconds=settings.rollout.poll_seconds,
+                           on_reload=reload)
     loop_holder["loop"] = loop
 
     def relay_stop() -> None:  # SIGTERM stops the loop; the driver finishes its current step, then stops
@@ -375,6 +401,9 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             return loop.run()
     return 0
+
+
+RELOADABLE = ("rule_files", "decisions")  # what a SIGHUP applies; every other section needs a restart
 
 
 def _say_control(now: Mapping[str, Any], before: Mapping[str, Any]) -> None:
