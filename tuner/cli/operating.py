@@ -26,7 +26,7 @@ from tuner.errors import TunerError
 DEFAULT_CONFIG = "/etc/vllm-tuner/config.yaml"
 
 
-class Unreachable(TunerError):
+class UnreachableError(TunerError):
     """The daemon's endpoint or its journal cannot be read (exit code 1)."""
 
 
@@ -62,12 +62,12 @@ def fetch_status(url: str, *, timeout_seconds: float) -> dict[str, Any]:
         r.raise_for_status()
         body = r.json()
     except httpx.HTTPError as exc:
-        raise Unreachable(f"cannot read the tuner's status at {url}/status: {exc or type(exc).__name__}; is it "
+        raise UnreachableError(f"cannot read the tuner's status at {url}/status: {exc or type(exc).__name__}; is it "
                           "running? (systemctl status vllm-tuner; --url or --config say where it listens)") from exc
     except ValueError as exc:
-        raise Unreachable(f"{url}/status did not answer JSON ({exc}); is that the tuner's status port?") from exc
+        raise UnreachableError(f"{url}/status did not answer JSON ({exc}); is that the tuner's status port?") from exc
     if not isinstance(body, dict):
-        raise Unreachable(f"{url}/status did not answer a JSON object; is that the tuner's status port?")
+        raise UnreachableError(f"{url}/status did not answer a JSON object; is that the tuner's status port?")
     return body
 
 
@@ -111,7 +111,7 @@ def status_text(body: dict[str, Any], *, url: str, now: float) -> list[str]:
     return lines
 
 
-def _unreachable(exc: Unreachable) -> int:
+def _unreachable(exc: UnreachableError) -> int:
     print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
     return 1
 
@@ -120,7 +120,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
     url = status_url(ns)
     try:
         body = fetch_status(url, timeout_seconds=ns.timeout_seconds)
-    except Unreachable as exc:
+    except UnreachableError as exc:
         return _unreachable(exc)
     if ns.format == "json":
         print(json.dumps(body, indent=1))
@@ -181,9 +181,9 @@ def cmd_history(ns: argparse.Namespace) -> int:
     try:
         records = journal.read_records(path)
     except OSError as exc:
-        return _unreachable(Unreachable(f"cannot read the journal {path}: {exc.strerror or exc}"))
+        return _unreachable(UnreachableError(f"cannot read the journal {path}: {exc.strerror or exc}"))
     except journal.JournalError as exc:
-        return _unreachable(Unreachable(str(exc)))
+        return _unreachable(UnreachableError(str(exc)))
     entries = history_entries(records)[-ns.limit:] if ns.limit else history_entries(records)
     if ns.format == "json":
         print(json.dumps(entries, indent=1))
