@@ -3,7 +3,7 @@ relies on, and the tuner's sandbox tried for real (a private systemd runs a prob
 
 Exposure thresholds (``systemd-analyze security``, 0 = fully locked down, 10 = nothing):
 
-- ``vllm-tuner.service`` ≤ 2.0 (measured 1.6 with systemd 252 as root with CAP_KILL; now it runs as the
+- ``vllm-tuner.service`` ≤ 2.0 (measured 1.6 with systemd 252 as root with CAP_KILL; 1.3 now that it runs as the
   system user vllm-tuner without capabilities, and polkit (deploy/systemd/vllm-tuner.rules) lets it manage
   vllm@*.service). What remains is the host network (it scrapes the engines). Dropping
   CapabilityBoundingSet=, SystemCallFilter= or RestrictNamespaces= crosses the line; the lines the score
