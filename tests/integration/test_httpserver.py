@@ -85,8 +85,9 @@ def test_metrics_is_the_own_registry(http: httpx.Client, setup: Setup) -> None:
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     assert families["tuner_cycle_duration_seconds"].type == "histogram"
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in families["tuner_signal"].samples}
-    assert samples[("tuner_signal", (("signal", "requests_waiting"), ("target", "engine-0")))] == 112
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in families["tuner_signal_requests"].samples}
+    assert samples[("tuner_signal_requests", (("signal", "requests_waiting"), ("target", "engine-0")))] == 112
+    assert not [n for n in r.text.split() if n.endswith("_created") or "_created{" in n]  # disable_created_metrics
     assert "python_gc_objects_collected_total" not in r.text  # not the global registry
 
 

@@ -3,11 +3,11 @@ relies on, and the tuner's sandbox tried for real (a private systemd runs a prob
 
 Exposure thresholds (``systemd-analyze security``, 0 = fully locked down, 10 = nothing):
 
-- ``vllm-tuner.service`` ≤ 2.0 (measured 1.6 with systemd 252). What remains is inherent: it runs as
-  root so that ``systemctl`` and ``nginx -s reload`` work without polkit rules, it keeps CAP_KILL and
-  the host network (it scrapes the engines). Dropping CapabilityBoundingSet= (3.2),
-  SystemCallFilter= (3.1) or RestrictNamespaces= (2.3) crosses the line; the lines the score barely
-  weighs (ProtectSystem=strict, NoNewPrivileges=, PrivateTmp=, ProtectHome=) are asserted one by one.
+- ``vllm-tuner.service`` ≤ 2.0 (measured 1.6 with systemd 252 as root with CAP_KILL; 1.3 now that it runs as the
+  system user vllm-tuner without capabilities, and polkit (deploy/systemd/vllm-tuner.rules) lets it manage
+  vllm@*.service). What remains is the host network (it scrapes the engines). Dropping
+  CapabilityBoundingSet=, SystemCallFilter= or RestrictNamespaces= crosses the line; the lines the score
+  barely weighs (ProtectSystem=strict, NoNewPrivileges=, PrivateTmp=, ProtectHome=) are asserted one by one.
 - ``vllm@.service`` ≤ 3.5 (measured 3.2). An engine needs GPU device nodes, writable+executable
   memory for its JIT compilers and an unfiltered syscall set (CUDA), so it cannot score like the
   tuner; losing User= (3.6) or CapabilityBoundingSet= (5.2) crosses the line.
@@ -16,6 +16,7 @@ Exposure thresholds (``systemd-analyze security``, 0 = fully locked down, 10 = n
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -34,8 +35,10 @@ from tuner.actuators import settings
 UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 TUNER, ENGINE = UNITS / "vllm-tuner.service", UNITS / "vllm@.service"
 NVML_DROPIN = UNITS / "vllm-tuner.service.d" / "nvml.conf"
+NGINX_DROPIN = UNITS / "vllm-tuner.service.d" / "nginx.conf"
+SYSUSERS = UNITS / "vllm-tuner.sysusers"
 NVML_NODES = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "h200-device-nodes.json"
-THRESHOLDS = {TUNER: 2.0, ENGINE: 3.5, NVML_DROPIN: 2.0}
+THRESHOLDS = {TUNER: 2.0, ENGINE: 3.5, NVML_DROPIN: 2.0, NGINX_DROPIN: 2.0}
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 
 
@@ -75,12 +78,12 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 @needs_analyze
-@pytest.mark.parametrize("unit", [TUNER, ENGINE, NVML_DROPIN], ids=lambda p: p.name)
+@pytest.mark.parametrize("unit", [TUNER, ENGINE, NVML_DROPIN, NGINX_DROPIN], ids=lambda p: p.name)
 def test_exposure_score_stays_under_its_threshold(unit: Path, tmp_path: Path) -> None:
     threshold = THRESHOLDS[unit]
-    if unit == NVML_DROPIN:  # the tuner's unit with its NVML drop-in, merged the way systemd reads them
+    if unit in (NVML_DROPIN, NGINX_DROPIN):  # the tuner's unit with a drop-in, merged the way systemd reads them
         merged = tmp_path / TUNER.name
-        merged.write_text(TUNER.read_text() + "\n" + NVML_DROPIN.read_text())
+        merged.write_text(TUNER.read_text() + "\n" + unit.read_text())
         unit = merged
     done = subprocess.run(
         ["systemd-analyze", "security", "--offline=true", f"--threshold={int(threshold * 10)}", str(unit)],
@@ -114,12 +117,16 @@ def test_tuner_unit_settings() -> None:
     # The watchdog must outlast the longest single rollout step (an engine stop, then 10 s for SIGKILL).
     assert seconds(d["WatchdogSec"][0]) > settings.RolloutSettings().stop_timeout_seconds + 10
     for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes",
-                       "ProtectHome": "yes", "CapabilityBoundingSet": "CAP_KILL"}.items():
+                       "ProtectHome": "yes", "CapabilityBoundingSet": "", "AmbientCapabilities": "",
+                       "User": "vllm-tuner", "Group": "vllm-tuner", "ExecReload": "/bin/kill -HUP $MAINPID"}.items():
         assert d[key] == [value], key
-    # It writes exactly: its journal, the engines' EnvironmentFiles, nginx's upstream file (and logs).
-    assert d["StateDirectory"] == ["vllm-tuner"]
+    users = {line.split()[1] for line in SYSUSERS.read_text().splitlines() if line.startswith("u ")}
+    assert users == {"vllm-tuner", directives(ENGINE)["User"][0]}  # the installer creates both
+    # It writes only in its state directory: journal, state, the engines' EnvironmentFiles; nothing in /etc.
+    assert d["StateDirectory"] == ["vllm-tuner"] and "ReadWritePaths" not in d
     assert settings.RolloutSettings().journal_file.startswith("/var/lib/vllm-tuner/")
-    assert settings.SystemdActuatorSettings(kind="systemd").env_dir in d["ReadWritePaths"]
+    assert settings.SystemdActuatorSettings(kind="systemd").env_dir.startswith("/var/lib/vllm-tuner/")
+    assert directives(NGINX_DROPIN)["CapabilityBoundingSet"] == ["CAP_KILL"]  # nginx -s reload, nothing more
     # SIGTERM lets the current step finish; the longest step is one engine stop.
     assert seconds(d["TimeoutStopSec"][0]) > settings.RolloutSettings().stop_timeout_seconds
 
@@ -149,6 +156,7 @@ def attempt(key, fn):
 attempt("write_rw_path", lambda: open(os.path.join(os.path.dirname(out), "env-probe"), "w").close())
 attempt("write_usr", lambda: open("/usr/vllm-tuner-probe", "w").close())
 result["dev"] = sorted(os.listdir("/dev"))
+result["uid"] = os.getuid()
 show = subprocess.run(["systemctl", "show", "-p", "LoadState", "basic.target"], capture_output=True, text=True)
 result["systemctl"] = show.stdout.strip() or show.stderr.strip()
 attempt("nginx_test", lambda: subprocess.run([*nginx, "-t", "-q"], check=True, capture_output=True))
@@ -164,8 +172,11 @@ json.dump(result, open(out, "w"))
 
 @pytest.fixture(scope="module")
 def booted() -> Iterator[systemd_support.PrivateSystemd]:
+    """With the unit's user (vllm-tuner), created by the shipped sysusers.d file in the namespace's /etc only."""
     required.need(systemd_support.skip_reason() or nginx_support.skip_reason(), "real systemd + nginx")
-    with systemd_support.PrivateSystemd() as sd:
+    with systemd_support.PrivateSystemd(overlays=("/etc",)) as sd:
+        done = sd.run("systemd-sysusers", str(SYSUSERS))
+        assert done.returncode == 0, done.stderr
         yield sd
 
 
@@ -181,10 +192,15 @@ def test_the_tuner_sandbox_allows_what_the_tuner_does_and_nothing_more(booted: s
 
 
 def _run_probe(sd: systemd_support.PrivateSystemd, rw: Path) -> None:
-    (rw / "probe.py").write_text(PROBE)
     python = next(p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists())
-    # nginx runs inside the namespace too: `nginx -s reload` signals the pid in its pid file.
+    # nginx runs inside the namespace too, as root: `nginx -s reload` signals the pid in its pid file, which the
+    # probe (as vllm-tuner, with the nginx drop-in's CAP_KILL) may do.
+    uid = int(sd.run("id", "-u", "vllm-tuner").stdout)
+    os.chown(rw, uid, uid)
+    (rw / "probe.py").write_text(PROBE)
     with nginx_support.NginxBalancer({"a": "127.0.0.1:9"}, launcher=sd.nsenter, base_dir=str(rw)) as lb:
+        for path in (lb.dir, *lb.dir.rglob("*")):
+            os.chown(path, uid, uid)
         # The probe stands in for `vllm-tuner run`; only paths are redirected to test directories (the
         # namespace shares the host's /var: no StateDirectory= under the host's /var/lib).
         dropin = textwrap.dedent(f"""\
@@ -199,11 +215,13 @@ def _run_probe(sd: systemd_support.PrivateSystemd, rw: Path) -> None:
         sd.install_unit("vllm-tuner.service", TUNER.read_text())
         # With the NVML drop-in: nodes this machine lacks are skipped, nodes it has appear in the private /dev.
         sd.install_unit("vllm-tuner.service.d/nvml.conf", NVML_DROPIN.read_text())
+        sd.install_unit("vllm-tuner.service.d/nginx.conf", NGINX_DROPIN.read_text())
         sd.install_unit("vllm-tuner.service.d/test.conf", dropin)
         sd.systemctl("daemon-reload")
         started = sd.systemctl("start", "vllm-tuner.service", check=False, timeout=60)
         assert started.returncode == 0, started.stderr + sd.systemctl("status", "vllm-tuner.service", check=False).stdout
     result = json.loads((rw / "result.json").read_text())
+    assert result["uid"] == uid  # unprivileged
     assert result["write_rw_path"] == "ok"
     assert "Read-only file system" in result["write_usr"]
     assert result["systemctl"] == "LoadState=loaded"

@@ -28,14 +28,22 @@ SYSTEMD = Path("/lib/systemd/systemd")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _boot_script() -> str:
+def _boot_script(overlays: dict[str, Path] | None = None) -> str:
     """Fresh tmpfs on /tmp and /run first. A checkout that itself lives under /tmp (a CI clone) would
     vanish under the new /tmp, so it is bound aside onto /mnt first and moved back on top (inside the
-    private mount namespace only; the host sees nothing)."""
-    keep = restore = ""
+    private mount namespace only; the host sees nothing). ``overlays``: directories (``/etc``, ``/var/lib``)
+    given a writable overlay whose upper layer is the directory mapped to: what the namespace writes there
+    (an installer's users, units, rules) lands in that layer, never on the host."""
+    overlay = ""
+    for target, layer in (overlays or {}).items():
+        upper, work = shlex.quote(str(layer / "upper")), shlex.quote(str(layer / "work"))
+        overlay += (f"mkdir -p {upper} {work} && mount -t overlay overlay -o "
+                    f"lowerdir={shlex.quote(target)},upperdir={upper},workdir={work} {shlex.quote(target)} && ")
+    keep = overlay
+    restore = ""
     if REPO.is_relative_to("/tmp"):
         q = shlex.quote(str(REPO))
-        keep = f"mount --bind {q} /mnt && "
+        keep += f"mount --bind {q} /mnt && "
         restore = f"mkdir -p {q} && mount --move /mnt {q} && "
     return (keep + "mount -t tmpfs -o mode=1777 tmpfs /tmp && " + restore
             + "mount -t tmpfs -o mode=755 tmpfs /run && "
@@ -70,11 +78,13 @@ def skip_reason() -> str | None:
 
 
 class PrivateSystemd:
-    def __init__(self, *, boot_timeout_seconds: float = 60) -> None:
+    def __init__(self, *, boot_timeout_seconds: float = 60, overlays: tuple[str, ...] = ()) -> None:
         self._boot_timeout = boot_timeout_seconds
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid = 0  # systemd's PID in the host's namespace
         self.shared_dir = Path(tempfile.mkdtemp(prefix="vllm-tuner-sd-", dir="/var/tmp"))
+        # what the namespace wrote to each overlaid directory: <shared_dir>/overlay/<n>/upper
+        self.overlays = {d: self.shared_dir / "overlay" / str(i) for i, d in enumerate(overlays)}
 
     @property
     def root(self) -> Path:
@@ -93,6 +103,17 @@ class PrivateSystemd:
         return subprocess.run([*self.systemctl_prefix, *args], capture_output=True, text=True,
                               timeout=timeout, check=check)
 
+    def written(self, directory: str) -> set[str]:
+        """The files the namespace created or changed under an overlaid ``directory`` (relative paths)."""
+        upper = self.overlays[directory] / "upper"
+        return {str(p.relative_to(upper)) for p in upper.rglob("*") if not p.is_dir()}
+
+    def run(self, *argv: str, timeout: float = 120, user: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``argv`` inside the namespace (its mounts, its PID 1), as root or as ``user``."""
+        as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups"] if user else []
+        return subprocess.run([*self.nsenter, *as_user, *argv], capture_output=True, text=True, timeout=timeout,
+                              check=False)
+
     def install_unit(self, name: str, text: str) -> None:
         target = self.root / "run/systemd/system" / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +121,7 @@ class PrivateSystemd:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
-                                      "--propagation", "private", "sh", "-c", BOOT],
+                                      "--propagation", "private", "sh", "-c", _boot_script(self.overlays)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self._boot_timeout
         while time.monotonic() < deadline:

@@ -64,10 +64,11 @@ def test_one_decision_path() -> None:
 
 def test_one_engine_client() -> None:
     """Only tuner/sources speaks HTTP as a client (the http drainer talks to a load balancer, not an engine;
-    tuner/kube/api.py talks to the Kubernetes API server, through lightkube)."""
+    tuner/kube/api.py talks to the Kubernetes API server, through lightkube; `vllm-tuner status` reads the
+    running tuner's own /status, tuner/cli/operating.py)."""
     users = {h.split(":")[0] for h in _grep(r"^\s*(import httpx|from httpx|import httpcore|import urllib\.request)")}
     assert users <= {"tuner/sources/engines.py", "tuner/sources/scraping.py", "tuner/sources/transport.py",
-                     "tuner/actuators/draining.py", "tuner/kube/api.py"}, users
+                     "tuner/actuators/draining.py", "tuner/kube/api.py", "tuner/cli/operating.py"}, users
 
 
 OUTSIDE = re.compile("/" + "work/|[.][.]/shared\\b|shared/(reference|gpu)")  # spelled so it does not match itself

@@ -110,6 +110,12 @@ PATH_SLOTS = [
     Slot("run --config", _e("run", "--config", "{}", "--once")),
     Slot("check-config", _e("check-config", "{}")),
     Slot("inject -f", _e("inject", "--image", "r/vllm-tuner:1", "--require", "-f", "{}")),
+    Slot("status --config", _e("status", "--config", "{}")),
+    Slot("history --config", _e("history", "--config", "{}")),
+    Slot("pause --config", _e("pause", "--config", "{}")),
+    Slot("resume --config", _e("resume", "--config", "{}")),
+    Slot("pin --config", _e("pin", "--max-num-seqs", "--config", "{}")),
+    Slot("unpin --config", _e("unpin", "--max-num-seqs", "--config", "{}")),
     Slot("launcher-zipapp OUT", _e("launcher-zipapp", "{}/launcher.pyz"),
          lambda k: 2 if k in ("binary", "empty", "wrong", "huge", "fifo") else None),  # a file where a dir must be
 ]
@@ -118,6 +124,7 @@ URLS = ["not-a-url", "ftp://127.0.0.1/metrics", "http://", "http:///metrics", "1
         "http://127.0.0.1:99999/metrics", "http://127.0.0.1:x/metrics", "http://exa mple/metrics", "",
         "http://[::1/metrics", "file:///etc/passwd", "http://127.0.0.1:0/metrics"]
 URL_SLOTS = [
+    Slot("status --url", _e("status", "--url", "{}")),
     Slot("inspect --engine-url", _e("inspect", "--engine-url", "{}", "--samples", "1")),
     Slot("inspect --dcgm-url", _e("inspect", "--engine-url", DEAD_URL, "--dcgm-url", "{}", "--samples", "1")),
 ]

@@ -143,7 +143,7 @@ def test_observe_mode_summary_and_signals() -> None:
     assert t.plan is None
     assert "\n" not in second.summary
     v = h.metrics.registry.get_sample_value
-    assert v("tuner_signal", {"target": "engine-0", "signal": "requests_waiting"}) == 112
+    assert v("tuner_signal_requests", {"target": "engine-0", "signal": "requests_waiting"}) == 112
     assert v("tuner_cycle_duration_seconds_count") == 2
     for step in cycle.STEPS:
         assert v("tuner_cycle_step_duration_seconds_count", {"step": step}) == 2
@@ -328,7 +328,7 @@ def test_a_removed_target_is_forgotten() -> None:
     h.run()
     assert set(h.state.targets) == {"engine-0"}
     assert h.metrics.registry.get_sample_value(
-        "tuner_signal", {"target": "engine-1", "signal": "requests_waiting"}) is None
+        "tuner_signal_requests", {"target": "engine-1", "signal": "requests_waiting"}) is None
 
 
 def test_records_are_json_and_the_json_formatter_carries_them(caplog: pytest.LogCaptureFixture) -> None:
@@ -364,3 +364,23 @@ def test_maintenance_windows_in_a_time_zone() -> None:
     windows = MaintenanceWindows(["* 4 * * *"], timezone="Europe/Berlin")  # 04:xx CEST = 02:xx UTC
     assert windows.is_open(T0 + 3600)
     assert not windows.is_open(T0)
+
+
+def test_a_repeated_recommendation_is_logged_once_then_on_change_and_every_ten_minutes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness("recommend")
+    with caplog.at_level(logging.DEBUG, logger="tuner.cycle"):
+        results = [h.run() for _ in range(6)]  # 30 s apart: the same recommendation from cycle 2 on
+        said = [r.getMessage() for r in caplog.records if r.name == "tuner.cycle" and r.levelno == logging.INFO]
+        assert said == [results[0].summary, results[1].summary]  # the window filling, then the recommendation
+        quiet = [r for r in caplog.records if r.name == "tuner.cycle" and r.levelno == logging.DEBUG]
+        assert [r.getMessage() for r in quiet] == [r.summary for r in results[2:]]  # still there, at DEBUG
+        assert all("tuner_cycle" in r.__dict__ for r in quiet)  # with the structured record
+        caplog.clear()
+        later = [h.run() for _ in range(20)]  # cycles 7-26; cycle 22 is 600 s after cycle 2
+        again = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+        assert again == [later[15].summary + " (the same since cycle 2)"] and later[15].number == 22
+        caplog.clear()
+        h.collectors[0].waiting = 0  # the queue drains: a different line, said at once
+        changed = h.run()
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [changed.summary]

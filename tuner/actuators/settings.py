@@ -4,7 +4,7 @@
 
     actuator:             # how engines run: a discriminated union on `kind`
       kind: systemd       # or: process
-      env_dir: /etc/vllm-tuner
+      env_dir: /var/lib/vllm-tuner/env
     drain:                # how a replica leaves the load balancer: nginx | command | http | none
       kind: nginx
       upstream_file: /etc/nginx/vllm-tuner/upstreams.conf
@@ -61,13 +61,15 @@ class SystemdActuatorSettings(_Model):
     kind: Literal["systemd"]
     unit: str = Field(default="vllm@{name}.service", pattern=r"\{name\}")
     """The unit of each replica; {name} is the target name (the template instance)."""
-    env_dir: str = "/etc/vllm-tuner"
-    """Where <name>.env is written (the unit's EnvironmentFile=); must match deploy/systemd/vllm@.service."""
+    env_dir: str = "/var/lib/vllm-tuner/env"
+    """Where <name>.env is written (the unit's EnvironmentFile=); must match deploy/systemd/vllm@.service.
+    Under the tuner's state directory: it writes nothing under /etc (its configuration, read-only)."""
     variable: str = Field(default="VLLM_ARGS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """The variable ExecStart= expands, unquoted, as the engine arguments."""
     systemctl: list[str] = Field(default=["systemctl"], min_length=1)
-    """The systemctl command, as an argv prefix: e.g. ["sudo", "-n", "systemctl"] for a tuner that is
-    not root, or ["systemctl", "--user"]."""
+    """The systemctl command, as an argv prefix. The installed unit runs the tuner as vllm-tuner, whom the
+    polkit rule deploy/systemd/vllm-tuner.rules lets manage vllm@*.service; e.g. ["systemctl", "--user"] for
+    user units."""
     command_timeout_seconds: float = Field(default=30.0, gt=0)
     """Upper bound on each systemctl call (a `start` returns once the engine process is exec'd)."""
     proc_root: str = "/proc"

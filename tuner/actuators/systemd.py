@@ -4,7 +4,7 @@ The tuner writes a replica's engine arguments to ``<env_dir>/<instance>.env`` (a
 file, fsync, rename) as one variable, ``VLLM_ARGS``, which the unit expands unquoted in ``ExecStart=``
 (``deploy/systemd/vllm@.service``)::
 
-    EnvironmentFile=/etc/vllm-tuner/%i.env
+    EnvironmentFile=/var/lib/vllm-tuner/env/%i.env
     ExecStart=/usr/local/bin/vllm serve $VLLM_ARGS
 
 systemd, not a shell, splits ``$VLLM_ARGS`` into words, so the value is quoted for systemd's two
@@ -69,7 +69,7 @@ class SystemdActuator:
         replicas: Sequence[base.Replica],
         *,
         unit: str = "vllm@{name}.service",
-        env_dir: str | os.PathLike[str] = "/etc/vllm-tuner",
+        env_dir: str | os.PathLike[str] = "/var/lib/vllm-tuner/env",
         variable: str = "VLLM_ARGS",
         systemctl: Sequence[str] = ("systemctl",),
         command_timeout_seconds: float = 30.0,

@@ -154,7 +154,8 @@ def run_live(*, seconds: float, out: Any = print) -> int:
                     finished_at = time.monotonic()
                 elif finished_at is not None and text.startswith("cycle "):
                     cycles_after += 1
-                if cycles_after >= 2 or time.monotonic() > deadline:
+                # one cycle line after the rollout (the daemon logs a line again only when it changes)
+                if cycles_after >= 1 or time.monotonic() > deadline:
                     break
         finally:
             os.killpg(proc.pid, signal.SIGTERM)  # the daemon stops its engines' supervision; they get it too

@@ -217,5 +217,20 @@ def run_cycle(
     if metrics is not None:
         metrics.observe_cycle(result.duration_seconds, finished_at=result.finished_at)
     state.last = result
-    log.info(result.summary, extra={"tuner_cycle": views.record(result)})
+    _log_once(state, result)
     return result
+
+
+def _log_once(state: TunerState, result: CycleResult) -> None:
+    """The cycle's line at INFO when it says something new (a new recommendation, hold, error, rollout
+    step), and at DEBUG while it repeats the last one — again at INFO every ``views.REPEAT_SECONDS``, with
+    how many cycles said the same. The structured record goes with it either way."""
+    said = views.gist(result)
+    last = state.logged
+    extra = {"tuner_cycle": views.record(result)}
+    if last is not None and last[0] == said and result.started_at - last[1] < views.REPEAT_SECONDS:
+        log.debug(result.summary, extra=extra)
+        return
+    repeats = f" (the same since cycle {last[2]})" if last is not None and last[0] == said else ""
+    log.info(result.summary + repeats, extra=extra)
+    state.logged = (said, result.started_at, last[2] if last is not None and last[0] == said else result.number)

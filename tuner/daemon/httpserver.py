@@ -170,7 +170,7 @@ class TunerHttpServer:
 
     def status(self) -> dict[str, Any]:
         last = self.state.last
-        head = {"started_at": self.state.started_at}
+        head = {"started_at": self.state.started_at, "control": dict(self.state.control) or None}
         if last is None:
             return {**head, "cycle": None, "summary": "no cycle finished yet", "targets": {}, "pending": None,
                     "rollout": dict(self.state.rollout_state) or None,

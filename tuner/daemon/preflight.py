@@ -19,6 +19,7 @@ import fcntl
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -38,9 +39,12 @@ Problem = tuple[str, str]
 PROBE_BYTES = 64 * 1024  # a disk that cannot take this cannot take the state file and the journal either
 
 
-def preflight(settings: config.TunerSettings, config_dir: Path, *, serving: bool = True) -> list[Problem]:
+def preflight(settings: config.TunerSettings, config_dir: Path, *, serving: bool = True,
+              unchecked: list[str] | None = None) -> list[Problem]:
     """Everything that would stop ``run`` at start-up, or within its first cycle, for this configuration
-    on this host; [] if nothing would. ``serving``: the status endpoint will listen (not ``run --once``)."""
+    on this host; [] if nothing would. ``serving``: the status endpoint will listen (not ``run --once``).
+    ``unchecked`` collects the checks that could not be made here, and why (``check-config`` lists them)."""
+    unchecked = unchecked if unchecked is not None else []
     problems = list(settings.apply_problems())
     problems += _rules(settings, config_dir)
     problems += _maintenance(settings)
@@ -48,16 +52,22 @@ def preflight(settings: config.TunerSettings, config_dir: Path, *, serving: bool
     if serving:
         problems += _listen(settings)
     problems += _state(settings, config_dir)
+    problems += _gpus(settings)
     if settings.mode == "apply":
         problems += _journal(settings, config_dir)
         problems += _actuator(settings)
+        problems += _host_systemd(settings, unchecked)
         problems += _drain(settings)
+    elif isinstance(settings.actuator, actuator_settings.SystemdActuatorSettings):
+        unchecked.append(f"the systemd actuator's host (PID 1, the engine units): mode is {settings.mode}, which "
+                         "starts and stops nothing")
     return problems
 
 
-def check(settings: config.TunerSettings, config_path: str | os.PathLike[str], *, serving: bool = True) -> None:
+def check(settings: config.TunerSettings, config_path: str | os.PathLike[str], *, serving: bool = True,
+          unchecked: list[str] | None = None) -> None:
     """``preflight``, raising a ``ConfigError`` that names the configuration file."""
-    problems = preflight(settings, Path(config_path).resolve().parent, serving=serving)
+    problems = preflight(settings, Path(config_path).resolve().parent, serving=serving, unchecked=unchecked)
     if problems:
         raise ConfigError(str(config_path), problems)
 
@@ -217,6 +227,65 @@ def _actuator(settings: config.TunerSettings) -> list[Problem]:
     elif isinstance(act, actuator_settings.SystemdActuatorSettings):
         problems += _program("actuator.systemctl[0]", act.systemctl[0], example='["systemctl"]')
         problems += _writable("actuator.env_dir", Path(act.env_dir))
+    return problems
+
+
+SYSTEMD_BOOTED = Path("/run/systemd/system")  # sd_booted(3): PID 1 is systemd exactly when this exists
+
+
+def _host_systemd(settings: config.TunerSettings, unchecked: list[str]) -> list[Problem]:
+    """The systemd actuator on this host: PID 1 is systemd, and every target's unit is loaded (the template
+    ``vllm@.service`` installed). Through ``actuator.systemctl`` as configured; where that is not this
+    host's plain ``systemctl`` (``sudo``, ``nsenter``, ``--user``, ``-H``) PID 1 is not checked here."""
+    act = settings.actuator
+    if not isinstance(act, actuator_settings.SystemdActuatorSettings):
+        return []
+    plain = len(act.systemctl) == 1 and Path(act.systemctl[0]).name == "systemctl"
+    if plain and not SYSTEMD_BOOTED.is_dir():
+        return [("actuator", f"PID 1 is not systemd here ({SYSTEMD_BOOTED} is missing): the systemd actuator starts "
+                 "vllm@<name>.service units; boot with systemd, or use the process actuator (kind: process)")]
+    if not plain:
+        unchecked.append(f"PID 1 is systemd: actuator.systemctl runs {' '.join(act.systemctl)!r}, not this host's "
+                         "systemctl")
+    if shutil.which(act.systemctl[0]) is None and not Path(act.systemctl[0]).is_file():
+        return []  # _actuator said so
+    units = {t.name: act.unit.format(name=t.name) for t in settings.targets}
+    try:
+        done = subprocess.run([*act.systemctl, "show", "-p", "Id,LoadState", "--", *units.values()],
+                              capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        unchecked.append(f"the engine units exist: `{' '.join(act.systemctl)} show` did not run ({exc})")
+        return []
+    states: dict[str, str] = {}
+    unit_id = ""
+    for line in done.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key == "Id":
+            unit_id = value
+        elif key == "LoadState" and unit_id:
+            states[unit_id] = value
+    if done.returncode != 0 and not states:
+        why = " ".join((done.stderr or done.stdout).split())[:300]
+        unchecked.append(f"the engine units exist: `{' '.join(act.systemctl)} show` exited {done.returncode}: {why}")
+        return []
+    return [("actuator.unit", f"{unit} (target {name}) is {states.get(unit, 'not found')}; install "
+             "deploy/systemd/vllm@.service (deploy/systemd/install.sh does) and run `systemctl daemon-reload`")
+            for name, unit in units.items() if states.get(unit) != "loaded"]
+
+
+def _gpus(settings: config.TunerSettings) -> list[Problem]:
+    """A target that reads its GPUs through NVML: NVML loads here and has the GPUs asked for."""
+    from tuner.sources import nvml
+
+    problems: list[Problem] = []
+    for i, t in enumerate(settings.targets):
+        if isinstance(t.gpu, config.NvmlSource):
+            why = nvml.NvmlSource(t.gpu.devices).probe()
+            if why is not None:
+                problems.append((f"targets[{i}].gpu", f"NVML does not load here ({why}); the host needs the NVIDIA "
+                                 "driver (libnvidia-ml.so.1) and, under systemd, the drop-in "
+                                 "vllm-tuner.service.d/nvml.conf; or read the GPUs from dcgm-exporter "
+                                 "(kind: dcgm), or none (kind: none)"))
     return problems
 
 

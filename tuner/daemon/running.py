@@ -24,6 +24,7 @@ from tuner.actuators import settings as actuator_settings
 from tuner.daemon import (
     clocks,
     collecting,
+    control,
     cycle,
     drained,
     logs,
@@ -290,8 +291,9 @@ def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: 
 
 
 def rollout_state(rollout: machine.Rollout) -> dict[str, Any]:
-    """The rollout as /status shows it: id, outcome, each replica's state, and why where one failed."""
-    return {"id": rollout.id, "outcome": machine.outcome(rollout).value,
+    """The rollout as /status shows it: id, kind (restart or live), outcome, each replica's state, and why
+    where one failed."""
+    return {"id": rollout.id, "kind": rollout.kind.value, "outcome": machine.outcome(rollout).value,
             "replicas": {p.name: p.state.value for p in rollout.progress},
             "reasons": {p.name: p.reason for p in rollout.progress if p.reason}}
 
@@ -325,13 +327,16 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     stop_event = threading.Event()
     notifier = _MaskedNotifier(redactor)
     gatherer = collecting.Gatherer(stop=stop_event, clock=loop_clock.now)  # SIGTERM ends a gathering at once
+    control_path = control.path_for(settings, config_path)
+    reloadable = [(settings, tuple(rules))]  # the configuration the cycles decide with; SIGHUP replaces it
     applying: Applying | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
 
     if settings.mode == "apply":
         applying = _build_applying(settings, state, client, config_dir, stop_event=stop_event,
-                                   on_transition=lambda r: _show_rollout(state, notifier, r), clock=loop_clock.now)
+                                   on_transition=lambda r: _show_rollout(state, notifier, r, metrics),
+                                   clock=loop_clock.now)
         startup.append(lambda: _start_up(applying, state))
 
     watch = drained.LeftDrainedWatch(ask_after_seconds=settings.rollout.left_drained_ask_after_seconds,
@@ -344,7 +349,15 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             startup[0]()  # a failure (a full disk) raises here and is tried again at the next cycle
             startup.pop(0)
         act = applying if applying is None or _resumed(applying, state) else None
-        result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=tuple(rules),
+        running, rules_now = reloadable[0]  # what SIGHUP last loaded (one tuple: swapped at once)
+        switches = control.load(control_path)  # the operator's pause and pins, read every cycle
+        report = control.report(running.decisions, switches)
+        if report != state.control:
+            _say_control(report, state.control)
+        state.control = report
+        metrics.set_control(paused=report["paused"], pins=set(report["pins"]))
+        effective = running.model_copy(update={"decisions": control.effective(running.decisions, switches)})
+        result = cycle.run_cycle(state, settings=effective, collectors=collectors, rules=rules_now,
                                  rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
                                  should_stop=should_stop, clock=loop_clock)
         if applying is not None:  # a replica a failed rollout left drained: shown, measured, a person asked
@@ -379,8 +392,32 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
             raise SourceError("run --once", redactor.text(f"no target could be read ({'; '.join(unread)[:400]})"))
         return 0
 
+    def reload() -> str:
+        """SIGHUP: re-read and validate the configuration and its rule files; keep the running one if they
+        do not load. The rules and ``decisions`` take effect at the next cycle; any other section that
+        changed waits for a restart, and the log says which."""
+        running = reloadable[0][0]
+        try:
+            new = config.load(config_path)
+            new_rules = tuple(loading.load_all(loading.rule_paths(new.rule_files, base_dir=config_dir)))
+        except TunerError as exc:
+            problems, file = getattr(exc, "problems", None), getattr(exc, "file", config_path)
+            why = "; ".join(f"{file}: {w + ': ' if w else ''}{what}" for w, what in problems) if problems else str(exc)
+            log.error("reload: the configuration does not load (%s); keeping the running configuration",
+                      " ".join(why.split()))
+            return "reload failed: the running configuration is kept (see the log)"
+        waiting = [k for k in type(new).model_fields if k not in RELOADABLE and getattr(new, k) != getattr(running, k)]
+        reloadable[0] = (running.model_copy(update={k: getattr(new, k) for k in RELOADABLE}), new_rules)
+        log.info("effective configuration: %s", json.dumps(reloadable[0][0].redacted_dump(redactor)))
+        said = f"reloaded {config_path}: {len(new_rules)} rule(s), the decisions section"
+        if waiting:
+            said += f"; changed but not applied until a restart (systemctl restart vllm-tuner): {', '.join(waiting)}"
+        log.warning("%s", said)
+        return said
+
     loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=state.save,
-                           notifier=notifier, between=between, between_seconds=settings.rollout.poll_seconds)
+                           notifier=notifier, between=between, between_seconds=settings.rollout.poll_seconds,
+                           on_reload=reload)
     loop_holder["loop"] = loop
 
     def relay_stop() -> None:  # SIGTERM stops the loop; the driver finishes its current step, then stops
@@ -401,6 +438,22 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             return loop.run()
     return 0
+
+
+RELOADABLE = ("rule_files", "decisions")  # what a SIGHUP applies; every other section needs a restart
+
+
+def _say_control(now: Mapping[str, Any], before: Mapping[str, Any]) -> None:
+    """One line when a switch changes (and at start, when one is on): paused, resumed, pinned, unpinned."""
+    if now.get("paused") and (not before.get("paused") or now.get("paused_reason") != before.get("paused_reason")):
+        log.warning("paused (%s): no change goes out until resumed", now.get("paused_reason"))
+    elif before.get("paused") and not now.get("paused"):
+        log.warning("resumed: changes go out again")
+    pins, was = now.get("pins", {}), before.get("pins", {})
+    for flag in sorted(set(pins) - set(was)):
+        log.warning("pinned %s (%s): the tuner holds changes to it", flag, pins[flag].get("reason"))
+    for flag in sorted(set(was) - set(pins)):
+        log.warning("unpinned %s", flag)
 
 
 class _MaskedNotifier(notify.Notifier):
@@ -644,7 +697,12 @@ def _wait_started(applying: Applying, name: str) -> None:
         applying.sleep(rollout.poll_seconds)
 
 
-def _show_rollout(state: TunerState, notifier: notify.Notifier, rollout: machine.Rollout) -> None:
-    """Every transition: /status shows the rollout as it stands, systemd's STATUS= too."""
+def _show_rollout(state: TunerState, notifier: notify.Notifier, rollout: machine.Rollout,
+                  metrics: selfmetrics.TunerMetrics | None = None) -> None:
+    """Every transition: /status shows the rollout as it stands, systemd's STATUS= too, and
+    ``tuner_rollout_in_flight`` whether one is (the RolloutStuck alert's input)."""
     state.rollout_state = {**rollout_state(rollout), "summary": machine.describe(rollout)}
     notifier.status(state.rollout_state["summary"])
+    if metrics is not None:
+        running = machine.outcome(rollout) is machine.Outcome.RUNNING
+        metrics.set_rollout(started_at=rollout.created_at if running else None)

@@ -11,6 +11,9 @@ read maintenance windows.
   and the cycle and the rollout return between their steps); once it has returned — or
   ``stop_timeout_seconds`` passed, or a second signal came — ``on_stop`` persists the state and
   ``run()`` returns 0 (1 if persisting failed).
+- SIGHUP (``systemctl reload``, ``ExecReload=``): ``on_reload`` runs in the main thread between polls —
+  it re-reads and validates the configuration and keeps the running one if the new one does not load —
+  framed by ``RELOADING=1`` and ``READY=1``. Without ``on_reload`` SIGHUP is left as it was.
 - systemd: ``READY=1`` once the scheduler runs, ``STATUS=`` with each cycle's summary, ``WATCHDOG=1``
   at half the period systemd asked for while the loop is healthy (a cycle finished recently, or the
   running one is not stuck), ``STOPPING=1`` on the way out.
@@ -66,6 +69,7 @@ class Loop:
         stuck_after_seconds: float | None = None,
         between: Callable[[], object] | None = None,
         between_seconds: float = 1.0,
+        on_reload: Callable[[], str] | None = None,
     ) -> None:
         if interval_seconds <= 0:
             raise ValueError(f"interval_seconds must be > 0, got {interval_seconds}")
@@ -73,6 +77,9 @@ class Loop:
         self.interval_seconds = interval_seconds
         self.between, self.between_seconds = between, between_seconds
         self.on_stop = on_stop
+        self.on_reload = on_reload
+        self._reloads_asked = 0
+        self._reloads_done = 0
         self.notifier = notifier if notifier is not None else notify.Notifier()
         self.watchdog_seconds = watchdog_seconds if watchdog_seconds is not None else notify.watchdog_seconds()
         self.stop_timeout_seconds = stop_timeout_seconds
@@ -138,10 +145,13 @@ class Loop:
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 previous[signum] = signal.signal(signum, self._on_signal)
+            if self.on_reload is not None:
+                previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hangup)
         try:
             self.start()
             while not self.should_stop():
                 self._stop.wait(_POLL_SECONDS)
+                self.reload_if_asked()
             return self.stop()
         finally:
             for restored, handler in previous.items():
@@ -185,6 +195,25 @@ class Loop:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals_seen += 1  # only record it; see the module docstring
+
+    def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
+        self._reloads_asked += 1  # only record it: the main thread reloads (reload_if_asked)
+
+    def request_reload(self) -> None:
+        self._reloads_asked += 1
+
+    def reload_if_asked(self) -> None:
+        """Run ``on_reload`` once for any number of SIGHUPs since the last time; its line is systemd's STATUS."""
+        if self.on_reload is None or self._reloads_done == self._reloads_asked:
+            return
+        self._reloads_done = self._reloads_asked
+        self.notifier.send(RELOADING=1, STATUS="reloading the configuration")
+        try:
+            said = self.on_reload()
+        except Exception:  # a bug in reloading must not stop the tuner: it keeps what it runs
+            log.exception("reloading the configuration failed; keeping the running one")
+            said = "reloading the configuration failed; keeping the running one"
+        self.notifier.send(READY=1, STATUS=said)
 
     def _tick(self) -> None:
         if self.should_stop():

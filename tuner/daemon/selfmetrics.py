@@ -3,17 +3,59 @@
 Never the global ``REGISTRY``: tests create a fresh ``TunerMetrics()`` each, and a process embedding
 the tuner keeps its own metrics apart. Label values that are free text (reasons) are kept short by the
 caller: a reason label is a guard name or a rule's short reason, never a sentence with numbers in it.
+
+Each name means one thing in one unit: ``tuner_decisions_total`` counts decisions (a recommendation
+repeated every cycle is one decision, counted when it is first made or changes), ``tuner_restarts_total``
+engine restarts and ``tuner_live_changes_total`` changes the running engines took without one; the
+signals are split by unit (``tuner_signal_seconds``, ``tuner_signal_ratio``, … ``SIGNAL_METRICS``). No
+``_created`` series (``disable_created_metrics``): they doubled the output and nothing reads them.
 """
 
 from __future__ import annotations
 
+import platform
 import threading
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from tuner.signals import Signal
+from tuner import __version__
+from tuner.signals import VOCABULARY, Signal
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide in prometheus_client: the tuner's own registry is the only one it serves
+
+# A signal's unit (signals.VOCABULARY) → the gauge that holds it: one unit per metric name.
+SIGNAL_METRICS = {
+    "requests": "tuner_signal_requests",
+    "level": "tuner_signal_level",
+    "ratio 0..1": "tuner_signal_ratio",
+    "requests/s (signed)": "tuner_signal_requests_per_second",
+    "requests/s": "tuner_signal_requests_per_second",
+    "tokens/s": "tuner_signal_tokens_per_second",
+    "preemptions/s": "tuner_signal_preemptions_per_second",
+    "s": "tuner_signal_seconds",
+    "tokens": "tuner_signal_tokens",
+    "blocks": "tuner_signal_blocks",
+    "°C": "tuner_signal_celsius",
+    "bool 0/1": "tuner_signal_bool",
+    "W": "tuner_signal_watts",
+}
+OTHER_SIGNALS = "tuner_signal_other"  # a signal outside the vocabulary (none today)
+
+
+def signal_metric(signal: str) -> str:
+    """The metric name a signal is exported under."""
+    d = VOCABULARY.get(signal)
+    return SIGNAL_METRICS.get(d.unit, OTHER_SIGNALS) if d is not None else OTHER_SIGNALS
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest() writes
 
@@ -36,15 +78,34 @@ class TunerMetrics:
             buckets=CYCLE_BUCKETS, registry=r)
         self.decisions = Counter(
             "tuner_decisions", "Decisions by rule, outcome (recommended, applied, deferred, held) and "
-            "reason (the guard or short reason).", ["rule", "outcome", "reason"], registry=r)
+            "reason (the guard or short reason); one a decision, not one a cycle: a decision repeated by the "
+            "next cycles counts again only once it changed.", ["rule", "outcome", "reason"], registry=r)
         self.restarts = Counter(
-            "tuner_restarts", "Engine restarts by target and result.", ["target", "result"], registry=r)
+            "tuner_restarts", "Engine restarts by target and result (a rollout that restarted the engine).",
+            ["target", "result"], registry=r)
+        self.live_changes = Counter(
+            "tuner_live_changes", "Changes the running engine took without a restart, by target and result.",
+            ["target", "result"], registry=r)
+        self.build_info = Info("tuner_build", "The tuner's version and Python.", registry=r)
+        self.build_info.info({"version": __version__, "python": platform.python_version()})
+        self.paused = Gauge(
+            "tuner_paused", "1 while the tuner is paused (no change goes out: config decisions.paused or "
+            "`vllm-tuner pause`), else 0.", registry=r)
+        self.pinned = Gauge(
+            "tuner_pinned", "1 for each engine flag pinned (the tuner holds changes to it).", ["flag"], registry=r)
+        self.rollout_in_flight = Gauge(
+            "tuner_rollout_in_flight", "1 while a rollout is being carried out, else 0.", registry=r)
+        self.rollout_started = Gauge(
+            "tuner_rollout_started_timestamp_seconds", "When the rollout in flight began (seconds since the "
+            "epoch); 0 while none is.", registry=r)
+        self.rollout_in_flight.set(0)
         self.scrape_errors = Counter(
             "tuner_scrape_errors", "Failed reads by target and source (engine, engine_info, gpu).",
             ["target", "source"], registry=r)
-        self.signal = Gauge(
-            "tuner_signal", "The latest known value of each signal; absent while unknown.",
-            ["target", "signal"], registry=r)
+        units = {metric: unit for unit, metric in SIGNAL_METRICS.items()} | {OTHER_SIGNALS: "other units"}
+        self.signals = {metric: Gauge(metric, f"The latest known value of each signal in {unit}; absent while "
+                                      "unknown (docs/signals.md lists them).", ["target", "signal"], registry=r)
+                        for metric, unit in units.items()}
         self.engine_arg = Gauge(
             "tuner_engine_arg_info", "Engine arguments: kind=current as running, kind=recommended as planned.",
             ["target", "flag", "value", "kind"], registry=r)
@@ -69,6 +130,8 @@ class TunerMetrics:
         self._left_drained: set[str] = set()
         self._signal_labels: dict[str, set[str]] = {}
         self._arg_labels: dict[str, set[tuple[str, str, str]]] = {}
+        self._pins: set[str] = set()
+        self._decided: dict[str, frozenset[tuple[str, str, str, str]]] = {}  # target → last cycle's decisions
 
     def set_left_drained(self, seconds: Mapping[str, float]) -> None:
         """Replica → seconds out of the pool; a replica not given any more loses its series."""
@@ -89,8 +152,36 @@ class TunerMetrics:
     def count_decision(self, *, rule: str, outcome: str, reason: str) -> None:
         self.decisions.labels(rule=rule, outcome=outcome, reason=reason).inc()
 
+    def count_decisions(self, target: str, decisions: set[tuple[str, str, str, str]]) -> None:
+        """This cycle's decisions of one target as (rule, outcome, reason, what): each counted once, when
+        it is new — the last cycle did not make it. ``what`` tells two decisions of one rule apart (the
+        change it proposes) and is not a label."""
+        with self._lock:
+            seen = self._decided.get(target, frozenset())
+            self._decided[target] = frozenset(decisions)
+        for rule, outcome, reason, _ in sorted(decisions - seen):
+            self.count_decision(rule=rule, outcome=outcome, reason=reason)
+
     def count_restart(self, *, target: str, result: str) -> None:
         self.restarts.labels(target=target, result=result).inc()
+
+    def count_live_change(self, *, target: str, result: str) -> None:
+        self.live_changes.labels(target=target, result=result).inc()
+
+    def set_rollout(self, *, started_at: float | None) -> None:
+        """A rollout began at ``started_at`` and is in flight; None: none is."""
+        self.rollout_in_flight.set(0 if started_at is None else 1)
+        self.rollout_started.set(0 if started_at is None else started_at)
+
+    def set_control(self, *, paused: bool, pins: set[str] | frozenset[str]) -> None:
+        """``tuner_paused`` and ``tuner_pinned{flag}``: the switches in force."""
+        self.paused.set(1 if paused else 0)
+        with self._lock:
+            for flag in self._pins - set(pins):
+                self.pinned.remove(flag)
+            for flag in pins:
+                self.pinned.labels(flag=flag).set(1)
+            self._pins = set(pins)
 
     def count_scrape_error(self, *, target: str, source: str) -> None:
         self.scrape_errors.labels(target=target, source=source).inc()
@@ -100,10 +191,10 @@ class TunerMetrics:
         known = {name: s.value for name, s in signals.items() if s.value is not None}
         with self._lock:
             for name in self._signal_labels.get(target, set()) - known.keys():
-                self.signal.remove(target, name)
+                self.signals[signal_metric(name)].remove(target, name)
             for name, value in known.items():
                 assert value is not None
-                self.signal.labels(target=target, signal=name).set(value)
+                self.signals[signal_metric(name)].labels(target=target, signal=name).set(value)
             self._signal_labels[target] = set(known)
 
     def set_engine_args(self, target: str, *, current: Mapping[str, str],
@@ -120,6 +211,8 @@ class TunerMetrics:
 
     def forget_target(self, target: str) -> None:
         self.set_signals(target, {})
+        with self._lock:
+            self._decided.pop(target, None)
         self.set_engine_args(target, current={}, recommended={})
 
     def render(self) -> bytes:

@@ -58,6 +58,8 @@ class TunerState:
     left_drained: Mapping[str, Any] = field(default_factory=dict)  # replicas a failed rollout left out (/status)
     redactor: secrets.Redactor = secrets.DEFAULT  # what is masked in the file and in current_args
     booked_rollout: str | None = None  # the last rollout booked here ("": none yet; None: not known)
+    control: Mapping[str, Any] = field(default_factory=dict)  # the pause and pins in force (/status)
+    logged: tuple[Any, float, int] | None = None  # the last cycle line logged: (its gist, when, since cycle)
 
     @classmethod
     def fresh(cls, targets: Sequence[config.Target], *, path: Path | None = None,

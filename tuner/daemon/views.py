@@ -12,7 +12,7 @@ from typing import Any
 from tuner.daemon import selfmetrics
 from tuner.daemon.results import CycleResult, RolloutOutcome
 from tuner.daemon.scheduling import MaintenanceWindows
-from tuner.model import live
+from tuner.model import knobs, live
 from tuner.planning import planner, pooling
 from tuner.signals import Signal, reports
 
@@ -110,6 +110,26 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def gist(result: CycleResult) -> tuple[Any, ...]:
+    """What a cycle's line says, without what changes every cycle (its number, load figures, time left on a
+    cooldown): two cycles with the same gist say the same thing, and the daemon logs it once
+    (``cycle.run_cycle``) — then again when it changes, and every ``REPEAT_SECONDS``."""
+    targets = tuple(
+        (name, t.scrape_error is not None, t.planner_error is not None,
+         tuple((c.flag, c.as_dict()["to"], c.rule) for c in t.plan.changes) if t.plan is not None else None,
+         tuple(a.kind for a in t.plan.actions) if t.plan is not None else None,
+         tuple(sorted({(h.rule, h.guard) for h in t.plan.held})) if t.plan is not None else None)
+        for name, t in sorted(result.targets.items()))
+    pending = tuple((c.flag, c.as_dict()["to"]) for c in result.pending.plan.changes) if result.pending else None
+    handed = result.handed_over.id if result.handed_over is not None else None
+    rollout = result.rollout.summary if result.rollout is not None else None
+    return (result.mode, targets, pending, handed, rollout, result.rollout_error, result.stopped,
+            result.pool.refused if result.pool is not None else None)
+
+
+REPEAT_SECONDS = 600.0  # an unchanged line is said again this often, so a quiet log still shows the tuner alive
+
+
 # --- structured views ----------------------------------------------------------------------------------
 
 
@@ -204,7 +224,8 @@ def count(metrics: selfmetrics.TunerMetrics, mode: str, plans: Mapping[str, plan
     change shares its outcome (applied, failed, deferred); any other change is only recommended. The
     ``reason`` label is the guard for a held decision and ``fired`` for a change (low cardinality). A
     change is ``applied`` once handed to the rollout; how the rollout ended is ``tuner_restarts_total``'s
-    ``result`` (``count_finished``), counted when it finishes."""
+    ``result`` (``count_finished``), counted when it finishes. A decision the next cycle makes again
+    (the same recommendation, the same hold) is not counted again (``TunerMetrics.count_decisions``)."""
     results = outcome.results if outcome is not None else {}
     handed = admission.hand_over if admission is not None else None
     deferred = admission.pending if admission is not None and admission.deferred_now else None
@@ -216,17 +237,22 @@ def count(metrics: selfmetrics.TunerMetrics, mode: str, plans: Mapping[str, plan
     else:
         pooled, how = (), "recommended"
     keys = {(c.flag, c.to_value) for c in pooled}
-    for plan in plans.values():
-        for h in plan.held:
-            metrics.count_decision(rule=h.rule, outcome="held", reason=h.guard)
+    for target, plan in plans.items():
+        decided = {(h.rule, "held", h.guard, "") for h in plan.held}
         for c in plan.changes:
             outcome_of = how if mode == "apply" and has_rollout and (c.flag, c.to_value) in keys else "recommended"
-            metrics.count_decision(rule=c.rule, outcome=outcome_of, reason="fired")
+            decided.add((c.rule, outcome_of, "fired", f"{c.flag}={knobs.format_value(c.to_value)}"))
+        metrics.count_decisions(target, decided)
     count_finished(metrics, outcome)
 
 
 def count_finished(metrics: selfmetrics.TunerMetrics, outcome: RolloutOutcome | None) -> None:
     """``tuner_restarts_total`` for a rollout that finished — in a cycle or between cycles (a rollout in
-    flight has no results yet)."""
+    flight has no results yet); ``tuner_live_changes_total`` instead when it changed the running engines
+    without a restart."""
+    live_rollout = outcome is not None and outcome.state.get("kind") == "live"
     for target, result in (outcome.results if outcome is not None else {}).items():
-        metrics.count_restart(target=target, result=result)
+        if live_rollout:
+            metrics.count_live_change(target=target, result=result)
+        else:
+            metrics.count_restart(target=target, result=result)

@@ -59,6 +59,7 @@ from tuner.errors import TunerError
 INJECT = "vllm-tuner.io/inject"
 POOL = "vllm-tuner.io/pool"
 ENGINE_CONTAINER = "vllm-tuner.io/engine-container"
+ENGINE_PORT = "vllm-tuner.io/engine-port"  # written on the pod: where monitoring finds the engine's /metrics
 AGENT_LABEL = "vllm-tuner.io/agent"
 AGENT_SPEC = "vllm-tuner.io/agent"
 """The annotation on the chart's configuration ConfigMap (JSON: image, imagePullPolicy, resources,
@@ -728,6 +729,9 @@ def adopt(original: Mapping[str, Any], settings: Settings, *, specs: Mapping[str
     merge_by_key(spec["volumes"], pod_volumes(pool), "name")
     tmeta["labels"] = {**_dict(tmeta.get("labels")), POOL: pool, AGENT_LABEL: "true"}
     tmeta["annotations"] = {**_dict(tmeta.get("annotations")), "kubectl.kubernetes.io/default-container": name}
+    # The engine's /metrics port, whatever its port is named (production-stack: container-port) or if it is
+    # not declared at all: deploy/kubernetes/monitoring/podmonitor.yaml scrapes the address this names.
+    tmeta["annotations"][ENGINE_PORT] = str(engine_port)
     problems.extend(AdoptionError(where, p, "this is a bug of vllm-tuner inject's if the input was valid; report it")
                     for p in output_problems(doc))
     if problems:

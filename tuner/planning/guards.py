@@ -4,6 +4,8 @@ change after its rollout is ``verification.Verdict``).
 A guard never raises and never acts. The planner asks them in this order and records the first "no"
 as the held reason (the same text goes to logs and the ``reason`` label of tuner_decisions_total):
 
+  paused      the operator's pause (decisions.paused, `vllm-tuner pause`): no change, no action
+  pinned      the flag is not pinned (decisions.pins, `vllm-tuner pin`): VPA's per-container mode Off
   window      the window is readable (rates known); otherwise no decision at all
   idle        enough requests in the window to judge (min_requests_per_window); else no decision
   thermal     hot GPU → freeze every change that adds load (``adds_load``); power cap alone is not heat
@@ -24,6 +26,7 @@ HW slowdown (0x8/0x40/0x80: the board protecting itself).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -351,6 +354,24 @@ def power(signals: SignalSet, settings: ThermalSettings, *, capped: bool) -> Act
     if capped and known:
         return Action("power-restore", "thermal condition cleared", requests=0)
     return None
+
+
+def paused(pause: bool | str) -> Ruling:
+    """The operator's switch (KEDA's ``paused``): while on, nothing the tuner would do goes out. ``True``
+    or the text of why."""
+    if pause is False or pause == "":
+        return allow("paused")
+    return deny("paused", "paused" + (f": {pause}" if isinstance(pause, str) else " (decisions.paused)"))
+
+
+def pinned(knob: str, flag: str, pins: Mapping[str, str]) -> Ruling:
+    """A pinned flag is held where it is: ``pins`` maps a flag (either engine's spelling, or the knob's
+    name) to why. Keyed on the knob, so ``--max-running-requests`` pins ``--max-num-seqs`` too."""
+    for pin, why in pins.items():
+        found = knobs.knob_for(pin)
+        if (found.name if found is not None else pin) == knob:
+            return deny("pinned", f"{flag} is pinned" + (f": {why}" if why else ""))
+    return allow("pinned")
 
 
 def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -> Ruling:

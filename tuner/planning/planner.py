@@ -81,6 +81,22 @@ class DecisionSettings(_Model):
     TTFT p99 misses it is still queue-bound) and the step-budget model aims at it."""
     model: models.ModelSettings = models.ModelSettings()
     """Parameters of the engine models rules compute one-step targets with (rules/models.py)."""
+    paused: bool | str = False
+    """Pause the tuner (KEDA's ``paused``): true, or why. It still observes and says what it would do, and
+    changes nothing: every proposal and action is held (``paused``); a rollout in flight finishes.
+    ``vllm-tuner pause`` / ``resume`` switch the same at runtime, across restarts (docs/operating.md)."""
+    pins: dict[str, str] = {}
+    """Engine flags the tuner leaves alone (VPA's per-container ``mode: Off``): flag → why, e.g.
+    {"--max-model-len": "the clients need 32k"}. ``vllm-tuner pin`` / ``unpin`` add and remove pins at runtime."""
+
+    @field_validator("pins")
+    @classmethod
+    def _pinnable(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = [flag for flag in v if knobs.knob_for(flag) is None]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a flag the tuner changes; expected one of "
+                             f"{', '.join(knobs.known_flags())}")
+        return v
 
 
 # Guards that say *when*, not whether: a change they hold is what the law moves to once they pass, and a
@@ -155,8 +171,8 @@ class Plan:
         return f"{head} " + "; ".join(parts)
 
     def _main_hold(self) -> str:
-        order = ("window", "idle", "thermal", "budget", "crash", "engine", "floor", "cooldown", "hysteresis",
-                 "conflict", "experimental", "bounds", "sustain")
+        order = ("paused", "window", "idle", "thermal", "budget", "crash", "engine", "floor", "cooldown", "hysteresis",
+                 "conflict", "experimental", "bounds", "sustain", "pinned")
         ranked = sorted(self.held, key=lambda h: order.index(h.guard) if h.guard in order else len(order))
         if not ranked:
             return "no rule matched"
@@ -250,6 +266,9 @@ def plan(
     args_after = args
 
     gate = guards.window(signals)
+    stop = guards.paused(settings.paused)
+    if not stop.allowed:  # said first, whatever else holds
+        held.append(Held("*", stop.guard, stop.reason))
     if gate.allowed:
         gate = guards.idle(signals, settings.idle)
     if not gate.allowed:
@@ -311,6 +330,11 @@ def plan(
             actions.append(keep)
             last_keep_warm = now
 
+    if not stop.allowed and actions:  # paused: no action either (keep-warm, sleep, power caps)
+        held.extend(Held("*", stop.guard, f"{stop.reason}; not done: {a.label()}") for a in actions)
+        actions = []
+        power_capped, last_keep_warm = history.power_capped, history.last_keep_warm
+
     streaks = evaluation.next_streaks(outcomes)
     # a new streak's evidence begins where the window it was first true on began (guards.sustained)
     span = signals.get("window_seconds")
@@ -343,6 +367,8 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
               live: bool = False) -> Iterator[guards.Ruling]:
     """The guards one proposal must pass, in order (lazily: the first "no" is the reason). A live change
     has the live cooldown and hysteresis and needs no start-up validation (the command line stays)."""
+    yield guards.paused(settings.paused)
+    yield guards.pinned(p.knob, p.flag, settings.pins)
     yield guards.thermal(signals, settings.thermal, adds_load=p.adds_load)
     if p.knob == "max_model_len" and p.direction < 0:
         assert floor is not None

@@ -207,8 +207,12 @@ def admit(pool: PoolPlan, pending: Pending | None, *, window_open: bool | None, 
         if window_open is False and not fresh.live:  # a live change restarts nothing: no window needed
             return Admission(None, Pending(fresh.plan, now, closed_reason), deferred_now=True)
         return Admission(fresh, None)  # a fresh change supersedes anything pending
-    if pending is None or window_open is False or stopping:
-        return Admission(None, pending)
+    if pending is None or window_open is False or stopping or not guards.paused(settings.paused).allowed:
+        return Admission(None, pending)  # paused: a pending change waits too
+    pinned = next((r for c in pending.plan.changes if not (r := guards.pinned(c.knob, c.flag, settings.pins)).allowed),
+                  None)
+    if pinned is not None:  # pinned since it was deferred
+        return Admission(None, None, dropped=pinned.reason)
     change, refused = change_for(pending.plan, args, kind=kind, settings=settings, signals=signals, now=now,
                                  lives=lives)
     if change is None:

@@ -70,6 +70,22 @@ class NvmlSource:
             log.exception("NVML read failed")
             return []
 
+    def probe(self) -> str | None:
+        """None if NVML loads and every GPU asked for answers, else why not (``check-config``; releases
+        NVML again)."""
+        try:
+            nvml = self._init()
+            if nvml is None or self._indices is None:
+                return self.unavailable_reason or "NVML did not load"
+            for index in self._indices:
+                try:
+                    nvml.nvmlDeviceGetHandleByIndex(index)
+                except Exception as exc:  # noqa: BLE001 - a GPU asked for that is not there
+                    return f"GPU {index}: {_describe(exc)}"
+            return None
+        finally:
+            self.close()
+
     def close(self) -> None:
         if self._indices is None or self._nvml is None:
             return
