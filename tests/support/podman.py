@@ -33,12 +33,14 @@ containers start after init containers): its start-up falls back to the pod's ow
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import resource
 import shutil
 import subprocess
+import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +51,8 @@ from harness import waiting
 ROOT = Path("/var/tmp/vllm-tuner-podman")
 RUNROOT = Path("/run/vllm-tuner-podman")
 SKELETON = "localhost/vllm-tuner-test-rootfs:2"  # bump when import_skeleton changes
+AGENT_IMAGE = "localhost/vllm-tuner"  # the agent's image, as `make image` builds it (tagged by its inputs)
+IMAGE_CACHE = ROOT / "image-cache"  # deploy/image/build.sh's CACHE: root file systems and wheels
 
 CONTAINERS_CONF = """\
 # vllm-tuner's test podman: default ulimits no higher than this machine's hard limits (nproc 65536 was refused here, 32768 works), no journald.
@@ -115,12 +119,16 @@ class Podman:
         return self
 
     @property
+    def command(self) -> list[str]:
+        """podman on this storage (what ``prefix`` runs; an image build needs no cgroups)."""
+        return ["podman", "--root", str(self.root / "storage"), "--runroot", str(self.runroot),
+                "--tmpdir", str(self.runroot / "tmp")]
+
+    @property
     def prefix(self) -> list[str]:
-        podman = ["podman", "--root", str(self.root / "storage"), "--runroot", str(self.runroot),
-                  "--tmpdir", str(self.runroot / "tmp")]
         if needs_private_cgroups():
-            return ["unshare", "--mount", "--propagation", "private", "sh", "-c", CGROUP_V1, "sh", *podman]
-        return podman
+            return ["unshare", "--mount", "--propagation", "private", "sh", "-c", CGROUP_V1, "sh", *self.command]
+        return self.command
 
     def run(self, *args: str, check: bool = True, timeout: float = 120,
             input: bytes | None = None) -> subprocess.CompletedProcess[str]:
@@ -171,6 +179,24 @@ class Podman:
                  input=buf.getvalue(), timeout=300)
         return name
 
+    def build_image(self, tag: str, *, cache: Path = IMAGE_CACHE, timeout: float = 1200) -> str:
+        """``deploy/image/build.sh`` (what ``make image`` runs) into this storage; the image ID. It installs
+        mmdebstrap and podman when they are missing."""
+        env = {**os.environ, "CONTAINERS_CONF": str(self.conf), "IMAGE": tag, "PODMAN": " ".join(self.command),
+               "PYTHON": sys.executable, "CACHE": str(cache)}
+        proc = subprocess.run([str(REPO / "deploy" / "image" / "build.sh")], capture_output=True, text=True,
+                              timeout=timeout, env=env, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"deploy/image/build.sh failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        return proc.stdout.split()[-1]
+
+    def agent_image(self) -> str:
+        """The agent's image built from this tree (``build_image``), once per state of its inputs."""
+        tag = f"{AGENT_IMAGE}:test-{image_inputs()[:16]}"
+        if not self.has_image(tag):
+            self.build_image(tag)
+        return tag
+
     # -- pods --------------------------------------------------------------------------------------
     def kube_play(self, yaml_file: Path, *, timeout: float = 300) -> str:
         return self.run("kube", "play", "--network", "none", str(yaml_file), timeout=timeout).stdout
@@ -215,6 +241,17 @@ API_DIR = "/var/run/vllm-tuner-api"  # the fake API server's state and the agent
 API_PORT = 6443
 POD_NAME = "vllm-pod-0"
 NAMESPACE = "default"
+
+def image_inputs() -> str:
+    """A digest of everything the agent's image is made of in this tree."""
+    digest = hashlib.sha256()
+    paths = [REPO / "pyproject.toml", REPO / "README.md", REPO / "Containerfile",
+             *sorted((REPO / "deploy" / "image").iterdir()), *sorted((REPO / "tuner").rglob("*"))]
+    for path in paths:
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
 
 def kubectl() -> str:
     import sys
