@@ -91,8 +91,9 @@ launcher-zipapp: venv
 
 # The agent's image from Debian's packages, with no registry (deploy/image/build.sh says how: mmdebstrap,
 # podman import, wheels built here, podman build offline; the same tree gives the same image ID). It
-# installs mmdebstrap and podman when they are missing. IMAGE and PODMAN can be overridden. The first
-# build took ~3 min on 2 cores (the root file system: ~30 s, cached in .cache/image), a rebuild ~1 min.
+# installs mmdebstrap and podman when they are missing. IMAGE and PODMAN can be overridden. From nothing
+# ~1 min on 2 idle cores (mmdebstrap 28 s), 142 s on busy ones; again 16 s (the root file system and the
+# wheels are cached in .cache/image).
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= vllm-tuner:$(VERSION)
 PODMAN ?= podman

@@ -327,7 +327,8 @@ def host_path(name: str, path: Path | str, mount: str | None = None) -> tuple[di
 
 def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence[str], env: dict[str, str],
                  zipapp_dir: Path, host_dirs: Sequence[Path], api_dir: Path, prepare_init: bool = True,
-                 config: str | None = "chart", state_dir: Path | None = None) -> tuple[list[dict[str, Any]], str]:
+                 config: str | None = "chart", state_dir: Path | None = None,
+                 agent_image: str | None = None) -> tuple[list[dict[str, Any]], str]:
     """The example pool, made playable here (the rendered example is changed only where this machine
     needs it): one replica; ``engine`` (an argv) instead of the example's model command, after the
     component's launcher prefix; the skeleton image with the host's /usr and ``host_dirs`` as read-only
@@ -339,7 +340,10 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     chart's ConfigMap; None, no ConfigMap at all (the pod's volume is optional); any other text, that
     config.yaml. ``state_dir``: a fresh host directory as the shared state volume instead of the
     emptyDir (podman 4.3 plays an emptyDir as a *named* volume, ``vllm-tuner-state``, kept and shared
-    by every pod it plays: an earlier pod's launcher.pyz and desired.json would still be there).
+    by every pod it plays: an earlier pod's launcher.pyz and desired.json would still be there), mode
+    0777 as the kubelet makes an emptyDir. ``agent_image``: the agent runs in that image (``make image``)
+    as its own user (65532:0) with the securityContext ``inject`` gave it, the engine as root: two uids;
+    else the agent runs the project's virtualenv from the host, as root.
     Returns the documents and the base argv's sha256."""
     import copy
 
@@ -370,26 +374,32 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     (sidecar,) = spec["initContainers"]
     sidecar.pop("restartPolicy")
     sidecar.pop("startupProbe", None)
-    sidecar.pop("securityContext", None)  # the image's non-root user cannot read the hostPath repository here
-    sidecar["image"] = image
     api_volume, api_mount = host_path("vllm-tuner-api", api_dir, API_DIR)
     spec["volumes"].append(api_volume)
     repo_volume, repo_mount = host_path("vllm-tuner-repo", REPO)
     spec["volumes"].append(repo_volume)
-    pyenv = Path(os.path.realpath(REPO / ".venv" / "bin" / "python")).parents[2]  # the Python the venv links to
-    pyenv_volume, pyenv_mount = host_path("vllm-tuner-python", pyenv)
-    spec["volumes"].append(pyenv_volume)
-    agent_mounts = [api_mount, repo_mount, pyenv_mount]
-    sidecar["volumeMounts"] = _unique_mounts([m for m in sidecar["volumeMounts"] if m["name"] != "vllm-tuner-token"]
-                                             + mounts + agent_mounts)
-    # The image's entrypoint is `vllm-tuner`; here it is the project's virtualenv.
-    sidecar["command"] = [str(REPO / ".venv" / "bin" / "python"), "-m", "tuner"]
-    sidecar["env"] = [*sidecar.get("env", []), {"name": "PYTHONUNBUFFERED", "value": "1"},
-                      {"name": "HOME", "value": "/tmp"}]
+    own_mounts = [m for m in sidecar["volumeMounts"] if m["name"] != "vllm-tuner-token"]
+    if agent_image is not None:
+        # The image as `make image` built it: its entrypoint, its user, its launcher.pyz; nothing from the host
+        # but the fake API server's token.
+        sidecar["image"] = agent_image
+        sidecar["volumeMounts"] = [*own_mounts, api_mount]
+    else:
+        sidecar.pop("securityContext", None)  # the image's non-root user cannot read the hostPath repository here
+        sidecar["image"] = image
+        pyenv = Path(os.path.realpath(REPO / ".venv" / "bin" / "python")).parents[2]  # the Python the venv links to
+        pyenv_volume, pyenv_mount = host_path("vllm-tuner-python", pyenv)
+        spec["volumes"].append(pyenv_volume)
+        sidecar["volumeMounts"] = _unique_mounts(own_mounts + mounts + [api_mount, repo_mount, pyenv_mount])
+        # The image's entrypoint is `vllm-tuner`; here it is the project's virtualenv.
+        sidecar["command"] = [str(REPO / ".venv" / "bin" / "python"), "-m", "tuner"]
+        sidecar["env"] = [*sidecar.get("env", []), {"name": "PYTHONUNBUFFERED", "value": "1"},
+                          {"name": "HOME", "value": "/tmp"}]
     init = {**copy.deepcopy(sidecar), "name": "vllm-tuner-agent-init",
             "args": [*sidecar["args"], "--prepare-only", "--startup-timeout", "3"]}
     init.pop("ports", None)
-    init["volumeMounts"] = [*init["volumeMounts"], zip_mount]
+    if agent_image is None:
+        init["volumeMounts"] = [*init["volumeMounts"], zip_mount]
     agent = sidecar
     api = {"name": "kube-api", "image": image,
            "command": ["python3", str(REPO / "tests" / "support" / "fake_kube.py"), "--port", str(API_PORT),
@@ -418,6 +428,7 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
                 var["value"] = {"metadata.name": POD_NAME, "metadata.namespace": NAMESPACE}.get(field, "podman")
     if state_dir is not None:
         state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(state_dir, 0o777)
         spec["volumes"] = [{"name": "vllm-tuner-state", "hostPath": {"path": str(state_dir), "type": "Directory"}}
                            if v["name"] == "vllm-tuner-state" else v for v in spec["volumes"]]
     if config is None:
