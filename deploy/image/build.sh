@@ -118,8 +118,11 @@ trap 'rm -rf "$build"' EXIT
 # A copy of what the wheel is made of: setuptools writes build/ and *.egg-info next to its input.
 cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/tuner" "$build/"
 find "$build" -name __pycache__ -prune -exec rm -rf {} +
-(cd "$build" && "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-  --no-index -w "$context/wheels" .)
+# With the build tools the Python has (a project virtualenv has them), else pip fetches them on the host.
+(cd "$build" && { "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+  --no-index -w "$context/wheels" . 2>/dev/null \
+  || "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$context/wheels" .; })
+[ -n "$(ls "$context"/wheels/vllm_tuner-*.whl 2>/dev/null)" ] || die "the tuner's wheel was not built"
 
 # --- 4. the image --------------------------------------------------------------------------------------
 created=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%dT%H:%M:%SZ)

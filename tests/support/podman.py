@@ -10,8 +10,8 @@ What makes it work on this kind of machine (a VM with a hybrid cgroup v1 tree an
   a fresh tmpfs on /sys/fs/cgroup holds only the v1 hierarchies (the kernel's own, shared with the host;
   nothing changes outside the namespace).
 - **network**: ``--network none`` (the pod still has its own loopback, shared by its containers).
-- **images**: ``podman import`` of a skeleton root file system (merged-/usr symlinks and a few /etc
-  files, a few KB); the host's /usr, the Python the virtualenvs link to (/root/.pyenv), the virtualenvs
+- **images**: the agent's own image (above); for the engine and the API server, ``podman import`` of a
+  skeleton root file system (merged-/usr symlinks and a few /etc files, a few KB); the host's /usr, the Python the virtualenvs link to (/root/.pyenv), the virtualenvs
   and the model come in as hostPath volumes, read-only, instead of a 3.5 GB image.
 - **storage**: its own ``--root`` under /var/tmp (kept between runs: the imported image is cached there)
   and ``--runroot`` under /run, so nothing touches the machine's default podman storage.
@@ -19,9 +19,11 @@ What makes it work on this kind of machine (a VM with a hybrid cgroup v1 tree an
 podman 4.3 ignores readiness probes and has no native sidecars (init containers with
 ``restartPolicy: Always``): tests render those as an init container plus an ordinary container.
 
-**The agent and the API server.** The agent is the real one (``python -m tuner agent``, the project's
-virtualenv and the repository as read-only hostPath volumes): its start-up (``--prepare-only``) as the init
-container, then the agent itself as an ordinary container. The pod has no network but its own loopback,
+**The agent and the API server.** The agent is the real one, in the image ``make image`` builds
+(``Podman.agent_image``: deploy/image/build.sh into this storage, once per state of the tree), as that
+image's user 65532:0 while the engine runs as root (``playable_overlay(agent_image=...)``; without it,
+``python -m tuner agent`` from the project's virtualenv as a hostPath volume, as root): its start-up
+(``--prepare-only``) as the init container, then the agent itself as an ordinary container. The pod has no network but its own loopback,
 so the Kubernetes API is the fake one (tests/support/fake_kube.py, stdlib only, under the host's Python)
 **run inside the pod** as one more container, on 127.0.0.1:6443, loaded with the chart's Role, Lease,
 journal ConfigMap and this pod's object. The chart's ConfigMap gets ``api_server``/``token_file`` for it
