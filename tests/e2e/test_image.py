@@ -67,6 +67,5 @@ def test_make_image_builds_the_same_image_from_debian_packages_twice(tmp_path: P
                      "import sys, pydantic, yaml, lightkube; print(sys.executable, sys.version_info[:2], "
                      "sys.prefix)")
     assert "(3, 11)" in out.stdout and "/opt/vllm-tuner" in out.stdout
-    for gone in ("localhost/vllm-tuner:test-cold",):
-        podman.run("rmi", gone, check=False)
+    podman.forget_images("localhost/vllm-tuner:test-cold")
     shutil.rmtree(cold, ignore_errors=True)

@@ -196,8 +196,17 @@ class Podman:
         """The agent's image built from this tree (``build_image``), once per state of its inputs."""
         tag = f"{AGENT_IMAGE}:test-{image_inputs()[:16]}"
         if not self.has_image(tag):
+            self.forget_images(f"{AGENT_IMAGE}:test-")  # earlier states of the tree
             self.build_image(tag)
         return tag
+
+    def forget_images(self, prefix: str) -> None:
+        """Remove the tags that start with ``prefix``, then the images no tag names any more."""
+        names = self.run("images", "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout.split()
+        old = [n for n in names if n.startswith(prefix)]
+        if old:
+            self.run("rmi", "--force", *old, check=False, timeout=300)
+        self.run("image", "prune", "--force", check=False, timeout=300)
 
     # -- pods --------------------------------------------------------------------------------------
     def kube_play(self, yaml_file: Path, *, timeout: float = 300) -> str:
