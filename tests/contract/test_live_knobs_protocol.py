@@ -56,7 +56,7 @@ def test_a_request_the_tuner_writes_is_the_request_the_plugin_reads(control_dir,
     assert live_knobs.request_document(41, **values) == protocol.request_document(41, **values)
     request = protocol.read_control(str(control_dir), uid=os.geteuid())  # includes the permission checks
     assert request == protocol.Request(seq=41, **values)
-    assert (os.stat(path).st_mode & 0o777) == 0o600
+    assert (os.stat(path).st_mode & 0o777) == 0o640  # written by its owner only, readable by a group-shared engine
     assert [p.name for p in control_dir.iterdir()] == ["control.json"]  # no temp file left
 
 

@@ -1,17 +1,21 @@
-"""The agent's image: ``podman build`` of the Containerfile (what ``make image`` runs), then the image
-itself: the agent's CLI as its entrypoint, the launcher zipapp where the agent looks for it, a numeric
-non-root user in group 0.
+"""The agent's image as ``make image`` builds it (deploy/image/build.sh), on a machine with no registry:
+Debian bookworm's packages through mmdebstrap, ``podman import`` as the base, the tuner from wheels built
+or downloaded on the host, ``podman build`` with no network. Built twice from two caches (two mmdebstrap
+runs, two wheel downloads) it is the same image ID. Then the image itself: OCI labels, the agent's CLI
+as its entrypoint under an arbitrary non-root UID with a read-only root, the launcher zipapp where the
+agent looks for it, Debian's Python.
 
-The Containerfile starts FROM ``python:3.12-slim``, which a machine without a registry cannot pull:
-``VLLM_TUNER_IMAGE_BASE`` names a local image to build on instead (any Debian-like image with python3
->= 3.11 and its venv module; here, a debootstrap of bookworm with python3-venv, imported with ``podman
-import``). The build installs the tuner's dependencies from PyPI (``--network host``): the build's own
-pip must reach and trust it (on this project's machines PyPI is reached through a TLS-inspecting proxy
-whose CA the base image does not carry, and the build fails there at its first download)."""
+It needs root and nothing else: the build installs mmdebstrap and podman when they are missing
+(``make test`` installs podman too). Its pod, with the agent under this image and vLLM under another
+uid: tests/e2e/test_podman_pod.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import time
+from pathlib import Path
 
 import pytest
 
@@ -19,27 +23,49 @@ from harness import required
 from tests.support import podman as pm
 
 pytestmark = pytest.mark.e2e
-TAG = "localhost/vllm-tuner:test"
 
 
-def test_the_containerfile_builds_an_image_that_runs_the_agents_cli() -> None:
-    required.need(pm.skip_reason(), "podman")
-    base = os.environ.get("VLLM_TUNER_IMAGE_BASE")
-    podman = pm.Podman().prepare()
-    if not base or not podman.has_image(base):
-        # A plain skip even under VLLM_TUNER_REQUIRE_E2E: no registry is reachable here or in CI, and building
-        # a base (a debootstrap, ~270 MB, minutes) is not CI's to do. The Containerfile's text is tested
-        # in tests/integration/test_deploy.py.
-        pytest.skip(f"VLLM_TUNER_IMAGE_BASE ({base or 'unset'}) is not an image podman has: set it to a local base "
-                    "with python3 >= 3.11 and its venv module (e.g. debootstrap --include=python3-venv bookworm, "
-                    "podman import)")
-    podman.run("build", "--network", "host", "-f", str(pm.REPO / "Containerfile"), "--build-arg",
-               f"BASE_IMAGE={base}", "-t", TAG, str(pm.REPO), timeout=900)
-    config = podman.run("image", "inspect", TAG, "--format", "{{.Config.User}} {{.Config.Entrypoint}}").stdout
-    assert config.split()[0] == "65532:0" and "vllm-tuner" in config
-    out = podman.run("run", "--rm", "--network", "none", "--user", "1000680000:0", "--read-only", TAG, "inject",
+def test_make_image_builds_the_same_image_from_debian_packages_twice(tmp_path: Path) -> None:
+    required.need(None if os.geteuid() == 0 else "the image build runs as root (mmdebstrap, podman)", "make image")
+    podman = pm.Podman()
+    podman.root.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    cold = tmp_path / "cache"  # no root file system, no wheels: what a fresh clone starts from
+    first = pm.Podman().prepare().build_image("localhost/vllm-tuner:test-cold", cache=cold)
+    cold_seconds = time.monotonic() - start
+    start = time.monotonic()
+    second = podman.prepare().build_image("localhost/vllm-tuner:test-again")
+    print(f"\nmake image: {cold_seconds:.0f} s from an empty cache, {time.monotonic() - start:.0f} s again; "
+          f"image ID {first[:12]}")
+    assert first == second, "the same tree built twice must give the same image ID"
+    rootfs = sorted(cold.glob("rootfs-*.tar"))
+    assert len(rootfs) == 1 and rootfs[0].stat().st_size > 50_000_000
+
+    info = json.loads(podman.run("image", "inspect", first).stdout)[0]
+    config, labels = info["Config"], info["Config"]["Labels"]
+    assert config["User"] == "65532:0" and config["Entrypoint"] == ["vllm-tuner"]
+    from tuner import __version__
+    assert labels["org.opencontainers.image.version"] == __version__
+    assert labels["org.opencontainers.image.title"] == "vllm-tuner"
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+    assert len(labels["org.opencontainers.image.revision"].split("-")[0]) == 40
+    assert labels["org.opencontainers.image.created"].endswith("Z")
+    assert "mmdebstrap" in labels["org.opencontainers.image.base.name"]
+    assert info["Created"].startswith(labels["org.opencontainers.image.created"][:10]), \
+        "the image's creation time is the commit's (SOURCE_DATE_EPOCH), not the build's"
+
+    tag = "localhost/vllm-tuner:test-again"
+    out = podman.run("run", "--rm", "--network", "none", "--user", "1000680000:0", "--read-only", tag, "inject",
                      "--help")
     assert "--image" in out.stdout
-    out = podman.run("run", "--rm", "--network", "none", "--entrypoint", "python3", TAG, "/opt/vllm-tuner/launcher.pyz",
-                     "--help")
+    out = podman.run("run", "--rm", "--network", "none", "--read-only", tag, "--version")
+    assert __version__ in out.stdout + out.stderr
+    out = podman.run("run", "--rm", "--network", "none", "--entrypoint", "python3", tag,
+                     "/opt/vllm-tuner/launcher.pyz", "--help")
     assert "launcher.pyz" in out.stdout
+    out = podman.run("run", "--rm", "--network", "none", "--entrypoint", "python3", tag, "-c",
+                     "import sys, pydantic, yaml, lightkube; print(sys.executable, sys.version_info[:2], "
+                     "sys.prefix)")
+    assert "(3, 11)" in out.stdout and "/opt/vllm-tuner" in out.stdout
+    podman.forget_images("localhost/vllm-tuner:test-cold")
+    shutil.rmtree(cold, ignore_errors=True)

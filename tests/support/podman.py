@@ -10,8 +10,8 @@ What makes it work on this kind of machine (a VM with a hybrid cgroup v1 tree an
   a fresh tmpfs on /sys/fs/cgroup holds only the v1 hierarchies (the kernel's own, shared with the host;
   nothing changes outside the namespace).
 - **network**: ``--network none`` (the pod still has its own loopback, shared by its containers).
-- **images**: ``podman import`` of a skeleton root file system (merged-/usr symlinks and a few /etc
-  files, a few KB); the host's /usr, the Python the virtualenvs link to (/root/.pyenv), the virtualenvs
+- **images**: the agent's own image (above); for the engine and the API server, ``podman import`` of a
+  skeleton root file system (merged-/usr symlinks and a few /etc files, a few KB); the host's /usr, the Python the virtualenvs link to (/root/.pyenv), the virtualenvs
   and the model come in as hostPath volumes, read-only, instead of a 3.5 GB image.
 - **storage**: its own ``--root`` under /var/tmp (kept between runs: the imported image is cached there)
   and ``--runroot`` under /run, so nothing touches the machine's default podman storage.
@@ -19,9 +19,11 @@ What makes it work on this kind of machine (a VM with a hybrid cgroup v1 tree an
 podman 4.3 ignores readiness probes and has no native sidecars (init containers with
 ``restartPolicy: Always``): tests render those as an init container plus an ordinary container.
 
-**The agent and the API server.** The agent is the real one (``python -m tuner agent``, the project's
-virtualenv and the repository as read-only hostPath volumes): its start-up (``--prepare-only``) as the init
-container, then the agent itself as an ordinary container. The pod has no network but its own loopback,
+**The agent and the API server.** The agent is the real one, in the image ``make image`` builds
+(``Podman.agent_image``: deploy/image/build.sh into this storage, once per state of the tree), as that
+image's user 65532:0 while the engine runs as root (``playable_overlay(agent_image=...)``; without it,
+``python -m tuner agent`` from the project's virtualenv as a hostPath volume, as root): its start-up
+(``--prepare-only``) as the init container, then the agent itself as an ordinary container. The pod has no network but its own loopback,
 so the Kubernetes API is the fake one (tests/support/fake_kube.py, stdlib only, under the host's Python)
 **run inside the pod** as one more container, on 127.0.0.1:6443, loaded with the chart's Role, Lease,
 journal ConfigMap and this pod's object. The chart's ConfigMap gets ``api_server``/``token_file`` for it
@@ -33,12 +35,14 @@ containers start after init containers): its start-up falls back to the pod's ow
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import resource
 import shutil
 import subprocess
+import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +53,8 @@ from harness import waiting
 ROOT = Path("/var/tmp/vllm-tuner-podman")
 RUNROOT = Path("/run/vllm-tuner-podman")
 SKELETON = "localhost/vllm-tuner-test-rootfs:2"  # bump when import_skeleton changes
+AGENT_IMAGE = "localhost/vllm-tuner"  # the agent's image, as `make image` builds it (tagged by its inputs)
+IMAGE_CACHE = ROOT / "image-cache"  # deploy/image/build.sh's CACHE: root file systems and wheels
 
 CONTAINERS_CONF = """\
 # vllm-tuner's test podman: default ulimits no higher than this machine's hard limits (nproc 65536 was refused here, 32768 works), no journald.
@@ -115,12 +121,16 @@ class Podman:
         return self
 
     @property
+    def command(self) -> list[str]:
+        """podman on this storage (what ``prefix`` runs; an image build needs no cgroups)."""
+        return ["podman", "--root", str(self.root / "storage"), "--runroot", str(self.runroot),
+                "--tmpdir", str(self.runroot / "tmp")]
+
+    @property
     def prefix(self) -> list[str]:
-        podman = ["podman", "--root", str(self.root / "storage"), "--runroot", str(self.runroot),
-                  "--tmpdir", str(self.runroot / "tmp")]
         if needs_private_cgroups():
-            return ["unshare", "--mount", "--propagation", "private", "sh", "-c", CGROUP_V1, "sh", *podman]
-        return podman
+            return ["unshare", "--mount", "--propagation", "private", "sh", "-c", CGROUP_V1, "sh", *self.command]
+        return self.command
 
     def run(self, *args: str, check: bool = True, timeout: float = 120,
             input: bytes | None = None) -> subprocess.CompletedProcess[str]:
@@ -171,6 +181,33 @@ class Podman:
                  input=buf.getvalue(), timeout=300)
         return name
 
+    def build_image(self, tag: str, *, cache: Path = IMAGE_CACHE, timeout: float = 1200) -> str:
+        """``deploy/image/build.sh`` (what ``make image`` runs) into this storage; the image ID. It installs
+        mmdebstrap and podman when they are missing."""
+        env = {**os.environ, "CONTAINERS_CONF": str(self.conf), "IMAGE": tag, "PODMAN": " ".join(self.command),
+               "PYTHON": sys.executable, "CACHE": str(cache)}
+        proc = subprocess.run([str(REPO / "deploy" / "image" / "build.sh")], capture_output=True, text=True,
+                              timeout=timeout, env=env, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"deploy/image/build.sh failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        return proc.stdout.split()[-1]
+
+    def agent_image(self) -> str:
+        """The agent's image built from this tree (``build_image``), once per state of its inputs."""
+        tag = f"{AGENT_IMAGE}:test-{image_inputs()[:16]}"
+        if not self.has_image(tag):
+            self.forget_images(f"{AGENT_IMAGE}:test-")  # earlier states of the tree
+            self.build_image(tag)
+        return tag
+
+    def forget_images(self, prefix: str) -> None:
+        """Remove the tags that start with ``prefix``, then the images no tag names any more."""
+        names = self.run("images", "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout.split()
+        old = [n for n in names if n.startswith(prefix)]
+        if old:
+            self.run("rmi", "--force", *old, check=False, timeout=300)
+        self.run("image", "prune", "--force", check=False, timeout=300)
+
     # -- pods --------------------------------------------------------------------------------------
     def kube_play(self, yaml_file: Path, *, timeout: float = 300) -> str:
         return self.run("kube", "play", "--network", "none", str(yaml_file), timeout=timeout).stdout
@@ -215,6 +252,17 @@ API_DIR = "/var/run/vllm-tuner-api"  # the fake API server's state and the agent
 API_PORT = 6443
 POD_NAME = "vllm-pod-0"
 NAMESPACE = "default"
+
+def image_inputs() -> str:
+    """A digest of everything the agent's image is made of in this tree."""
+    digest = hashlib.sha256()
+    paths = [REPO / "pyproject.toml", REPO / "README.md", REPO / "Containerfile",
+             *sorted((REPO / "deploy" / "image").iterdir()), *sorted((REPO / "tuner").rglob("*"))]
+    for path in paths:
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
 
 def kubectl() -> str:
     import sys
@@ -290,7 +338,8 @@ def host_path(name: str, path: Path | str, mount: str | None = None) -> tuple[di
 
 def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence[str], env: dict[str, str],
                  zipapp_dir: Path, host_dirs: Sequence[Path], api_dir: Path, prepare_init: bool = True,
-                 config: str | None = "chart", state_dir: Path | None = None) -> tuple[list[dict[str, Any]], str]:
+                 config: str | None = "chart", state_dir: Path | None = None,
+                 agent_image: str | None = None) -> tuple[list[dict[str, Any]], str]:
     """The example pool, made playable here (the rendered example is changed only where this machine
     needs it): one replica; ``engine`` (an argv) instead of the example's model command, after the
     component's launcher prefix; the skeleton image with the host's /usr and ``host_dirs`` as read-only
@@ -302,7 +351,10 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     chart's ConfigMap; None, no ConfigMap at all (the pod's volume is optional); any other text, that
     config.yaml. ``state_dir``: a fresh host directory as the shared state volume instead of the
     emptyDir (podman 4.3 plays an emptyDir as a *named* volume, ``vllm-tuner-state``, kept and shared
-    by every pod it plays: an earlier pod's launcher.pyz and desired.json would still be there).
+    by every pod it plays: an earlier pod's launcher.pyz and desired.json would still be there), mode
+    0777 as the kubelet makes an emptyDir. ``agent_image``: the agent runs in that image (``make image``)
+    as its own user (65532:0) with the securityContext ``inject`` gave it, the engine as root: two uids;
+    else the agent runs the project's virtualenv from the host, as root.
     Returns the documents and the base argv's sha256."""
     import copy
 
@@ -333,26 +385,32 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     (sidecar,) = spec["initContainers"]
     sidecar.pop("restartPolicy")
     sidecar.pop("startupProbe", None)
-    sidecar.pop("securityContext", None)  # the image's non-root user cannot read the hostPath repository here
-    sidecar["image"] = image
     api_volume, api_mount = host_path("vllm-tuner-api", api_dir, API_DIR)
     spec["volumes"].append(api_volume)
     repo_volume, repo_mount = host_path("vllm-tuner-repo", REPO)
     spec["volumes"].append(repo_volume)
-    pyenv = Path(os.path.realpath(REPO / ".venv" / "bin" / "python")).parents[2]  # the Python the venv links to
-    pyenv_volume, pyenv_mount = host_path("vllm-tuner-python", pyenv)
-    spec["volumes"].append(pyenv_volume)
-    agent_mounts = [api_mount, repo_mount, pyenv_mount]
-    sidecar["volumeMounts"] = _unique_mounts([m for m in sidecar["volumeMounts"] if m["name"] != "vllm-tuner-token"]
-                                             + mounts + agent_mounts)
-    # The image's entrypoint is `vllm-tuner`; here it is the project's virtualenv.
-    sidecar["command"] = [str(REPO / ".venv" / "bin" / "python"), "-m", "tuner"]
-    sidecar["env"] = [*sidecar.get("env", []), {"name": "PYTHONUNBUFFERED", "value": "1"},
-                      {"name": "HOME", "value": "/tmp"}]
+    own_mounts = [m for m in sidecar["volumeMounts"] if m["name"] != "vllm-tuner-token"]
+    if agent_image is not None:
+        # The image as `make image` built it: its entrypoint, its user, its launcher.pyz; nothing from the host
+        # but the fake API server's token.
+        sidecar["image"] = agent_image
+        sidecar["volumeMounts"] = [*own_mounts, api_mount]
+    else:
+        sidecar.pop("securityContext", None)  # the image's non-root user cannot read the hostPath repository here
+        sidecar["image"] = image
+        pyenv = Path(os.path.realpath(REPO / ".venv" / "bin" / "python")).parents[2]  # the Python the venv links to
+        pyenv_volume, pyenv_mount = host_path("vllm-tuner-python", pyenv)
+        spec["volumes"].append(pyenv_volume)
+        sidecar["volumeMounts"] = _unique_mounts(own_mounts + mounts + [api_mount, repo_mount, pyenv_mount])
+        # The image's entrypoint is `vllm-tuner`; here it is the project's virtualenv.
+        sidecar["command"] = [str(REPO / ".venv" / "bin" / "python"), "-m", "tuner"]
+        sidecar["env"] = [*sidecar.get("env", []), {"name": "PYTHONUNBUFFERED", "value": "1"},
+                          {"name": "HOME", "value": "/tmp"}]
     init = {**copy.deepcopy(sidecar), "name": "vllm-tuner-agent-init",
             "args": [*sidecar["args"], "--prepare-only", "--startup-timeout", "3"]}
     init.pop("ports", None)
-    init["volumeMounts"] = [*init["volumeMounts"], zip_mount]
+    if agent_image is None:
+        init["volumeMounts"] = [*init["volumeMounts"], zip_mount]
     agent = sidecar
     api = {"name": "kube-api", "image": image,
            "command": ["python3", str(REPO / "tests" / "support" / "fake_kube.py"), "--port", str(API_PORT),
@@ -381,6 +439,7 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
                 var["value"] = {"metadata.name": POD_NAME, "metadata.namespace": NAMESPACE}.get(field, "podman")
     if state_dir is not None:
         state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(state_dir, 0o777)
         spec["volumes"] = [{"name": "vllm-tuner-state", "hostPath": {"path": str(state_dir), "type": "Directory"}}
                            if v["name"] == "vllm-tuner-state" else v for v in spec["volumes"]]
     if config is None:

@@ -7,8 +7,10 @@ Start-up (before the native sidecar's startupProbe passes, so before the engine 
    which version runs), atomically;
 2. ``allowed-flags.json``: the flags the agent's own rules may change, with their bounds
    (``allow_list``); the launcher lets no other override pass, whatever the pool's ConfigMap says;
-3. with ``live.enabled``, the live knobs' control directory (``control/``, 0700: the engine-side plugin
-   refuses anything others can write); the launcher points the engine's ``VLLM_TUNER_CONTROL_DIR`` at it;
+3. with ``live.enabled``, the live knobs' control directory (``control/``), shared with the engine
+   through a group (02770, ``live_knobs.shared_group``: the pod's fsGroup, else the agent's gid 0, which
+   root engines have), never writable by others: the engine-side plugin refuses that (and links, and
+   files of other owners); the launcher points the engine's ``VLLM_TUNER_CONTROL_DIR`` at it;
 4. ``desired.json``, unless one is there already (a restarted agent keeps what it asked for last): the
    pod's own entry in the pool's ConfigMap if the leader wrote one, else the pool's **verified arguments**
    (``pool``: overrides + the base hash they were computed for; the launcher drops them when this pod's
@@ -192,7 +194,8 @@ class PodAgent:
             protocol.write_allowed(self.state_dir, self.allowed)
         if self.control is not None:  # before desired.json too: the engine finds it when it starts
             try:
-                live_knobs.prepare_control_dir(self.control.control_dir)
+                live_knobs.prepare_control_dir(self.control.control_dir,
+                                               group=live_knobs.shared_group(self.state_dir))
                 self.live_seq = live_knobs.request_seq(self.control.control_dir)  # a restarted agent's
             except SourceError as exc:
                 log.warning("no live knobs: %s", exc)

@@ -1,9 +1,10 @@
 """The tuner's side of the live-knob file protocol with the engine-side plugin (``plugin/``).
 
 The engine runs ``vllm-tuner-plugin`` with ``$VLLM_TUNER_CONTROL_DIR`` set to a directory both sides
-share (in Kubernetes a subdirectory of an emptyDir, created 0700 by the tuner, both containers running
-as the same uid). The tuner writes ``control.json`` (``write_request``); each EngineCore answers in its
-own ``ack-<dp_rank>.json`` (``read_acks``).
+share: on a host one private to their common uid (0700); in Kubernetes a subdirectory of the pod's
+emptyDir that the agent creates group-shared (02770, ``shared_group``), so that the agent (uid 65532)
+and an engine of another uid (vLLM's images run as root) both use it. The tuner writes ``control.json``
+(``write_request``); each EngineCore answers in its own ``ack-<dp_rank>.json`` (``read_acks``).
 
 Acknowledgements belong to a launch: the directory outlives the engine, so files of earlier launches (an
 ``ack-1.json`` of a launch with two ranks beside this single rank's ``ack-0.json``) lie beside the current
@@ -94,22 +95,46 @@ class Ack:
 
 
 
-def prepare_control_dir(control_dir: str | os.PathLike[str]) -> Path:
-    """Create the control directory private to this uid (0700) if missing, and check that it is
-    usable: owned by this uid and writable by nobody else (the plugin refuses it otherwise)."""
+def prepare_control_dir(control_dir: str | os.PathLike[str], *, group: int | None = None) -> Path:
+    """Create the control directory if missing and check that the plugin will accept it
+    (``vllm_tuner_plugin.protocol.insecure_reason``). ``group`` None: private to this uid (0700; the engine
+    runs as the same uid), and it must be so already if it exists. ``group`` a gid: shared with an engine
+    that runs as another uid in that group (02770: setgid, so that what either side makes in it keeps the
+    group; never writable by others); a directory this process owns is brought to that."""
     path = Path(control_dir)
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
+        st = path.lstat()
+        if group is not None and st.st_uid == os.geteuid() and stat.S_ISDIR(st.st_mode):
+            if st.st_gid != group:
+                os.chown(path, -1, group)
+            os.chmod(path, 0o2770)  # after the chown, which clears the setgid bit
+            st = path.lstat()
     except OSError as exc:
         raise SourceError(str(path), f"cannot create the control directory ({exc.strerror})") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise SourceError(str(path), "not a directory (a symbolic link or a file is refused)")
     if st.st_uid != os.geteuid():
         raise SourceError(str(path), f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}; "
-                                     "the engine must run as the same uid as the tuner")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                                     "the engine must run as the same uid as the tuner, or share a group with it")
+    if group is None and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise SourceError(str(path), f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
                                      f"use a private subdirectory (chmod 0700)")
     return path
+
+
+def shared_group(state_dir: str | os.PathLike[str]) -> int:
+    """The group a pod's agent shares the control directory through, with an engine of another uid:
+    the state directory's group when it is setgid and this process is in it (what Kubernetes' ``fsGroup``
+    makes of an emptyDir), else this process's own gid (0 in the tuner's image, ``USER 65532:0``; vLLM's
+    images run as root)."""
+    try:
+        st = os.stat(state_dir)
+    except OSError:
+        return os.getegid()
+    if st.st_mode & stat.S_ISGID and st.st_gid in {os.getegid(), *os.getgroups()}:
+        return st.st_gid
+    return os.getegid()
 
 
 def request_document(seq: int, **values: int | None) -> dict[str, Any]:
@@ -136,6 +161,7 @@ def write_request(control_dir: str | os.PathLike[str], seq: int, **values: int |
     except OSError as exc:
         raise SourceError(str(directory), f"cannot write a request ({exc.strerror})") from exc
     try:
+        os.fchmod(fd, 0o640)  # readable by an engine of another uid that shares the directory's group
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(document, f)
             f.write("\n")

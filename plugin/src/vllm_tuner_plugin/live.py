@@ -48,12 +48,14 @@ class Controller:
         uid: int | None = None,
         launch: protocol.Launch | None = None,
         argv: list[str] | None = None,
+        groups: frozenset[int] | None = None,
     ) -> None:
         self.control_dir = control_dir
         self.engine_version = engine_version
         self._clock = clock
         self._wall = wall_clock
         self._uid = os.geteuid() if uid is None else uid
+        self._groups = protocol.own_groups() if groups is None else groups
         self.dp_rank = _dp_rank(scheduler)
         # This ack belongs to this launch (protocol docstring): the launch's first process named it in the
         # environment this EngineCore inherited; the rank count from the config or the command line.
@@ -139,7 +141,8 @@ class Controller:
         path = os.path.join(self.control_dir, protocol.CONTROL_FILE)
         try:
             st = os.lstat(path)
-            key: tuple[int, ...] | None = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode, st.st_uid)
+            key: tuple[int, ...] | None = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode, st.st_uid,
+                                               st.st_gid)
         except FileNotFoundError:
             key = None  # no file, or removed: keep what is in force
         except OSError as exc:
@@ -150,7 +153,7 @@ class Controller:
         if key is None:
             return
         try:
-            request = protocol.read_control(self.control_dir, uid=self._uid)
+            request = protocol.read_control(self.control_dir, uid=self._uid, groups=self._groups)
         except protocol.ProtocolError as exc:
             self._refuse(exc.seq, exc.reason)
             return

@@ -153,6 +153,7 @@ def write_json_atomically(path: str, document: dict[str, Any]) -> None:
     directory, name = os.path.split(path)
     fd, tmp = tempfile.mkstemp(dir=directory or ".", prefix=f".{name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o640)  # readable by the tuner where it shares the directory through a group
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(document, f, sort_keys=False)
             f.write("\n")
@@ -163,17 +164,52 @@ def write_json_atomically(path: str, document: dict[str, Any]) -> None:
         raise
 
 
-def insecure_reason(path: str, st: os.stat_result, *, uid: int, what: str) -> str | None:
-    """Why a control directory or file is not to be trusted, or None: it must belong to the engine's uid
-    and be writable by nobody else."""
-    if st.st_uid != uid:
-        return f"{what} {path} is owned by uid {st.st_uid}, not by the engine's uid {uid}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
+def own_groups() -> frozenset[int]:
+    """This process's groups: its effective gid and its supplementary groups (a pod's ``fsGroup`` is one)."""
+    return frozenset({os.getegid(), *os.getgroups()})
 
 
-def read_control(control_dir: str, *, uid: int) -> Request | None:
+def group_shared(st: os.stat_result, groups: frozenset[int]) -> bool:
+    """Whether a directory is shared with this process through a group: group-owned by one of
+    ``groups``, setgid (what is made in it keeps that group: Kubernetes' ``fsGroup`` sets it), and not
+    writable by others."""
+    return (stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISGID) and st.st_gid in groups
+            and not st.st_mode & stat.S_IWOTH)
+
+
+def insecure_reason(path: str, st: os.stat_result, *, uid: int, what: str, groups: frozenset[int] = frozenset(),
+                    directory: os.stat_result | None = None) -> str | None:
+    """Why a control directory (``directory`` None) or file (``directory``: its directory's stat) is not
+    to be trusted, or None. Only the engine and the tuner may write there (plugin/README.md, "Safety"):
+
+    - a directory: owned by the engine's uid and writable by nobody else, or ``group_shared`` with the
+      engine (the tuner runs as another uid in a group of the engine's: the pod's fsGroup, or group 0);
+    - a file: writable by its owner only, and owned by the engine's uid or, in a group-shared
+      directory, by that directory's group.
+
+    Never writable by others; links and special files are refused before this (``read_control``)."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_mode & stat.S_IWOTH:
+        return f"{what} {path} is writable by group or others (mode {mode:04o})"
+    if directory is None:
+        if st.st_uid == uid and not st.st_mode & stat.S_IWGRP:
+            return None
+        if group_shared(st, groups):
+            return None
+        if st.st_uid != uid:
+            return (f"{what} {path} is owned by uid {st.st_uid}, not by the engine's uid {uid}, and not shared "
+                    f"with the engine through a group (setgid, group {st.st_gid}, mode {mode:04o})")
+        return (f"{what} {path} is writable by group or others (mode {mode:04o}) and not shared with the engine "
+                f"through one of its groups (setgid)")
+    if st.st_mode & stat.S_IWGRP:
+        return f"{what} {path} is writable by group or others (mode {mode:04o})"
+    if st.st_uid == uid or (group_shared(directory, groups) and st.st_gid == directory.st_gid):
+        return None
+    return (f"{what} {path} is owned by uid {st.st_uid}, not by the engine's uid {uid}, and not by the group of a "
+            f"directory shared with the engine")
+
+
+def read_control(control_dir: str, *, uid: int, groups: frozenset[int] | None = None) -> Request | None:
     """Read and check ``control.json``: the request, or None when there is no file. A file that is there
     but not to be applied raises ``ProtocolError`` with a one-line reason.
 
@@ -201,8 +237,9 @@ def read_control(control_dir: str, *, uid: int) -> Request | None:
         raise ProtocolError(f"{path} cannot be opened ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as f:
         raw = f.read(MAX_CONTROL_BYTES + 1)
-    why = insecure_reason(control_dir, dir_st, uid=uid, what="control directory") or insecure_reason(
-        path, st, uid=uid, what="control file"
+    groups = own_groups() if groups is None else groups
+    why = insecure_reason(control_dir, dir_st, uid=uid, groups=groups, what="control directory") or insecure_reason(
+        path, st, uid=uid, groups=groups, what="control file", directory=dir_st
     )
     if why is not None:
         # Nothing in it is applied; its seq is only echoed (when it parses) so the tuner can tell that
