@@ -114,6 +114,10 @@ SKIPPED = {
     ("docs/kubernetes.md", "make image chart"): "podman, helm and a Kubernetes cluster",
     ("docs/kubernetes.md", "helm install vllm dist/"): "helm and a Kubernetes cluster",
     ("docs/kubernetes.md", "helm plugin install"): "helm and a Kubernetes cluster",
+    ("docs/kubernetes.md", "helm template t deploy/helm/vllm-tuner"): "the helm command line (not installed here): "
+        "tests/integration/test_deploy.py renders the chart with the same values through helm-python-sdk",
+    ("docs/kubernetes.md", "make image IMAGE=registry.example.com"): "builds the image and pushes it to a registry: "
+        "tests/e2e/test_image.py builds it (make test)",
     ("docs/performance.md", "python -m bench.rollout_bench"): "real engines behind nginx, minutes per run",
     ("plugin/README.md", "pip install ./plugin"): "vLLM's own environment and a model (tests/e2e/"
                                                   "test_live_knobs_live.py)",
