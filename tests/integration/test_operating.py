@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import waiting
 from harness.ports import free_port
 from tuner.cli import demo
 from tuner.sources import live_knobs
@@ -37,13 +37,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def wait_for(what: Callable[[], Any], timeout: float, message: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout}s: {message()}")
+    """harness.waiting's wait, failing the test with ``message()`` at the deadline."""
+    return waiting.wait_for(what, timeout, "the condition", poll=0.3, detail=message, error=AssertionError)
 
 
 class Tuner:

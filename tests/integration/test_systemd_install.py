@@ -15,7 +15,6 @@ import json
 import shutil
 import sys
 import sysconfig
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import required
+from harness import required, waiting
 from harness.ports import free_port
 from tests.support import systemd as systemd_support
 
@@ -34,13 +33,8 @@ BIN_DIR = "/var/lib/vllm-tuner-test-bin"  # inside the /var/lib overlay: the nam
 
 
 def wait_for(what: Callable[[], Any], timeout: float, message: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s: {message()}")
+    """harness.waiting's wait, failing the test with ``message()`` at the deadline."""
+    return waiting.wait_for(what, timeout, "the condition", poll=0.5, detail=message, error=AssertionError)
 
 
 def skip_reason() -> str | None:
