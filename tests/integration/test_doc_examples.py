@@ -114,6 +114,11 @@ SKIPPED = {
     ("docs/kubernetes.md", "make image chart"): "podman, helm and a Kubernetes cluster",
     ("docs/kubernetes.md", "helm install vllm dist/"): "helm and a Kubernetes cluster",
     ("docs/kubernetes.md", "helm plugin install"): "helm and a Kubernetes cluster",
+    ("docs/evaluation.md", "bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each"): "a GPU machine",
+    ("docs/evaluation.md", "python -m bench.family --calibrate"): "a minute of simulation: "
+        "tests/unit/test_family.py holds the twin to the committed H200 static arms",
+    ("docs/evaluation.md", "python -m bench.family --traces 20"): "minutes of simulation on 2 cores: "
+        "tests/unit/test_family.py runs a draw of the same family",
     ("docs/kubernetes.md", "helm template t deploy/helm/vllm-tuner"): "the helm command line (not installed here): "
         "tests/integration/test_deploy.py renders the chart with the same values through helm-python-sdk",
     ("docs/kubernetes.md", "make image IMAGE=registry.example.com"): "builds the image and pushes it to a registry: "
