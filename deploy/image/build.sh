@@ -31,6 +31,8 @@ IMAGE=${IMAGE:-vllm-tuner:$VERSION}
 read -ra PODMAN_CMD <<<"${PODMAN:-podman}"
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
+# absolute: the wheel is built from a copy of the tree in another directory (`make image` passes .venv/bin/python)
+case $PYTHON in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON") ;; esac
 SUITE=bookworm
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SECURITY=${DEBIAN_SECURITY:-http://deb.debian.org/debian-security}
@@ -122,7 +124,7 @@ find "$build" -name __pycache__ -prune -exec rm -rf {} +
 (cd "$build" && { "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
   --no-index -w "$context/wheels" . 2>/dev/null \
   || "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$context/wheels" .; })
-[ -n "$(ls "$context"/wheels/vllm_tuner-*.whl 2>/dev/null)" ] || die "the tuner's wheel was not built"
+[ -n "$(ls "$context"/wheels/vllm_tuner_sidecar-*.whl 2>/dev/null)" ] || die "the tuner's wheel was not built"
 
 # --- 4. the image --------------------------------------------------------------------------------------
 created=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%dT%H:%M:%SZ)
