@@ -25,6 +25,7 @@ from typing import Any
 from tuner import config
 from tuner.actuators import files
 from tuner.errors import TunerError
+from tuner.launcher import untrusted
 from tuner.model import knobs
 from tuner.planning.planner import DecisionSettings
 
@@ -74,15 +75,14 @@ def path_for(settings: config.TunerSettings, config_path: str | os.PathLike[str]
 
 def load(path: Path) -> Control:
     """The switches in ``path``; none when it does not exist; paused, with why, when it does not read."""
-    try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_BYTES + 1)
+    try:  # the one bounded reader: a FIFO or a device put there is refused, never waited on
+        raw = untrusted.read_bytes(path, max_bytes=MAX_BYTES)
     except FileNotFoundError:
         return Control()
+    except untrusted.Untrusted as exc:
+        return _unreadable(path, exc.reason)
     except OSError as exc:
         return _unreadable(path, exc.strerror or str(exc))
-    if len(raw) > MAX_BYTES:
-        return _unreadable(path, f"larger than {MAX_BYTES} bytes")
     try:
         data = json.loads(raw)
         if not isinstance(data, dict):
