@@ -179,9 +179,15 @@ def test_the_tuner_starts_the_pool_one_engine_at_a_time(tmp_path: Path) -> None:
     tuner = start_tuner(cfg_path, log)
     pidfiles = [tmp_path / "engines" / f"{t['name']}.json" for t in cfg["targets"]]
     try:
+        def spawned(p: Path) -> bool:
+            """the engine's pid file names its process (the record written ahead of the spawn has no pid yet)"""
+            with contextlib.suppress(OSError, ValueError):
+                return json.loads(p.read_text()).get("pid") is not None
+            return False
+
         def both_started() -> bool:
             """both engines started"""
-            return all(p.exists() for p in pidfiles)
+            return all(spawned(p) for p in pidfiles)
 
         wait_for(both_started, 120)
     finally:
