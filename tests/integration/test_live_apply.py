@@ -67,10 +67,12 @@ def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Pat
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     names = [t["name"] for t in cfg["targets"]]
     try:
-        def pids() -> dict[str, int] | None:
+        def pids() -> dict[str, int] | None:  # the pid file is written ahead of the spawn, without a pid
             files = [tmp_path / "engines" / f"{n}.json" for n in names]
-            return {n: json.loads(f.read_text())["pid"] for n, f in zip(names, files, strict=True)} \
-                if all(f.exists() for f in files) else None
+            if not all(f.exists() for f in files):
+                return None
+            got = {n: json.loads(f.read_text())["pid"] for n, f in zip(names, files, strict=True)}
+            return got if all(pid is not None for pid in got.values()) else None
 
         started = wait_for(pids, 60, "the tuner to start both engines")
         def acks() -> dict | None:  # answers to a request (seq 1 or later), not the startup ack (seq None)
