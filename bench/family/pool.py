@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -87,7 +88,6 @@ class Pool:
         self._rr = 0
         self._users: dict[int, Sent] = {}  # closed loop: each client's request in flight
         self._closed = trace.closed()
-        import random
         self._rng = random.Random(trace.seed + 1)
         self.events: list[tuple[float, str, str]] = []  # (at, replica, what): restarts, drains, caps
 
