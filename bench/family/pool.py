@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client import generate_latest
 
 from bench.family.traces import Trace, sizes
 from tuner.actuators import base
@@ -149,7 +148,7 @@ class Pool:
             if r.serving(s.at) and not r.drained and r.engine is not None and r.engine.accepting:
                 self._rr = (self._rr + i + 1) % len(names)
                 s.replica = r.name
-                s.req = r.engine.submit(prompt_tokens=s.prompt, max_tokens=s.output, output_tokens=s.output)
+                s.req = r.engine.submit(prompt_tokens=s.prompt, max_tokens=s.output, output_tokens=s.output, wait=False)
                 s.req.arrival = s.at
                 return
 
@@ -264,7 +263,7 @@ class Transport:
             raise httpx.ConnectError("connection refused", request=request)
         e = r.engine
         if path == "/metrics":
-            return httpx.Response(200, content=generate_latest(e.registry),
+            return httpx.Response(200, content=e.metrics.exposition(),
                                   headers={"content-type": "text/plain; version=0.0.4"})
         if path == "/health":
             return httpx.Response(200)
@@ -287,7 +286,7 @@ class Transport:
         if path in ("/v1/completions", "/v1/chat/completions"):
             body = json.loads(request.content or b"{}")
             tokens = int(body.get("max_tokens") or 1)
-            req = e.submit(prompt_tokens=8, max_tokens=tokens, output_tokens=tokens)
+            req = e.submit(prompt_tokens=8, max_tokens=tokens, output_tokens=tokens, wait=False)
             req.arrival = now
             return _json({"id": "warm", "object": "text_completion", "choices": [{"text": "x", "index": 0}],
                           "usage": {"prompt_tokens": 8, "completion_tokens": tokens}})

@@ -165,8 +165,8 @@ def test_raising_max_num_seqs_trades_latency_for_throughput() -> None:
         engine = sim.SimEngine(cfg)
         engine.advance(20.0)
         m = engine.metrics
-        itl_count = sum(b.get() for b in m.itl._buckets)
-        results[seqs] = (m.generation_tokens._value.get() / 20.0, m.itl._sum.get() / itl_count, len(engine.waiting))
+        itl_count = sum(m.itl.counts)
+        results[seqs] = (m.generation_tokens.value / 20.0, m.itl.total / itl_count, len(engine.waiting))
     (tput8, itl8, waiting8), (tput128, itl128, waiting128) = results[8], results[128]
     assert 3.0 < tput128 / tput8 < 5.0
     assert 1.5 < itl128 / itl8 < 5.0
@@ -181,8 +181,8 @@ def test_a_kv_bound_engine_preempts() -> None:
     assert cfg.kv_cache_size_tokens == pytest.approx(112_976, rel=0.01)  # evidence: 112,976
     engine = sim.SimEngine(cfg)
     engine.advance(30.0)
-    assert engine.metrics.kv_usage._value.get() > 0.9
-    assert engine.metrics.preemptions._value.get() > 0
+    assert engine.metrics.kv_usage.value > 0.9
+    assert engine.metrics.preemptions.value > 0
     assert 20 < len(engine.running) < 60 and len(engine.waiting) > 50
 
 

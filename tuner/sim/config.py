@@ -29,15 +29,20 @@ class GpuModel:
     step_base_seconds: float = 0.0046
     step_per_seq_seconds: float = 0.000045
     step_per_prefill_token_seconds: float = 0.000020
+    # a decode reads every running sequence's KV cache: time per token of context in the step. 0 here (the
+    # per-sequence cost above was fitted at one context length, ~1,150 tokens); the family's twin
+    # (bench/family/calibration.py) splits it, which long prompts at a full batch need
+    step_per_context_token_seconds: float = 0.0
 
     def kv_cache_tokens(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
         activation = self.activation_base_gib * 2**30 + self.activation_bytes_per_batched_token * max_num_batched_tokens
         free = gpu_memory_utilization * self.memory_gib * 2**30 - self.weights_gib * 2**30 - activation
         return max(0, int(free // self.kv_bytes_per_token))
 
-    def step_seconds(self, *, sequences: int, prefill_tokens: int) -> float:
+    def step_seconds(self, *, sequences: int, prefill_tokens: int, context_tokens: int = 0) -> float:
         return (self.step_base_seconds + self.step_per_seq_seconds * sequences
-                + self.step_per_prefill_token_seconds * prefill_tokens)
+                + self.step_per_prefill_token_seconds * prefill_tokens
+                + self.step_per_context_token_seconds * context_tokens)
 
 
 H200 = GpuModel()

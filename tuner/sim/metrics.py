@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.utils import floatToGoString as _go_float
 
 from tuner.sim.config import SimConfig
 
@@ -45,21 +47,74 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 def observe_many(histogram: Any, amount: float, count: int) -> None:
     """``count`` observations of the same ``amount`` at once: every decoding request of one engine step has
-    the same inter-token gap, and observing them one by one was half of the simulation's time (the
-    virtual-time benchmark, ``bench.family``, runs it for hours of simulated traffic). Falls back to
-    single observations where prometheus_client's histogram lacks the attributes used."""
-    try:
-        histogram._raise_if_not_observable()
-        bounds, buckets, total = histogram._upper_bounds, histogram._buckets, histogram._sum
-    except AttributeError:
-        for _ in range(count):
-            histogram.observe(amount)
-        return
-    total.inc(amount * count)
-    for i, bound in enumerate(bounds):
-        if amount <= bound:
-            buckets[i].inc(count)
-            break
+    the same inter-token gap."""
+    histogram.observe(amount, count)
+
+
+def _go(value: float) -> str:
+    """A sample's value as prometheus_client writes it."""
+    return str(_go_float(value))  # type: ignore[no-untyped-call]
+
+
+class _Value:
+    """A counter's or a gauge's one series, kept as a plain float (``VllmMetrics`` says why)."""
+
+    __slots__ = ("counter", "real", "value")
+
+    def __init__(self, real: Any, *, counter: bool) -> None:
+        self.real, self.value, self.counter = real, 0.0, counter
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def flush(self) -> None:
+        if self.counter:
+            self.real._value.set(self.value)
+        else:
+            self.real.set(self.value)
+
+    def getters(self) -> list[Callable[[], float]]:
+        return [lambda: self.value]
+
+    def sentinel(self, base: float) -> int:
+        self.real._value.set(base) if self.counter else self.real.set(base)
+        return 1
+
+
+class _Histogram:
+    """A histogram's one series: a count per bucket and the sum."""
+
+    __slots__ = ("bounds", "counts", "real", "total")
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.bounds = list(real._upper_bounds)  # the last is +Inf
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def observe(self, amount: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, amount)] += count  # the first bound ≥ amount
+        self.total += amount * count
+
+    def flush(self) -> None:
+        for bucket, n in zip(self.real._buckets, self.counts, strict=True):
+            bucket.set(n)
+        self.real._sum.set(self.total)
+
+    def getters(self) -> list[Callable[[], float]]:
+        """The cumulative buckets in order (the last is also the count), then the sum."""
+        return [*(lambda i=i: float(sum(self.counts[:i + 1])) for i in range(len(self.bounds))),
+                lambda: self.total]
+
+    def sentinel(self, base: float) -> int:
+        """Raw buckets whose cumulative counts are base, base + 1, …; the sum base + len."""
+        for i, bucket in enumerate(self.real._buckets):
+            bucket.set(base if i == 0 else 1)
+        self.real._sum.set(base + len(self.bounds))
+        return len(self.bounds) + 1
 
 
 CACHE_CONFIG_KEYS = (
@@ -92,34 +147,50 @@ def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
 
 
 class VllmMetrics:
-    """vLLM 0.32's ``PrometheusStatLogger`` families (those a single-GPU text-only engine registers)."""
+    """vLLM 0.32's ``PrometheusStatLogger`` families (those a single-GPU text-only engine registers).
+
+    The engine updates plain numbers (``_Value``, ``_Histogram``), not prometheus_client's objects: a
+    simulated engine observes every step of every request, and prometheus_client's locked observations and its
+    exposition were most of the virtual-time benchmark's time (``bench.family``, issue 25). ``flush`` writes
+    them into the registry (the HTTP engine's ``/metrics`` renders the registry); ``exposition`` renders the
+    same text from a template of the registry's own output, values filled in (a test holds the two equal)."""
 
     def __init__(self, cfg: SimConfig, registry: CollectorRegistry, *, started_at: float) -> None:
         names = ["model_name", "engine"]
         lv = (cfg.model_name, "0")
         r = registry
+        self.registry = registry
+        self._series: list[_Value | _Histogram] = []
+        self._template: tuple[list[str], list[tuple[int, str, Callable[[], float]]]] | None = None
+
+        def wrap(real: Any, kind: str) -> Any:
+            series: _Value | _Histogram = _Histogram(real) if kind == "histogram" else \
+                _Value(real, counter=kind == "counter")
+            self._series.append(series)
+            return series
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, names, registry=r).labels(*lv)
+            return wrap(Gauge(name, doc, names, registry=r).labels(*lv), "gauge")
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, names, registry=r).labels(*lv)
+            return wrap(Counter(name, doc, names, registry=r).labels(*lv), "counter")
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*lv)
+            return wrap(Histogram(name, doc, names, buckets=buckets, registry=r).labels(*lv), "histogram")
 
         tokens = build_1_2_5_buckets(cfg.max_model_len)
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         by_reason = Gauge("vllm:num_requests_waiting_by_reason",
                           "Number of requests waiting to be processed, by reason.", [*names, "reason"], registry=r)
-        self.waiting_capacity = by_reason.labels(*lv, "capacity")
+        self.waiting_capacity = wrap(by_reason.labels(*lv, "capacity"), "gauge")
         by_reason.labels(*lv, "deferred").set(0)
         sleep = Gauge("vllm:engine_sleep_state",
                       "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
                       "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
                       [*names, "sleep_state"], registry=r)
-        self.sleep_state = {state: sleep.labels(*lv, state) for state in ("awake", "weights_offloaded", "discard_all")}
+        self.sleep_state = {state: wrap(sleep.labels(*lv, state), "gauge")
+                            for state in ("awake", "weights_offloaded", "discard_all")}
         self.set_sleep_level(None)
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_queries = counter("vllm:prefix_cache_queries",
@@ -130,7 +201,7 @@ class VllmMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*names, "finished_reason"], registry=r)
-        self.success = {reason: success.labels(*lv, reason) for reason in FINISH_REASONS}
+        self.success = {reason: wrap(success.labels(*lv, reason), "counter") for reason in FINISH_REASONS}
         self.req_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.req_generation_tokens = histogram("vllm:request_generation_tokens",
                                                "Number of generation tokens processed.", tokens)
@@ -182,3 +253,42 @@ class VllmMetrics:
         self.sleep_state["awake"].set(1 if level is None else 0)
         self.sleep_state["weights_offloaded"].set(1 if level == 1 else 0)
         self.sleep_state["discard_all"].set(1 if level == 2 else 0)
+
+    def flush(self) -> None:
+        """The registry brought up to date (before anything renders it)."""
+        for series in self._series:
+            series.flush()
+
+    def exposition(self) -> bytes:
+        """``generate_latest(registry)`` of the families above, without prometheus_client's per-sample work:
+        the registry's text rendered once with a unique sentinel in every series this class updates says
+        which line carries which value; later calls fill those lines in. Series added to the registry by
+        others after the first call (the HTTP engine's ``http_requests_total``) are not in it: that engine
+        flushes and renders the registry instead."""
+        if self._template is None:
+            self._template = self._build_template()
+        lines, slots = self._template
+        out = list(lines)
+        for index, prefix, value in slots:
+            out[index] = prefix + _go(value())
+        return ("\n".join(out) + "\n").encode()
+
+    def _build_template(self) -> tuple[list[str], list[tuple[int, str, Callable[[], float]]]]:
+        base, sentinels = 7.0e12, {}
+        for series in self._series:
+            getters = series.getters()
+            used = series.sentinel(base)
+            for k in range(used):
+                sentinels[_go(base + k)] = getters[k]
+            base += 1000.0
+        text = generate_latest(self.registry).decode()
+        self.flush()
+        lines = text.rstrip("\n").split("\n")
+        slots = []
+        for i, line in enumerate(lines):
+            if line.startswith("#"):
+                continue
+            prefix, _, value = line.rpartition(" ")
+            if value in sentinels:
+                slots.append((i, prefix + " ", sentinels[value]))
+        return lines, slots

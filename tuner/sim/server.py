@@ -235,7 +235,7 @@ class SimServer:
             with self._inflight_lock:
                 self.server_load += 1
         try:
-            if not req.done.wait(timeout=3600):
+            if req.done is None or not req.done.wait(timeout=3600):
                 return 504, _error("timed out in the SIMULATED engine", None, None, code=504)
         finally:
             if cfg.enable_server_load_tracking:
@@ -302,7 +302,10 @@ def _handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
 
         def _dispatch(self, method: str, path: str) -> int:
             if method == "GET" and path == "/metrics":
-                return self._send(200, generate_latest(engine.registry), CONTENT_TYPE_METRICS)
+                with engine.lock:
+                    engine.metrics.flush()
+                    exposition = generate_latest(engine.registry)
+                return self._send(200, exposition, CONTENT_TYPE_METRICS)
             if path in ("/health", "/ping") and method in ("GET", "POST"):
                 return self._send(200, b"", "application/json")
             if method == "GET" and path == "/version":
