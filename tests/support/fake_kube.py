@@ -5,7 +5,8 @@ Stdlib only, so it also runs inside a podman pod under the host's Python (``pyth
 
 - **objects** by (API group, resource, namespace, name), one global ``resourceVersion`` counter;
 - **compare-and-swap**: a PUT whose ``metadata.resourceVersion`` is not the stored one is 409 Conflict;
-  a PATCH (JSON merge patch) is applied atomically; POST of an existing name is 409 AlreadyExists;
+  a PUT replaces the object, labels and annotations included (left out, they are removed); a PATCH (JSON
+  merge patch) is applied atomically; POST of an existing name is 409 AlreadyExists;
 - **watches** as the API streams them: ``?watch=true`` answers a chunked stream of JSON lines
   (``{"type": "ADDED|MODIFIED|DELETED", "object": …}``) after ``resourceVersion``, closed after
   ``timeoutSeconds``; ``labelSelector`` (=, !=, in, notin, exists, !exists) and ``fieldSelector``
@@ -394,11 +395,8 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                     new = copy.deepcopy(body)
                     if sub == "status":
                         new = {**copy.deepcopy(current), "status": body.get("status")}
-                    for k in ("uid", "creationTimestamp", "namespace", "name"):
+                    for k in ("uid", "creationTimestamp", "namespace", "name"):  # the server's own fields
                         new.setdefault("metadata", {})[k] = current["metadata"][k]
-                    for k in ("labels", "annotations"):
-                        if k in current["metadata"] and k not in new["metadata"]:
-                            new["metadata"][k] = current["metadata"][k]
                 else:
                     ctype = self.headers.get("Content-Type", "")
                     if "merge-patch" not in ctype:
