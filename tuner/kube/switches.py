@@ -29,6 +29,7 @@ change is the safe side (the rest of the tuner keeps observing). Reasons are sho
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 
 from tuner.daemon import control
@@ -82,3 +83,17 @@ def read(annotations: Mapping[str, str], *, configmap: str) -> control.Control:
         return control.Control(paused=why, pins=pins, error=why, pause_source=source)
     return control.Control(paused=paused, pins=pins, pause_source=source)
 
+
+def kubectl(command: str, *, namespace: str, configmap: str, flag: str | None = None, reason: str = "") -> str:
+    """The ``kubectl annotate`` that does what ``vllm-tuner pause|resume|pin|unpin`` does under systemd, for
+    the pool whose ConfigMap is ``configmap`` (a shell command line, quoted)."""
+    head = f"kubectl -n {shlex.quote(namespace)} annotate configmap {shlex.quote(configmap)}"
+    if command == "pause":
+        return f"{head} --overwrite {PAUSED}=true" + (f" {shlex.quote(PAUSED_REASON + '=' + reason)}" if reason else "")
+    if command == "resume":
+        return f"{head} {PAUSED}- {PAUSED_REASON}-"
+    assert flag is not None
+    key = pin_key(flag)
+    if command == "pin":
+        return f"{head} --overwrite {shlex.quote(key + '=' + reason)}"
+    return f"{head} {key}-"
