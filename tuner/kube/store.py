@@ -18,6 +18,10 @@ quarantine``         each): for a human to read, then delete
 ``report.<pod>``     that pod's agent's report: its launcher's status.json, condensed           its agent
 ===================  ===========================================================================  =========
 
+Its **annotations** are the operator's switches (``vllm-tuner.io/paused``, ``pin.vllm-tuner.io/<flag>``:
+``tuner.kube.switches``), set with ``kubectl annotate``; the tuner reads them (``PoolStore.annotations``)
+and writes back, unchanged, those it read.
+
 **Leader writes are compare-and-swap** on the ConfigMap's resourceVersion (a PUT with it, and with the
 labels and annotations read: a PUT replaces them; 409: re-read, apply the change again to what is there
 now, retry) and **fenced**: each carries the writer's epoch, and a
