@@ -41,7 +41,8 @@ SLOW_FILES = {
     "integration/test_recommend_live.py": "`vllm-tuner recommend` scraping a simulated engine for its window",
     "integration/test_cli_errors.py": "`vllm-tuner run` on busy ports, held locks, a full and a read-only mount",
     "integration/test_secrets_shown.py": "`vllm-tuner run` and engine processes as subprocesses",
-    "integration/test_install.py": "python -m build, new virtualenvs and pip installs of the wheel, sdist and tree",
+    "integration/test_install.py": "python -m build, new virtualenvs, pip installs of the wheel, sdist and tree, "
+                                   "and pipx install . (from the package index)",
     "integration/test_systemd_install.py": "install.sh on a real private systemd; a rolling restart through polkit",
     "integration/test_operating.py": "`vllm-tuner run` on simulated replicas, restarted; the CLI beside it",
 }

@@ -126,6 +126,10 @@ SKIPPED = {
     ("docs/performance.md", "python -m bench.rollout_bench"): "real engines behind nginx, minutes per run",
     ("plugin/README.md", "pip install ./plugin"): "vLLM's own environment and a model (tests/e2e/"
                                                   "test_live_knobs_live.py)",
+    ("docs/kubernetes.md", "# pause the pool"): "a Kubernetes cluster: tests/integration/test_kube_switches.py runs "
+        "this block as written, with kubectl, against the fake API server and the pool's leader",
+    ("docs/kubernetes.md", "# resume and unpin"): "a Kubernetes cluster: tests/integration/test_kube_switches.py "
+        "runs this block as written, with kubectl, against the fake API server and the pool's leader",
 }
 
 # The decisions these examples document are the recommender's of issue 25 ("Control that holds on traffic

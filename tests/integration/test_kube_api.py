@@ -120,6 +120,38 @@ def test_a_deposed_leaders_write_is_refused(api: kapi.KubeApi, kube: fk.FakeKube
         "from epoch 1", "from epoch 2"]
 
 
+def test_the_agents_writes_keep_the_objects_labels_and_annotations(api: kapi.KubeApi, kube: fk.FakeKube) -> None:
+    """A PUT replaces labels and annotations: the leader's writes to the ConfigMap and the elector's to the
+    Lease carry those they read (Helm's, ``helm.sh/resource-policy: keep``), and an annotation a human adds
+    between the leader's read and its write survives (the CAS loses, re-reads, writes it back)."""
+    cm_before = kube.get("ConfigMap", "vllm-tuner-journal-vllm")["metadata"]  # type: ignore[index]
+    lease_before = kube.get("Lease", "vllm-tuner-vllm")["metadata"]  # type: ignore[index]
+    assert cm_before["annotations"] == {"helm.sh/resource-policy": "keep"} and cm_before["labels"]
+    s = store.PoolStore(api)
+    journal = store.ConfigMapJournal(s, epoch=1, leader="pod-a_1")
+    journal.append("note", at=1.0, note="a")
+
+    def annotate(cm: dict[str, Any]) -> None:  # kubectl annotate: a merge patch of the metadata
+        cm["metadata"]["annotations"]["vllm-tuner.io/paused"] = "true"
+
+    kube.modify("ConfigMap", "vllm-tuner-journal-vllm", annotate)
+    journal.append("note", at=2.0, note="b")  # its cached version is stale: 409, re-read, written again
+    assert s.conflicts == 1
+    after = kube.get("ConfigMap", "vllm-tuner-journal-vllm")["metadata"]  # type: ignore[index]
+    assert after["labels"] == cm_before["labels"]
+    assert after["annotations"] == {"helm.sh/resource-policy": "keep", "vllm-tuner.io/paused": "true"}
+    assert s.annotations == after["annotations"]
+    clock = Clock()
+    a = elector(api, "pod-a_1", clock)
+    assert a.try_once() is not None  # taken
+    clock.t += 3
+    assert a.try_once() is not None  # renewed
+    a.release()
+    lease_after = kube.get("Lease", "vllm-tuner-vllm")["metadata"]  # type: ignore[index]
+    assert int(lease_after["resourceVersion"]) > int(lease_before["resourceVersion"])
+    assert lease_after.get("labels") == lease_before.get("labels") and lease_after.get("labels")
+
+
 def test_reports_and_leader_writes_interleave_without_loss(api: kapi.KubeApi, kube: fk.FakeKube) -> None:
     leader, agent = store.PoolStore(api), store.PoolStore(api)
     journal = store.ConfigMapJournal(leader, epoch=1, leader="pod-a_1")

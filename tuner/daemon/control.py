@@ -10,12 +10,18 @@ The daemon only reads the file. One that does not read (garbled, not JSON, unrea
 tuner, with the reason: a switch the operator set must not be lost by a bad write, and holding changes
 is the safe side. Written atomically (temp file, fsync, rename), mode 0644: the CLI runs as root or the
 tuner's user, the daemon as ``vllm-tuner``.
+
+On Kubernetes the same switches are annotations on the pool's ConfigMap (``tuner.kube.switches`` reads
+them into a ``Control``). Either way ``take`` is the one place they act: the decisions a cycle runs with
+(``effective``), ``/status`` (``report``), ``tuner_paused`` and ``tuner_pinned``, and a log line per change —
+the daemon's cycle and the Kubernetes leader's call it, then the one decision path (``daemon.cycle``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -24,10 +30,14 @@ from typing import Any
 
 from tuner import config
 from tuner.actuators import files
+from tuner.daemon.selfmetrics import TunerMetrics
+from tuner.daemon.state import TunerState
 from tuner.errors import TunerError
 from tuner.launcher import untrusted
 from tuner.model import knobs
 from tuner.planning.planner import DecisionSettings
+
+log = logging.getLogger("tuner.control")
 
 FILE_NAME = "control.json"
 MAX_BYTES = 1024 * 1024
@@ -53,6 +63,9 @@ class Control:
     paused_by: str = ""
     pins: Mapping[str, Pin] = dataclasses.field(default_factory=dict)
     error: str | None = None  # the file did not read: the tuner holds everything (``paused`` says why)
+    # what set a runtime pause, and a pin given no reason, as the reasons say it (Kubernetes: the annotation)
+    pause_source: str = "vllm-tuner pause"
+    pin_source: str = "vllm-tuner pin"
 
     def as_dict(self) -> dict[str, Any]:
         return {"paused": self.paused is not None, "paused_reason": self.paused, "paused_at": self.paused_at,
@@ -134,11 +147,11 @@ def effective(decisions: DecisionSettings, control: Control) -> DecisionSettings
     """The configuration's switches with the runtime ones added (either pauses, either pins)."""
     paused: bool | str = decisions.paused
     if control.paused is not None and paused in (False, ""):
-        paused = f"{control.paused or 'vllm-tuner pause'}" if control.error else \
-            f"vllm-tuner pause{': ' + control.paused if control.paused else ''}"
+        paused = f"{control.paused or control.pause_source}" if control.error else \
+            f"{control.pause_source}{': ' + control.paused if control.paused else ''}"
     pins = dict(decisions.pins)
     for flag, pin in control.pins.items():
-        pins.setdefault(flag, pin.reason or "vllm-tuner pin")
+        pins.setdefault(flag, pin.reason or control.pin_source)
     if paused == decisions.paused and pins == decisions.pins:
         return decisions
     return decisions.model_copy(update={"paused": paused, "pins": pins})
@@ -156,3 +169,30 @@ def report(decisions: DecisionSettings, control: Control) -> dict[str, Any]:
             "paused_from": "config" if decisions.paused not in (False, "") else
             ("runtime" if control.paused is not None else None),
             "paused_at": control.paused_at, "pins": pins, "file_error": control.error}
+
+
+def take(decisions: DecisionSettings, control: Control, *, state: TunerState,
+         metrics: TunerMetrics | None) -> DecisionSettings:
+    """The switches in force for this cycle, for the daemon's cycle and the Kubernetes leader's alike:
+    shown on ``/status`` (``state.control``), as ``tuner_paused`` and ``tuner_pinned{flag}``, and in the log
+    once per change (``say``); the decisions the cycle runs with (``effective``)."""
+    now = report(decisions, control)
+    if now != state.control:
+        say(now, state.control)
+    state.control = now
+    if metrics is not None:
+        metrics.set_control(paused=now["paused"], pins=set(now["pins"]))
+    return effective(decisions, control)
+
+
+def say(now: Mapping[str, Any], before: Mapping[str, Any]) -> None:
+    """One line when a switch changes (and at start, when one is on): paused, resumed, pinned, unpinned."""
+    if now.get("paused") and (not before.get("paused") or now.get("paused_reason") != before.get("paused_reason")):
+        log.warning("paused (%s): no change goes out until resumed", now.get("paused_reason"))
+    elif before.get("paused") and not now.get("paused"):
+        log.warning("resumed: changes go out again")
+    pins, was = now.get("pins", {}), before.get("pins", {})
+    for flag in sorted(set(pins) - set(was)):
+        log.warning("pinned %s (%s): the tuner holds changes to it", flag, pins[flag].get("reason"))
+    for flag in sorted(set(was) - set(pins)):
+        log.warning("unpinned %s", flag)

@@ -351,12 +351,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         act = applying if applying is None or _resumed(applying, state) else None
         running, rules_now = reloadable[0]  # what SIGHUP last loaded (one tuple: swapped at once)
         switches = control.load(control_path)  # the operator's pause and pins, read every cycle
-        report = control.report(running.decisions, switches)
-        if report != state.control:
-            _say_control(report, state.control)
-        state.control = report
-        metrics.set_control(paused=report["paused"], pins=set(report["pins"]))
-        effective = running.model_copy(update={"decisions": control.effective(running.decisions, switches)})
+        effective = running.model_copy(update={"decisions": control.take(running.decisions, switches, state=state,
+                                                                         metrics=metrics)})
         result = cycle.run_cycle(state, settings=effective, collectors=collectors, rules=rules_now,
                                  rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
                                  should_stop=should_stop, clock=loop_clock)
@@ -441,19 +437,6 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
 
 
 RELOADABLE = ("rule_files", "decisions")  # what a SIGHUP applies; every other section needs a restart
-
-
-def _say_control(now: Mapping[str, Any], before: Mapping[str, Any]) -> None:
-    """One line when a switch changes (and at start, when one is on): paused, resumed, pinned, unpinned."""
-    if now.get("paused") and (not before.get("paused") or now.get("paused_reason") != before.get("paused_reason")):
-        log.warning("paused (%s): no change goes out until resumed", now.get("paused_reason"))
-    elif before.get("paused") and not now.get("paused"):
-        log.warning("resumed: changes go out again")
-    pins, was = now.get("pins", {}), before.get("pins", {})
-    for flag in sorted(set(pins) - set(was)):
-        log.warning("pinned %s (%s): the tuner holds changes to it", flag, pins[flag].get("reason"))
-    for flag in sorted(set(was) - set(pins)):
-        log.warning("unpinned %s", flag)
 
 
 class _MaskedNotifier(notify.Notifier):

@@ -15,6 +15,11 @@ own pod
 
 Errors become ``ApiError`` (the status code kept: 409 is a lost compare-and-swap, 403 a request the
 Role does not allow, 0 no answer at all), with one line saying which request failed.
+
+An update (PUT) replaces the whole object, its labels and annotations too: the Lease and the ConfigMap are
+read with theirs and written back with them (Helm's labels and ``helm.sh/resource-policy: keep``, and the
+operator's switches on the ConfigMap, ``tuner.kube.switches``), and a compare-and-swap that lost to a
+``kubectl annotate`` re-reads them like any other change.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import datetime as dt
 import json
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -66,12 +71,22 @@ class LeaseRecord:
     acquired_at: dt.datetime | None
     renewed_at: dt.datetime | None
     transitions: int
+    labels: Mapping[str, str] = field(default_factory=dict)  # kept as read: an update replaces them
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class ConfigMapRecord:
     resource_version: str
     data: Mapping[str, str]
+    labels: Mapping[str, str] = field(default_factory=dict)  # kept as read: an update replaces them
+    annotations: Mapping[str, str] = field(default_factory=dict)  # the operator's switches among them
+
+
+def _configmap_record(cm: Any) -> ConfigMapRecord:
+    meta = cm.metadata
+    return ConfigMapRecord(str(meta.resourceVersion), dict(cm.data or {}), dict(meta.labels or {}),
+                           dict(meta.annotations or {}))
 
 
 @dataclass(frozen=True)
@@ -141,33 +156,42 @@ class KubeApi:
         lease = self._call(f"get Lease {name}", self._client.get, Lease, name, namespace=self.namespace)
         spec = lease.spec or LeaseSpec()
         return LeaseRecord(lease.metadata.resourceVersion, spec.holderIdentity or None, spec.leaseDurationSeconds,
-                           spec.acquireTime, spec.renewTime, spec.leaseTransitions or 0)
+                           spec.acquireTime, spec.renewTime, spec.leaseTransitions or 0,
+                           dict(lease.metadata.labels or {}), dict(lease.metadata.annotations or {}))
 
     def update_lease(self, record: LeaseRecord) -> LeaseRecord:
-        """PUT with the record's resourceVersion: ``ApiError`` 409 when someone else wrote it first."""
+        """PUT with the record's resourceVersion (and its labels and annotations, as read): ``ApiError`` 409
+        when someone else wrote it first."""
         name = self.settings.lease
-        lease = Lease(metadata=ObjectMeta(name=name, namespace=self.namespace, resourceVersion=record.resource_version),
+        lease = Lease(metadata=ObjectMeta(name=name, namespace=self.namespace, resourceVersion=record.resource_version,
+                                          labels=dict(record.labels) or None,
+                                          annotations=dict(record.annotations) or None),
                       spec=LeaseSpec(holderIdentity=record.holder, leaseDurationSeconds=record.duration_seconds,
                                      acquireTime=record.acquired_at, renewTime=record.renewed_at,
                                      leaseTransitions=record.transitions))
         out = self._call(f"update Lease {name}", self._client.replace, lease)
-        return LeaseRecord(out.metadata.resourceVersion, record.holder, record.duration_seconds, record.acquired_at,
-                           record.renewed_at, record.transitions)
+        return replace(record, resource_version=out.metadata.resourceVersion,
+                       labels=dict(out.metadata.labels or {}), annotations=dict(out.metadata.annotations or {}))
 
     # --- the pool's ConfigMap ------------------------------------------------------------------------
 
     def get_configmap(self) -> ConfigMapRecord:
         name = self.settings.journal_configmap
         cm = self._call(f"get ConfigMap {name}", self._client.get, ConfigMap, name, namespace=self.namespace)
-        return ConfigMapRecord(str(cm.metadata.resourceVersion), dict(cm.data or {}))
+        return _configmap_record(cm)
 
-    def replace_configmap(self, resource_version: str, data: Mapping[str, str]) -> ConfigMapRecord:
-        """Compare-and-swap: PUT with ``resource_version``; ``ApiError`` 409 when it changed meanwhile."""
+    def replace_configmap(self, resource_version: str, data: Mapping[str, str], *,
+                          labels: Mapping[str, str] | None = None,
+                          annotations: Mapping[str, str] | None = None) -> ConfigMapRecord:
+        """Compare-and-swap: PUT with ``resource_version``; ``ApiError`` 409 when it changed meanwhile.
+        ``labels`` and ``annotations``: those of the version read (a PUT without them removes them)."""
         name = self.settings.journal_configmap
-        cm = ConfigMap(metadata=ObjectMeta(name=name, namespace=self.namespace, resourceVersion=resource_version),
+        cm = ConfigMap(metadata=ObjectMeta(name=name, namespace=self.namespace, resourceVersion=resource_version,
+                                           labels=dict(labels or {}) or None,
+                                           annotations=dict(annotations or {}) or None),
                        data=dict(data))
         out = self._call(f"update ConfigMap {name}", self._client.replace, cm)
-        return ConfigMapRecord(str(out.metadata.resourceVersion), dict(out.data or {}))
+        return _configmap_record(out)
 
     def patch_configmap_key(self, key: str, value: str | None) -> ConfigMapRecord:
         """One key, set (or removed with None) by a JSON merge patch: atomic on the server, no CAS needed
@@ -175,7 +199,7 @@ class KubeApi:
         name = self.settings.journal_configmap
         out = self._call(f"patch ConfigMap {name}", self._client.patch, ConfigMap, name, {"data": {key: value}},
                          namespace=self.namespace, patch_type=PatchType.MERGE)
-        return ConfigMapRecord(str(out.metadata.resourceVersion), dict(out.data or {}))
+        return _configmap_record(out)
 
     def watch_configmap(self, resource_version: str | None, *, server_timeout: int = 30
                         ) -> Iterator[tuple[str, ConfigMapRecord]]:
@@ -187,7 +211,7 @@ class KubeApi:
         while True:
             event = self._call(f"watch ConfigMap {name}", next, stream)
             kind, cm = event
-            yield kind, ConfigMapRecord(str(cm.metadata.resourceVersion), dict(cm.data or {}))
+            yield kind, _configmap_record(cm)
 
     # --- pods and the PDB ----------------------------------------------------------------------------
 

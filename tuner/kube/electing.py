@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from tuner.daemon import selfmetrics
 from tuner.kube import store
-from tuner.kube.api import ApiError, KubeApi, LeaseRecord
+from tuner.kube.api import ApiError, KubeApi
 
 log = logging.getLogger("tuner.kube.lease")
 
@@ -95,8 +95,9 @@ class Elector:
                 # above the Lease's and the ConfigMap's (a re-created Lease starts again at 0)
                 floor = store.epoch_floor(self.api.get_configmap().data)
                 wall = self._wall()
-                taken = self.api.update_lease(LeaseRecord(lease.resource_version, self.identity, round(self.lease_seconds),
-                                                          wall, wall, max(lease.transitions, floor) + 1))
+                taken = self.api.update_lease(replace(lease, holder=self.identity,
+                                                      duration_seconds=round(self.lease_seconds), acquired_at=wall,
+                                                      renewed_at=wall, transitions=max(lease.transitions, floor) + 1))
                 with self._lock:
                     self._leadership, self._renewed_at = Leadership(taken.transitions, now), now
                 self.holder = self.identity

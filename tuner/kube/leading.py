@@ -12,7 +12,11 @@ Per cycle:
    overrides were computed for (``helm upgrade`` changed the Deployment's args), the overrides are dropped
    from the pool (the launchers already dropped them) and a journal note says so. While pods run different
    bases (the Deployment is rolling), nothing is rolled out: the leader does not fight the Deployment.
-3. **the cycle**: collect → step → pool → act → report, as ``vllm-tuner run`` does.
+3. **the cycle**: collect → step → pool → act → report, as ``vllm-tuner run`` does, with the operator's
+   switches — the pause and pins annotated on the pool's ConfigMap (``switches``) — taken as the daemon
+   takes ``vllm-tuner pause``/``pin`` (``daemon.control.take``: the decisions' guards, ``/status``,
+   ``tuner_paused`` and ``tuner_pinned``); read at every cycle, before anything else, so a pool with no pod
+   reporting yet shows them too.
 4. **verified arguments**: a rollout that finished *done* makes its overrides the pool's (``pool``): what a
    new pod starts on. The decision history is saved in the ConfigMap (``state``).
 
@@ -36,9 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import clocks, collecting, cycle, drained, running, scheduling, selfmetrics, views
+from tuner.daemon import clocks, collecting, control, cycle, drained, running, scheduling, selfmetrics, views
 from tuner.daemon.state import TunerState
-from tuner.kube import acting
+from tuner.kube import acting, switches
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
 from tuner.kube.electing import Leadership
@@ -123,6 +127,14 @@ class Leader:
         journal = store_mod.ConfigMapJournal(self.store, epoch=epoch, leader=self.identity, metrics=self.metrics)
         self._build(journal, stop)
         log.info("leading the pool %s (epoch %d)", self.k.pool, epoch)
+        try:
+            self._lead(journal, stop)
+        finally:  # the switches are the leader's to show: a follower's series say nothing is in force
+            self.state.control = {}
+            if self.metrics is not None:
+                self.metrics.set_control(paused=False, pins=set())
+
+    def _lead(self, journal: store_mod.ConfigMapJournal, stop: threading.Event) -> None:
         first = True
         while not stop.is_set():
             started = time.monotonic()
@@ -212,6 +224,9 @@ class Leader:
         listed = self.api.list_pods()
         pods = [p for p in listed if not p.deleting and p.ip and p.phase == "Running"]
         data = self.store.refresh()
+        decisions = control.take(self.settings.decisions, switches.read(self.store.annotations,
+                                                                        configmap=self.store.name),
+                                 state=self.state, metrics=self.metrics)
         found = store_mod.inspect(data)
         if found.problems:
             raise store_mod.PoolUnreadableError(self.store.name, found.problems)
@@ -252,7 +267,7 @@ class Leader:
         if not targets:
             log.info("cycle: no pod of the pool %s reports yet", self.k.pool)
             return
-        settings = self.settings.model_copy(update={"targets": targets})
+        settings = self.settings.model_copy(update={"targets": targets, "decisions": decisions})
         result = cycle.run_cycle(self.state, settings=settings, collectors=self._collectors(targets),
             rules=self.rules, rollout=applying if hold is None or (applying is not None and applying.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
             gatherer=self.gatherer, now=now, should_stop=stop.is_set, clock=self.loop_clock)

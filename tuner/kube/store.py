@@ -18,8 +18,13 @@ quarantine``         each): for a human to read, then delete
 ``report.<pod>``     that pod's agent's report: its launcher's status.json, condensed           its agent
 ===================  ===========================================================================  =========
 
-**Leader writes are compare-and-swap** on the ConfigMap's resourceVersion (a PUT with it; 409: re-read,
-apply the change again to what is there now, retry) and **fenced**: each carries the writer's epoch, and a
+Its **annotations** are the operator's switches (``vllm-tuner.io/paused``, ``pin.vllm-tuner.io/<flag>``:
+``tuner.kube.switches``), set with ``kubectl annotate``; the tuner reads them (``PoolStore.annotations``)
+and writes back, unchanged, those it read.
+
+**Leader writes are compare-and-swap** on the ConfigMap's resourceVersion (a PUT with it, and with the
+labels and annotations read: a PUT replaces them; 409: re-read, apply the change again to what is there
+now, retry) and **fenced**: each carries the writer's epoch, and a
 write whose epoch is older than the ``epoch`` stored — or the same, written by another leader — is refused
 (``Deposed``) before it is attempted. The CAS makes the check and the write one step: a deposed leader
 whose copy is stale gets 409, re-reads, and is refused then. **Agent reports** are JSON merge patches of
@@ -420,6 +425,12 @@ class PoolStore:
             return dict(self._record.data) if self._record is not None else {}
 
     @property
+    def annotations(self) -> Mapping[str, str]:
+        """The ConfigMap's annotations, as last seen (the operator's switches: ``tuner.kube.switches``)."""
+        with self._lock:
+            return dict(self._record.annotations) if self._record is not None else {}
+
+    @property
     def resource_version(self) -> str | None:
         with self._lock:
             return self._record.resource_version if self._record is not None else None
@@ -501,7 +512,8 @@ class PoolStore:
             if new == dict(current.data):
                 return current.data
             try:
-                written = self.api.replace_configmap(current.resource_version, new)
+                written = self.api.replace_configmap(current.resource_version, new, labels=current.labels,
+                                                     annotations=current.annotations)
             except ApiError as exc:
                 if exc.conflict:
                     self.conflicts += 1
