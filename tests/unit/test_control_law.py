@@ -142,10 +142,10 @@ def test_a_lowering_step_at_most_halves_the_batch() -> None:
             in_system_growth_per_s=0.0, requests_running_max=170.0, tpot_p99_s=0.35)
     est = models.concurrency(s, models.ModelSettings(), slo=models.SloSettings(), down=True)
     assert est.value == 85 and "at most half the batch 170 in one step" in est.text
-    # and never below what the arrivals need in service: at 8/s, 102 (fewer would build a queue without end)
+    # and never below what the arrivals need: at 8/s, 102 in service ÷ 0.8 utilisation (fewer would build a queue)
     busy = models.concurrency({**s, "arrival_rate_per_s": Signal(8.0)}, models.ModelSettings(),
                               slo=models.SloSettings(), down=True)
-    assert busy.value == 102 and "not below the 102 in service the arrivals need" in busy.text
+    assert busy.value == 128 and "not below the 128 the arrivals need (÷ 0.8 utilisation)" in busy.text
     gentle = models.concurrency({**s, "tpot_p99_s": Signal(0.11)}, models.ModelSettings(), slo=models.SloSettings(),
                                 down=True)
     assert gentle.value == math.floor(170 * (0.1 / 0.11) ** (1 / 0.3))  # near the SLO: the frontier itself

@@ -33,7 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from tuner.model import bounds, knobs
-from tuner.planning.history import History
+from tuner.planning.history import ROLLED_BACK, History
 from tuner.signals import Signal, SignalSet
 
 
@@ -104,7 +104,9 @@ class SafetySettings(_Model):
     (arrivals − completions, per second × horizon) must exceed what the restart costs (the replica's
     completions per second × ``restart_cost_seconds``). 600 s: the restart cooldown's order of magnitude."""
     live_hysteresis_seconds: float = Field(default=600.0, ge=0)
-    """A flag changed live is not moved the opposite way within this long."""
+    """A flag changed live is not moved the opposite way within this long — except inside the bracket its
+    last change opened (``bracket``): halfway back at most, so that reversals halve their distance each time
+    and end within the model's deadband (a bisection, not a flap)."""
     cooldown_seconds: float = Field(default=900.0, ge=0)
     """A flag is not changed again within this long after its last change (a rule's own cooldown
     may be longer; the longer wins). 15 min ≈ 10 restarts' worth of start-up on an H200 (73-84 s)."""
@@ -214,17 +216,27 @@ def payback(signals: SignalSet, settings: SafetySettings, *, knob: str, from_val
     The gain is the throughput the concurrency model predicts at the new value, N / S(N) with
     S(N) ∝ N^α (``decisions.model.tpot_exponent``), for the requests there are — at most the requests inside
     now (a closed loop's demand), at most the arrivals (an open loop's) — over today's completions. Other
-    changes, and unknown rates, are not tested (the rule's own evidence stands; said so)."""
-    if knob != "max_num_seqs" or to_value <= from_value or from_value <= 0:
-        return allow("payback", "not a change this test sizes (only more sequence slots)")
+    changes, and unknown rates, are not tested (the rule's own evidence stands; said so).
+
+    A larger ``--gpu-memory-utilization`` (kv-more-memory) gains about in proportion: the KV cache, and the
+    requests it holds at once, grow with the memory given to it (a little faster, as the weights' share is
+    fixed: 0.40 → 0.42 of an H200 is 5 % more memory and 6.6 % more cache for an 8B model). On the trace
+    family a live pool restarted both replicas for 0.40 → 0.42 in its last phase (live-013 of seed 2 from
+    vLLM's defaults: 0.45 × staying put)."""
+    memory = knob == "gpu_memory_utilization"
+    if knob not in ("max_num_seqs", "gpu_memory_utilization") or to_value <= from_value or from_value <= 0:
+        return allow("payback", "not a change this test sizes (only more sequence slots or KV memory)")
     arrivals, served = _v(signals, "arrival_rate_per_s"), _v(signals, "request_rate")
     running, waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
     if arrivals is None or served is None or running is None or waiting is None:
         return allow("payback", "arrival or completion rate unknown: not tested")
     if served <= 0:
         return allow("payback", "no completions to weigh against: not tested")
-    slots = min(to_value, max(from_value, running + waiting))
-    predicted = served * (slots / from_value) ** (1 - alpha)
+    if memory:
+        predicted = served * to_value / from_value
+    else:
+        slots = min(to_value, max(from_value, running + waiting))
+        predicted = served * (slots / from_value) ** (1 - alpha)
     if arrivals > served * 1.1:  # an open loop: the arrivals bound what more slots can serve
         predicted = min(predicted, arrivals)
     gain = max(0.0, predicted - served) * settings.payback_horizon_seconds
@@ -409,7 +421,9 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
         return allow("cooldown")
     if live and direction != 0 and last.direction == direction:
         return allow("cooldown", f"{flag} goes on the way its last live change went")
-    if live and breach:  # the price of the last change breaks its SLO: taken back as fast as it was made
+    if live and breach and not last.rule.endswith(ROLLED_BACK):
+        # the price of the last change breaks its SLO: taken back as fast as it was made (not the knob's own
+        # rollback: that put back what did not help)
         return allow("cooldown", f"{flag}: the SLO is broken; a live reversal is not held")
     period = settings.live_cooldown_seconds if live else max(rule_cooldown_seconds, settings.cooldown_seconds)
     left = last.at + period - now
@@ -419,15 +433,41 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
     return allow("cooldown")
 
 
+def bracket(knob: str, direction: int, history: History, *, settings: SafetySettings, now: float
+            ) -> tuple[float, float] | None:
+    """A live reversal of the knob's last live change, within the live hysteresis period, may go halfway back
+    at most: (the value it stands at, the halfway point) — or None where that does not apply (no such last
+    change, the same direction, a change put back by its verification: what did not help is not tried again
+    in smaller steps). On the trace family the hysteresis held every raise for 10 minutes after a lowering
+    while a queue grew at the lowered cap (live-016 of seed 2: 263 → 129 by kv-preemption-cap, then a phase
+    that needed 250: 0.007 × the best static); the bisection lets the evidence move the cap back without
+    letting it flap — each reversal halves the distance, and one inside the model's deadband is no change."""
+    last = history.changes.get(knob)
+    if last is None or direction == 0 or last.direction == direction or last.rule.endswith(ROLLED_BACK):
+        return None
+    if now - last.at >= settings.live_hysteresis_seconds:
+        return None
+    try:
+        was, now_at = float(last.from_value), float(last.to_value)
+    except ValueError:
+        return None
+    return now_at, (was + now_at) / 2
+
+
 def hysteresis(knob: str, flag: str, direction: int, history: History, *, settings: SafetySettings,
-               now: float, live: bool = False, breach: bool = False) -> Ruling:
+               now: float, live: bool = False, breach: bool = False, to_value: float | None = None) -> Ruling:
     """A flag does not reverse its last change within the hysteresis period — except live, by a rule that
-    fires on a broken SLO (``breach``): the price of a raise is put right as fast as the raise was made."""
+    fires on a broken SLO (``breach``): the price of a raise is put right as fast as the raise was made; and
+    live, halfway back at most (``bracket``; the planner clamps a proposal to it)."""
     last = history.changes.get(knob)
     if last is None or last.direction == direction or direction == 0:
         return allow("hysteresis")
-    if live and breach:
+    if live and breach and not last.rule.endswith(ROLLED_BACK):
         return allow("hysteresis", f"{flag}: the SLO is broken; a live reversal is not held")
+    span = bracket(knob, direction, history, settings=settings, now=now) if live else None
+    if span is not None and to_value is not None and min(span) <= to_value <= max(span) and to_value != span[0]:
+        return allow("hysteresis", f"{flag}: halfway back at most within the hysteresis "
+                     f"({last.from_value}→{last.to_value} by {last.rule})")
     left = last.at + (settings.live_hysteresis_seconds if live else settings.hysteresis_seconds) - now
     if left > 0:
         moved = "raised" if last.direction > 0 else "lowered"

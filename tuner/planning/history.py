@@ -130,6 +130,22 @@ def applied(history: History, changes: Iterable[Change], *, now: float) -> Histo
     return replace(history, changes=_frozen(last), streaks=_frozen(), restarts=restarts, idle_since=None)
 
 
+ROLLED_BACK = " (rolled back)"  # FlagChange.rule of a live change put back (``reverted``)
+
+
+def reverted(history: History, changes: Iterable[Change], *, now: float) -> History:
+    """A live change put back by its verification: the knob moved back, the other way, so the cooldown and
+    the hysteresis hold what would reverse that — and a rule that fires on a broken SLO (``breach``) is not
+    let past them again (guards.cooldown): a lowering whose TPOT did not fall, tried again at once with
+    another value, flapped 123 → 61 → 123 → 81 → 123 on the trace family (live-011 of seed 1, long prompts:
+    the prefills, not the batch, set the TPOT there)."""
+    last = dict(history.changes)
+    for c in changes:
+        last[c.knob] = FlagChange(now, -c.direction, c.rule + ROLLED_BACK, knobs.format_value(c.to_value),
+                                  knobs.format_value(c.from_value))
+    return replace(history, changes=_frozen(last))
+
+
 def restarted(history: History, *, now: float) -> History:
     """A restart the tuner caused without a flag change (a rollback): it counts toward the budget."""
     return replace(history, restarts=_recent((*history.restarts, now), now=now), streaks=_frozen())

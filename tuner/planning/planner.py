@@ -22,6 +22,7 @@ budget, no --max-model-len change goes below the observed-need floor, and ``args
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -362,6 +363,25 @@ def _floored(p: evaluation.Proposal, floor: guards.Floor) -> evaluation.Proposal
                    reason=f"{p.reason}; floored at {floor.tokens} by observed need ({floor.reason})")
 
 
+def _bracketed(p: evaluation.Proposal, history: History, settings: DecisionSettings, *, now: float
+               ) -> evaluation.Proposal:
+    """A live reversal within the hysteresis period, clamped halfway back (``guards.bracket``); unchanged when
+    the halfway point is within the model's deadband of today's value (the hysteresis then holds it)."""
+    span = guards.bracket(p.knob, p.direction, history, settings=settings.safety, now=now)
+    if span is None or isinstance(p.to_value, bool):
+        return p
+    at, half = span
+    to = float(p.to_value)
+    if (to - half) * p.direction <= 0:  # already within the bracket
+        return p
+    clamped: float = round(half, 4) if isinstance(p.to_value, float) else \
+        (math.floor(half) if p.direction > 0 else math.ceil(half))
+    if abs(clamped - at) < settings.model.min_step * max(abs(at), 1e-9) or (clamped - at) * p.direction <= 0:
+        return p
+    return replace(p, to_value=clamped, reason=f"{p.reason}; halfway back at most within the hysteresis → "
+                                               f"{knobs.format_value(clamped)}")
+
+
 def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluation.Context, signals: SignalSet,
               history: History, settings: DecisionSettings, *, now: float, floor: guards.Floor | None,
               live: bool = False) -> Iterator[guards.Ruling]:
@@ -377,7 +397,7 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
                           settings=settings.safety, now=now, live=live, direction=p.direction, breach=p.breach)
     if p.rule != THERMAL_RULE:  # cooling down beats not flapping
         yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now,
-                                live=live, breach=p.breach)
+                                live=live, breach=p.breach, to_value=float(p.to_value))
     yield guards.crash_memory(candidate, history, now=now)
     if not live:
         yield guards.engine_constraints(candidate, ctx.kind, platform=ctx.platform, defaults=dict(ctx.defaults))
@@ -411,6 +431,8 @@ def _choose(
         if p.knob == "max_model_len" and p.direction < 0:
             floor = floor or guards.max_model_len_floor(signals, settings.safety)
             p = _floored(p, floor)
+        if ctx.live.can_move(p.knob, float(p.to_value)) is None and not p.breach:
+            p = _bracketed(p, history, settings, now=now)
         # the command line as it would be: what crash and rejection memory key on, for a live change too
         candidate = knobs.with_knob(args_after, p.knob, p.to_value, kind=ctx.kind)
         live = ctx.live.can_move(p.knob, float(p.to_value)) is None

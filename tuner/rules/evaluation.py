@@ -284,8 +284,13 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
     elif then.op == "model":
         if then.model == "concurrency":
             down = then.direction == "down"
+            at_least = None
+            factor = ctx.model.live_raise_factor
+            if not down and factor > 1 and ctx.live.can_move(knob.name, c + 1) is None:
+                ceiling = ctx.live.envelope.get(knob.name)
+                at_least = c * factor if ceiling is None else min(c * factor, ceiling)
             estimate = models.concurrency(ctx.signals, ctx.model, utilisation=then.utilisation, slo=ctx.slo,
-                                          down=down)
+                                          down=down, at_least=at_least)
             intent = -1 if down else 1  # a model that finds enough is a no-op, never a move the other way
         else:
             estimate = models.step_budget(ctx.signals, ctx.slo, current=c)
@@ -338,6 +343,12 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
         bounded, note = lo, f"floored at {fmt(lo)} by {lo_src}"
     if knob.type == "float":
         bounded = round(bounded, 4)
+    if then.op == "model" and note and c > 0 and _sign(bounded - c) == intent \
+            and abs(bounded - c) < ctx.model.min_step * c:
+        # a bound within the deadband is no change either: kv_concurrency_observed follows the sizes of
+        # the requests in flight and crept 94 → 96 → 98 → … → 123 on the trace family, a rollout each
+        return Outcome(rule.id, "no-op", streak, f"{when_text}{sustained}; but {note}, within "
+                       f"{ctx.model.min_step:.0%} of {flag} {fmt(c)}")
     if _sign(bounded - c) != intent:
         where = "upper" if intent > 0 else "lower"
         src = hi_src if intent > 0 else lo_src

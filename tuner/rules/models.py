@@ -92,6 +92,13 @@ class ModelSettings(_Model):
     window are a count, and at the H200 rise's 6 per second per replica (120 in the window) its noise is
     1/√120 ≈ 9 %. Without it the family benchmark's live law crept 96 → 97 → 98 → 100 → … → 110 on one
     phase, a step every 4 s, each a rollout to verify."""
+    live_raise_factor: float = Field(default=2.0, ge=1)
+    """A raise the engine takes live at least multiplies today's cap by this (still under the TPOT frontier,
+    the rule's bounds and the startup envelope). A live raise is undone in a second and a cap above the
+    demand costs nothing but the TPOT the frontier guards, while each step short of it leaves a backlog
+    that a pool near its capacity never drains: on the trace family the sizing of ramps and closed loops from
+    a window measured at the old cap crept 8 → 13 → 15 → 33 → 48 → 57 → 78 while the queue grew (live-001
+    of seed 1: 0.42 × the best static). 1: the model's size alone."""
     tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
     """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
     H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
@@ -123,10 +130,12 @@ def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
 
 
 def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
-                slo: SloSettings | None = None, down: bool = False, growth_share: float = 0.1) -> Estimate:
+                slo: SloSettings | None = None, down: bool = False, growth_share: float = 0.1,
+                at_least: float | None = None) -> Estimate:
     """The sequence slots the traffic needs (see the module docstring). ``growth_share``: the queue counts
     as growing (open loop) when running + waiting rises faster than this share of the arrival rate. ``slo``:
-    the TPOT SLO the frontier keeps (None: no frontier). ``down``: the frontier itself (a lowering)."""
+    the TPOT SLO the frontier keeps (None: no frontier). ``down``: the frontier itself (a lowering).
+    ``at_least``: a raise goes at least this far, the frontier permitting (a live raise: live_raise_factor)."""
     u = settings.utilisation if utilisation is None else utilisation
     alpha = settings.tpot_exponent
     names = ("arrival_rate_per_s", "slot_seconds_mean", "requests_running_mean", "requests_waiting_mean",
@@ -190,6 +199,9 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
                     target = math.ceil(absorb - 1e-9)
                     text += (f"; the queue grows: a backlog of {backlog:.3g} served within "
                              f"{settings.backlog_seconds:g} s needs {target}")
+    if at_least is not None and not down and target < at_least:
+        target = math.ceil(at_least - 1e-9)
+        text += f"; a live raise goes at least ×{settings.live_raise_factor:g} → {target}"
     frontier = _frontier(signals, slo, alpha)
     if isinstance(frontier, str):
         if down:
@@ -200,14 +212,15 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         over = " (overloaded: Little's law needs more — fewer slots trade the TTFT SLO for the TPOT SLO)" \
             if little > f else ""
         why = [f"TPOT SLO frontier {frontier:.3g}{over}"]
-        need = math.ceil(little - 1e-9)
+        need = math.ceil(little / u - 1e-9)
         if f < need:
             # never below what the arrivals need in service: fewer slots than that build a queue without end,
             # and every request then misses its TTFT instead of some missing their TPOT (the trace family: a
             # TPOT breach caused by long prefills, not by the batch, halved the cap 1024 → … → 13 while the
-            # queue grew, 0.95 × the static default it started from)
+            # queue grew, 0.95 × the static default it started from), nor below the headroom a raise sizes
+            # (÷ utilisation): at the bare need the queue runs at ρ ≈ 1 and builds anyway
             f = need
-            why.append(f"not below the {need} in service the arrivals need")
+            why.append(f"not below the {need} the arrivals need (÷ {u:g} utilisation)")
         batch = _v(signals, "requests_running_max") or 0.0
         if f < batch * MAX_LOWERING:
             # one step at most halves the batch: TPOT ∝ running^α is measured between 8 and 128 slots (H200)
