@@ -16,6 +16,7 @@ one request in two hundred: the sim is deterministic, but a moved cap reorders a
     python -m bench.family --traces 20 --mode restart        # slow drifts, the restart path
     python -m bench.family --profile bench/evaluation/profiles/h200-rise.yaml
     python -m bench.family --calibrate                       # real H200 arms against their twins
+    python -m bench.family --calibrate --fit                 # the grid the twin's factors were chosen on
 """
 
 from __future__ import annotations
@@ -56,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)")
     p.add_argument("--calibrate", action="store_true",
                    help="print the committed H200 arms next to their simulated twins and exit")
+    p.add_argument("--fit", action="store_true",
+                   help="with --calibrate: print the grid of step-cost factors the twin was fitted on")
     args = p.parse_args(argv)
     if args.calibrate:
+        if args.fit:
+            return calibration.fit((1.8, 1.9, 2.0, 2.1), (2.1, 2.3, 2.5, 2.7), jobs=args.jobs)
         return calibration.main()
     if args.traces < 1:
         p.error("--traces must be at least 1")
