@@ -106,8 +106,8 @@ def test_a_restart_is_probed_again_and_a_vanished_route_falls_back(client):
     channel = Plugin()
     assert client.live_path(server.url, "vllm", channel) == "runtime_config"
     server.stop()
-    down = client.live_state(server.url, channel)  # down: the path is forgotten, nothing is kept
-    assert not down.available and "cannot be reached" in (down.why_not or "")
+    assert "cannot be reached" in (client.live_state(server.url, None).why_not or "")  # down: forgotten
+    assert client.live_state(server.url, channel).via == "plugin"  # its files still answer; nothing is kept
     with fake.Server(fake.Trimtab(), port=port) as again:  # restarted with pull request 55018's router
         assert client.live_state(again.url, channel).via == "trimtab"
         again.engine.dev_mode = False  # and once more, without dev mode

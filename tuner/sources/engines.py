@@ -368,20 +368,25 @@ class EngineClient:
         return record
 
     def _probe(self, base: str, kind: str, plugin: live_knobs.Channel | None) -> tuple[_LiveRecord, bool]:
-        """(the first path in ``live_paths.ORDER`` the engine answers on, whether to keep it: not when the
-        engine could not be reached, which says nothing of its paths — nor falls back to the plugin)."""
+        """(the first path in ``live_paths.ORDER`` the engine answers on, whether to keep it). An engine that
+        cannot be reached says nothing of its API: its other routes are not tried (one deadline, not one per
+        route), the plugin still answers through its files, and nothing is kept — the next call probes again."""
         tried: list[str] = []
+        reached = True
         for via in live_paths.ORDER.get(kind, ()):
             if via == live_paths.PLUGIN:
                 if plugin is not None:
-                    return _LiveRecord(kind=kind, via=via, probed_at=self._clock()), True
+                    return _LiveRecord(kind=kind, via=via, probed_at=self._clock()), reached
                 tried.append("no plugin channel (live.control_dir)")
+                continue
+            if not reached:
                 continue
             route = live_paths.READ[via]
             status, doc, error = self._live_call("GET", base + route)
             if error is not None:
-                return _LiveRecord(kind=kind, via=None, why_not=f"the engine cannot be reached: GET {route} failed: "
-                                                                 f"{error}", probed_at=self._clock()), False
+                reached = False
+                tried.append(f"the engine cannot be reached: GET {route} failed: {error}")
+                continue
             reading = self._reader(via, base)(doc) if status == 200 else None
             if reading is not None and reading.state.available:
                 self._remember(base, reading)
@@ -393,7 +398,7 @@ class EngineClient:
             else:
                 tried.append(f"GET {route} {self._status_why(status, via)}")
         return _LiveRecord(kind=kind, via=None, why_not="; ".join(tried) or f"no live path for {kind}",
-                           probed_at=self._clock()), True
+                           probed_at=self._clock()), reached
 
     def _read_live(self, base_url: str, record: _LiveRecord) -> tuple[live_paths.Reading | None, str, bool]:
         """(what the engine's API reports, why not where nothing, whether the path is gone: forgotten)."""
