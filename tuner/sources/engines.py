@@ -299,7 +299,9 @@ class EngineClient:
                 return plugin.read() if plugin is not None else live.LiveState(why_not="no plugin channel")
             reading, why, gone = self._read_live(base_url, record)
             if reading is not None:
-                return dataclasses.replace(reading.state, seq=record.seq, refused=record.refused)
+                with self._live_lock:  # the pair set_live wrote together, read together
+                    seq, refused = record.seq, record.refused
+                return dataclasses.replace(reading.state, seq=seq, refused=refused)
             if not gone or attempt:
                 return live.LiveState(why_not=why, via=record.via)
         raise AssertionError("unreachable")
