@@ -207,9 +207,11 @@ class LiveSettings(_Model):
     enabled: bool = False
     """Change the admission cap (``--max-num-seqs`` semantics inside the startup envelope) and, where the
     engine says it is safe, the step budget live — no drain, no restart, no warm-up — through the
-    engine-side plugin (``vllm-tuner-plugin``, plugin/README.md) or vLLM's own ``PATCH /v1/runtime_config``
-    where the engine has it (preferred). A change beyond the envelope still goes through a rolling restart.
-    Off by default."""
+    engine's own live API where it has one (preferred: vLLM pull request 55018's ``/trimtab/set_knobs`` or
+    54816's ``/v1/runtime_config``, both with ``VLLM_SERVER_DEV_MODE=1``; SGLang's ``/set_internal_state`` with
+    pull request 37661), else the engine-side plugin (``vllm-tuner-plugin``, plugin/README.md; vLLM only). The
+    tuner probes which one an engine offers (docs/engine-contract.md §8). A change beyond the envelope still
+    goes through a rolling restart. Off by default."""
     control_dir: str = "/var/lib/vllm-tuner/live/{name}"
     """The directory the engine's plugin reads (its ``VLLM_TUNER_CONTROL_DIR``); ``{name}`` is the target's
     name. The tuner creates it private (0700); the engine must run as the tuner's uid. The process
@@ -397,7 +399,7 @@ class TunerSettings(_Model):
     gpu_control: GpuControlSettings = GpuControlSettings()
     """Privileged GPU actions (power limit under thermal throttling). Off by default."""
     live: LiveSettings = LiveSettings()
-    """Live knobs (no restart) through the engine-side plugin or vLLM's runtime_config. Off by default."""
+    """Live knobs (no restart) through the engine's own live API or the engine-side plugin. Off by default."""
     kubernetes: KubernetesSettings | None = None
     """The pool's pods on Kubernetes (``vllm-tuner agent``) instead of ``targets``; the pods' launchers
     are the actuator and their readiness the drain, so ``actuator`` and ``drain`` are not given."""

@@ -281,7 +281,7 @@ class Transport:
                 self.pool.events.append((now, r.name, f"cap {e.admission_cap}"))
                 if self.on_cap is not None:
                     self.on_cap(r.name, e.admission_cap or e.cfg.max_num_seqs)
-            return _json({"max_num_seqs": e.cfg.max_num_seqs,
+            return _json({"max_num_seqs": e.cfg.max_num_seqs, "max_num_seqs_capacity": e.cfg.max_num_seqs,
                           "max_num_running_seqs": e.admission_cap or e.cfg.max_num_seqs})
         if path in ("/v1/completions", "/v1/chat/completions"):
             body = json.loads(request.content or b"{}")

@@ -158,7 +158,9 @@ def test_an_acknowledgement_is_an_ack_never_a_traceback(text: str) -> None:
 
 ENGINE_ROUTES = {
     "/v1/models": ("data", "object"), "/version": ("version",), "/load": ("server_load",),
-    "/v1/runtime_config": ("max_num_running_seqs", "max_num_seqs"), "/is_sleeping": ("is_sleeping",),
+    "/v1/runtime_config": ("max_num_running_seqs", "max_num_seqs_capacity"), "/is_sleeping": ("is_sleeping",),
+    "/trimtab/knobs": ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "ceilings"),
+    "/get_server_info": ("internal_states", "chunked_prefill_size", "max_prefill_tokens"),
 }
 
 
@@ -179,8 +181,11 @@ def test_engine_json_never_raises_and_numbers_are_believed_only_in_range(bodies:
         assert info.max_model_len is None or info.max_model_len >= 1
         assert info.server_load is None or info.server_load >= 0
         config_ = client.runtime_config("http://engine")
-        live = client.live_state("http://engine", None)
-        assert all(type(v) is int and v >= 1 for v in live.values.values()), (config_, live)
+        for kind in ("vllm", "sglang"):  # each live path's reader: trimtab, runtime_config, set_internal_state
+            live = client.live_state("http://engine", None, kind=kind)
+            assert all(type(v) is int and v >= (0 if k == "long_prefill_token_threshold" else 1)
+                       for k, v in live.values.items()), (config_, live)
+            assert all(type(v) is int and v >= 0 for v in live.envelope.values()), (config_, live)
         assert client.is_sleeping("http://engine") in (True, False, None)
 
 

@@ -100,8 +100,8 @@ class Collector:
         self.server_load = server_load  # read GET /load too (sleep mode's wake signal)
         self.client = client
         self.base_url = base_url(target)
-        # live knobs on: where the engine's plugin is reached (its control directory, or its pod's agent);
-        # vLLM's own runtime_config is asked first either way
+        # live knobs on: where the engine's plugin is reached (its control directory, or its pod's agent); the
+        # engine's own live API is probed first either way (``EngineClient.live_path``)
         self.live = live
         self._nvml: object | None = None
         self._slow_every = slow_every_seconds
@@ -120,7 +120,7 @@ class Collector:
     def read_live(self) -> live.LiveState:
         if self.live is None:
             return live.NONE
-        return self.client.live_state(self.base_url, self.live)
+        return self.client.live_state(self.base_url, self.live, kind=self.target.kind)
 
     def scrape_engine(self) -> snapshots.Snapshot:
         return self.client.scrape(self.target.metrics_url,

@@ -40,7 +40,7 @@ from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Event, Step
-from tuner.sources import engines, live_knobs
+from tuner.sources import engines, live_knobs, live_paths
 
 log = logging.getLogger("tuner.rollout")
 
@@ -112,28 +112,30 @@ class LiveControl(Protocol):
 
 
 class EngineLive:
-    """``LiveControl`` over the engine client: vLLM's runtime_config, else the plugin (``plugin(name)``: the
-    replica's control files, or its pod's agent; None: runtime_config only)."""
+    """``LiveControl`` over the engine client, whatever the live path the engine offers (its own API — vLLM's
+    /trimtab or /v1/runtime_config, SGLang's /set_internal_state — else the plugin: ``plugin(name)``, the
+    replica's control files or its pod's agent; None: the engine's own API only). Every path answers the same
+    way: request ``seq`` is answered once the engine reports it (an engine API at once, the plugin at the next
+    step), refused with the engine's reason, or taken when the values read back are the ones asked."""
 
     def __init__(self, client: engines.EngineClient, *, kind: str,
                  plugin: Callable[[str], live_knobs.Channel | None]) -> None:
         self._client, self._kind, self._plugin = client, kind, plugin
 
     def _state(self, replica: base.Replica) -> live.LiveState:
-        return self._client.live_state(replica.base_url, self._plugin(replica.name))
+        return self._client.live_state(replica.base_url, self._plugin(replica.name), kind=self._kind)
 
     def ask(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> str | None:
         return self._client.set_live(replica.base_url, self._plugin(replica.name), seq=seq, values=values,
-                                     via=self._state(replica).via)
+                                     kind=self._kind)
 
     def answer(self, replica: base.Replica, *, seq: int, values: machine.LiveValues) -> tuple[bool, str | None]:
         st = self._state(replica)
-        if st.via != "runtime_config" and st.seq != seq:
+        if st.seq != seq:
             return False, None  # not answered yet
         if st.refused:
             return False, st.refused
-        want = {k: v if v is not None else st.envelope.get(k) for k, v in values.items()}
-        return all(st.values.get(k) == v for k, v in want.items()), None
+        return live_paths.mismatch(values, st) is None, None
 
     def poke(self, replica: base.Replica) -> None:
         self._client.warm(replica.base_url, self._kind, requests=1, max_tokens=1)

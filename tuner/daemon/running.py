@@ -514,7 +514,7 @@ def dispatcher(settings: config.TunerSettings, state: TunerState, client: engine
     """The dispatcher over one actuator, drainer and journal — the daemon's (``vllm-tuner run``) and the
     Kubernetes leader's (``kube.leading``) are built here, the same way: one driver for restarts and
     live changes (``plugin``: where a replica's engine-side plugin is reached — its control directory, its
-    pod's agent — None where vLLM's runtime_config is the only way), the same verifier, confirmation and
+    pod's agent — None where the engine's own live API is the only way), the same verifier, confirmation and
     masked logs."""
     redactor = state.redactor
     verifier = verifying.SignalVerifier(client, kind=kind)

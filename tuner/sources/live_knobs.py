@@ -318,6 +318,9 @@ def state(acks: list[Ack]) -> live.LiveState:
         elif knob in envelope:
             values[knob] = envelope[knob]
     not_live = {by_name.get(name, name): why for name, why in first.not_live.items()}
+    for knob in live.LIVE_NAMES:
+        if live.LIVE_NAMES[knob] not in KNOBS:
+            not_live.setdefault(knob, "not a knob of vllm-tuner-plugin")
     seqs = {a.seq for a in acks}
     ranks = max((a.ranks for a in acks if a.ranks is not None), default=None)
     if ranks is not None and not set(range(ranks)) <= {a.dp_rank for a in acks}:
