@@ -437,13 +437,14 @@ def bracket(knob: str, direction: int, history: History, *, settings: SafetySett
             ) -> tuple[float, float] | None:
     """A live reversal of the knob's last live change, within the live hysteresis period, may go halfway back
     at most: (the value it stands at, the halfway point) — or None where that does not apply (no such last
-    change, the same direction, a change put back by its verification: what did not help is not tried again
-    in smaller steps). On the trace family the hysteresis held every raise for 10 minutes after a lowering
+    change, the same direction). After a change its verification put back (``history.reverted``), that is a
+    bisection toward the value that failed: a raise whose TPOT broke the SLO is tried again halfway, then
+    halfway again, instead of held for 10 minutes or retried whole every verification. On the trace family the hysteresis held every raise for 10 minutes after a lowering
     while a queue grew at the lowered cap (live-016 of seed 2: 263 → 129 by kv-preemption-cap, then a phase
     that needed 250: 0.007 × the best static); the bisection lets the evidence move the cap back without
     letting it flap — each reversal halves the distance, and one inside the model's deadband is no change."""
     last = history.changes.get(knob)
-    if last is None or direction == 0 or last.direction == direction or last.rule.endswith(ROLLED_BACK):
+    if last is None or direction == 0 or last.direction == direction:
         return None
     if now - last.at >= settings.live_hysteresis_seconds:
         return None
