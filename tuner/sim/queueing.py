@@ -319,27 +319,7 @@ class SimEngine:
         self.free_blocks = free
         for req, _, need in plan:
             req.blocks += need
-        cap = self.admission_cap or cfg.max_num_seqs  # a lower live cap drains down, never preempts
-        while self.waiting and len(self.running) < cap and budget > 0:
-            req = self.waiting[0]
-            n = req.prefill_target - req.computed
-            if not cfg.enable_chunked_prefill and n > budget:
-                break
-            n = min(n, budget)
-            need = self._blocks_for(req.computed + n)
-            if need > self.free_blocks:
-                break
-            self.waiting.popleft()
-            self.free_blocks -= need
-            req.blocks = need
-            req.state = "running"
-            if req.first_scheduled is None:
-                req.first_scheduled = self.now
-                m.prefix_queries.inc(req.prompt_tokens)
-            self.running.append(req)
-            self._prefilling.append(req)
-            plan.append((req, n, need))
-            budget -= n
+        plan.extend(self._admit(budget))
         decoding = lazy.n
         if not plan and not decoding:
             self.now += cfg.gpu.step_base_seconds  # nothing fits (see _step_exact)
@@ -392,6 +372,33 @@ class SimEngine:
         m.iteration_tokens.observe(prompt_counted + emitted)
         return True
 
+    def _admit(self, budget: int) -> list[tuple[Request, int, int]]:
+        """Waiting requests admitted FCFS while sequence slots, the step's ``budget`` and KV blocks last:
+        (request, tokens of prompt this step, blocks taken) each, already running."""
+        cfg, admitted = self.cfg, []
+        cap = self.admission_cap or cfg.max_num_seqs  # a lower live cap drains down, never preempts
+        while self.waiting and len(self.running) < cap and budget > 0:
+            req = self.waiting[0]
+            n = req.prefill_target - req.computed
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            need = self._blocks_for(req.computed + n)
+            if need > self.free_blocks:
+                break
+            self.waiting.popleft()
+            self.free_blocks -= need
+            req.blocks = need
+            req.state = "running"
+            if req.first_scheduled is None:
+                req.first_scheduled = self.now
+                self.metrics.prefix_queries.inc(req.prompt_tokens)
+            self.running.append(req)
+            self._prefilling.append(req)  # the exact path rebuilds this list after its step (_relazify)
+            admitted.append((req, n, need))
+            budget -= n
+        return admitted
+
     def _reason(self, req: Request) -> str:
         eos = req.generated >= req.output_tokens and req.generated < req.max_tokens
         return "stop" if eos else "length"
@@ -425,26 +432,7 @@ class SimEngine:
             scheduled.append((req, n))
             budget -= n
         if not preempted:  # vLLM admits nothing new in a step that had to preempt
-            cap = self.admission_cap or cfg.max_num_seqs  # a lower live cap drains down, never preempts
-            while self.waiting and len(self.running) < cap and budget > 0:
-                req = self.waiting[0]
-                n = req.prefill_target - req.computed
-                if not cfg.enable_chunked_prefill and n > budget:
-                    break
-                n = min(n, budget)
-                need = self._blocks_for(req.computed + n)
-                if need > self.free_blocks:
-                    break
-                self.waiting.popleft()
-                self.free_blocks -= need
-                req.blocks = need
-                req.state = "running"
-                if req.first_scheduled is None:
-                    req.first_scheduled = self.now
-                    m.prefix_queries.inc(req.prompt_tokens)
-                self.running.append(req)
-                scheduled.append((req, n))
-                budget -= n
+            scheduled.extend((req, n) for req, n, _ in self._admit(budget))
         if not scheduled:
             # nothing fits: cannot last (resolve() guarantees one max_model_len request fits the cache),
             # but let the clock move so advance() always ends
