@@ -433,8 +433,8 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
     return allow("cooldown")
 
 
-def bracket(knob: str, direction: int, history: History, *, settings: SafetySettings, now: float
-            ) -> tuple[float, float] | None:
+def bracket(knob: str, direction: int, history: History, *, settings: SafetySettings, now: float,
+            live: bool = True) -> tuple[float, float] | None:
     """A live reversal of the knob's last live change, within the live hysteresis period, may go halfway back
     at most: (the value it stands at, the halfway point) — or None where that does not apply (no such last
     change, the same direction). After a change its verification put back (``history.reverted``), that is a
@@ -446,7 +446,7 @@ def bracket(knob: str, direction: int, history: History, *, settings: SafetySett
     last = history.changes.get(knob)
     if last is None or direction == 0 or last.direction == direction:
         return None
-    if now - last.at >= settings.live_hysteresis_seconds:
+    if now - last.at >= (settings.live_hysteresis_seconds if live else settings.hysteresis_seconds):
         return None
     try:
         was, now_at = float(last.from_value), float(last.to_value)
@@ -459,13 +459,13 @@ def hysteresis(knob: str, flag: str, direction: int, history: History, *, settin
                now: float, live: bool = False, breach: bool = False, to_value: float | None = None) -> Ruling:
     """A flag does not reverse its last change within the hysteresis period — except live, by a rule that
     fires on a broken SLO (``breach``): the price of a raise is put right as fast as the raise was made; and
-    live, halfway back at most (``bracket``; the planner clamps a proposal to it)."""
+    halfway back at most (``bracket``; the planner clamps a proposal to it), by restart after the cooldown."""
     last = history.changes.get(knob)
     if last is None or last.direction == direction or direction == 0:
         return allow("hysteresis")
     if live and breach and not last.rule.endswith(ROLLED_BACK):
         return allow("hysteresis", f"{flag}: the SLO is broken; a live reversal is not held")
-    span = bracket(knob, direction, history, settings=settings, now=now) if live else None
+    span = bracket(knob, direction, history, settings=settings, now=now, live=live)
     if span is not None and to_value is not None and min(span) <= to_value <= max(span) and to_value != span[0]:
         return allow("hysteresis", f"{flag}: halfway back at most within the hysteresis "
                      f"({last.from_value}→{last.to_value} by {last.rule})")

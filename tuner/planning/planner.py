@@ -363,15 +363,15 @@ def _floored(p: evaluation.Proposal, floor: guards.Floor) -> evaluation.Proposal
                    reason=f"{p.reason}; floored at {floor.tokens} by observed need ({floor.reason})")
 
 
-def _bracketed(p: evaluation.Proposal, history: History, settings: DecisionSettings, *, now: float
-               ) -> evaluation.Proposal:
+def _bracketed(p: evaluation.Proposal, history: History, settings: DecisionSettings, *, now: float,
+               live: bool) -> evaluation.Proposal:
     """A live reversal within the hysteresis period, clamped halfway back (``guards.bracket``); unchanged when
     the halfway point is within the model's deadband of today's value (the hysteresis then holds it)."""
-    span = guards.bracket(p.knob, p.direction, history, settings=settings.safety, now=now)
+    span = guards.bracket(p.knob, p.direction, history, settings=settings.safety, now=now, live=live)
     if span is None or isinstance(p.to_value, bool):
         return p
-    at, half = span
-    to = float(p.to_value)
+    _, half = span
+    at, to = float(p.from_value), float(p.to_value)  # from today's value (an operator may have moved it)
     if (to - half) * p.direction <= 0:  # already within the bracket
         return p
     clamped: float = round(half, 4) if isinstance(p.to_value, float) else \
@@ -431,8 +431,9 @@ def _choose(
         if p.knob == "max_model_len" and p.direction < 0:
             floor = floor or guards.max_model_len_floor(signals, settings.safety)
             p = _floored(p, floor)
-        if ctx.live.can_move(p.knob, float(p.to_value)) is None and not p.breach:
-            p = _bracketed(p, history, settings, now=now)
+        if not p.breach and not isinstance(p.to_value, bool):
+            p = _bracketed(p, history, settings, now=now,
+                           live=ctx.live.can_move(p.knob, float(p.to_value)) is None)
         # the command line as it would be: what crash and rejection memory key on, for a live change too
         candidate = knobs.with_knob(args_after, p.knob, p.to_value, kind=ctx.kind)
         live = ctx.live.can_move(p.knob, float(p.to_value)) is None

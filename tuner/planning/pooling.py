@@ -244,7 +244,9 @@ def book(histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.
                 owned[name] = out.tried
             h = history_mod.applied(h, changes, now=now)
         else:
-            h = history_mod.reverted(h, changes, now=now) if moved_live else history_mod.restarted(h, now=now)
+            if not moved_live:
+                h = history_mod.restarted(h, now=now)
+            h = history_mod.reverted(h, changes, now=now)
             why = out.reason or "rolled back"
             h = history_mod.failed_to_start(h, out.tried, reason=why) if out.bad_args else \
                 history_mod.rejected(h, out.tried, reason=why, now=now, for_seconds=reject_seconds)
