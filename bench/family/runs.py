@@ -25,11 +25,12 @@ import httpx
 from bench.family.pool import Pool, Transport, bad_argv
 from bench.family.traces import Trace
 from tuner import config
-from tuner.daemon import collecting, cycle, running
-from tuner.daemon.state import TunerState
+from tuner.daemon import running
 from tuner.model import live as live_mod
 from tuner.rollout import journal as journaling
 from tuner.rules import loading
+from tuner.runtime import collecting, cycle
+from tuner.runtime.state import TunerState
 from tuner.sim.config import GpuModel
 from tuner.sources import engines, scraping
 

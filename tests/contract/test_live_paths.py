@@ -11,8 +11,8 @@ import pytest
 
 from tests.support import live_engines as fake
 from tuner.actuators import base
-from tuner.daemon import rolling
 from tuner.model import live
+from tuner.runtime import rolling
 from tuner.sources.engines import EngineClient
 
 

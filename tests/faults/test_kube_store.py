@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 
 from tests.support import fake_kube as fk
 from tuner import config
-from tuner.daemon import selfmetrics
 from tuner.kube import acting, electing, leading, store
 from tuner.kube import api as kapi
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.runtime import selfmetrics
 from tuner.sources import engines
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")

@@ -30,9 +30,10 @@ from hypothesis import strategies as st
 
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake
-from tuner.daemon import drained, rolling, running, selfmetrics
+from tuner.daemon import running
 from tuner.planning import verification
 from tuner.rollout import journal, machine
+from tuner.runtime import drained, rolling, selfmetrics
 from tuner.sources.engines import EngineClient
 
 OLD = ("--max-model-len", "4096", "--max-num-seqs", "8")

@@ -33,9 +33,10 @@ from hypothesis import strategies as st
 from harness.ports import free_port
 from tuner import config
 from tuner.actuators import base, process
-from tuner.daemon import collecting, running
-from tuner.daemon import cycle as cycle_mod
-from tuner.daemon.state import TunerState
+from tuner.daemon import running
+from tuner.runtime import collecting
+from tuner.runtime import cycle as cycle_mod
+from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
 REPO = Path(__file__).resolve().parents[2]

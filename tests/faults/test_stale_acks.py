@@ -37,8 +37,8 @@ from tests.support import fake_schedulers as fakes
 from tests.support.fake_prober import FakeProber
 from tests.support.plugin import live, protocol
 from tuner.actuators import base, fake
-from tuner.daemon import rolling
 from tuner.rollout import journal, machine
+from tuner.runtime import rolling
 from tuner.sources import engines, live_knobs
 
 V032 = "0.32.0"

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake
-from tuner.daemon import rolling
 from tuner.planning import verification
 from tuner.rollout import journal, machine
+from tuner.runtime import rolling
 
 OLD = ("--max-num-seqs", "8")
 NEW = ("--max-num-seqs", "32")

@@ -16,8 +16,8 @@ import pytest
 
 from harness.ports import free_port
 from tuner.actuators import base, fake
-from tuner.daemon import rolling
 from tuner.rollout import journal, machine
+from tuner.runtime import rolling
 from tuner.sources.engines import EngineClient
 from tuner.sources.scraping import HttpSettings
 

@@ -25,11 +25,11 @@ from harness import nginx as nginx_support
 from harness import required
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake, process
-from tuner.daemon import rolling
 from tuner.errors import PermanentActuatorError
 from tuner.planning import verification
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Outcome
+from tuner.runtime import rolling
 from tuner.sources.engines import EngineClient
 
 STUB = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from tuner.actuators import base, fake
-from tuner.daemon import rolling
 from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Outcome, State
+from tuner.runtime import rolling
 
 ARGV = ("--model", "m", "--max-num-seqs", "16")
 CANDIDATE = ("--model", "m", "--max-num-seqs", "16")  # a live change leaves the command line as it is

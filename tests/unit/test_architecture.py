@@ -57,7 +57,7 @@ def test_one_decision_path() -> None:
     verification computes the signals of its own window after a change)."""
     assert [h.split(":")[0] for h in _grep(r"\bplanner\.plan\(")] == ["tuner/planning/stepping.py"]
     assert sorted({h.split(":")[0] for h in _grep(r"\bengine_signals\.compute\(")}) == [
-        "tuner/daemon/verifying.py", "tuner/planning/stepping.py"]
+        "tuner/planning/stepping.py", "tuner/runtime/verifying.py"]
     assert {h.split(":")[0] for h in _grep(r"\bgpu_signals\.compute\(")} == {"tuner/planning/stepping.py"}
     assert not _grep(r"def timeline\(")
 

@@ -14,10 +14,6 @@ from typing import Any
 import pytest
 
 from tuner import config
-from tuner.daemon import cycle, logs, selfmetrics, views
-from tuner.daemon.results import RolloutOutcome
-from tuner.daemon.scheduling import MaintenanceWindows
-from tuner.daemon.state import TunerState
 from tuner.model import snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -25,6 +21,10 @@ from tuner.model.live import NONE, LiveState
 from tuner.planning import pooling
 from tuner.planning.guards import Action
 from tuner.rules import loading
+from tuner.runtime import cycle, logs, selfmetrics, views
+from tuner.runtime.results import RolloutOutcome
+from tuner.runtime.scheduling import MaintenanceWindows
+from tuner.runtime.state import TunerState
 
 BODY = """\
 # TYPE vllm:num_requests_running gauge

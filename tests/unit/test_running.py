@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from tuner import config
 from tuner.daemon import running
-from tuner.daemon.state import TunerState
 from tuner.model import knobs
 from tuner.planning.history import Change
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Event
 from tuner.rules.schema import Verify
+from tuner.runtime.state import TunerState
 
 OLD, NEW = ("--max-num-seqs", "4"), ("--max-num-seqs", "8")
 CHANGE = Change(flag="--max-num-seqs", knob="max_num_seqs", from_value=4, to_value=8, rule="r", reason="why",

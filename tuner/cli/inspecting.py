@@ -42,7 +42,7 @@ def _signals(series: _Series, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _live(ns: argparse.Namespace, gpus_given: GpuInputs | None, info: EngineInfo | None) -> list[_Series] | None:
-    from tuner.daemon import collecting
+    from tuner.runtime import collecting
     from tuner.sources import engines
 
     if ns.config:

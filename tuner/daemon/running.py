@@ -3,7 +3,7 @@ loop from one configuration, then runs cycles until SIGTERM. It wires and applie
 (``planning.stepping`` and ``planning.pooling`` do).
 
 Owned state. In apply mode the tuner owns each engine's command line: ``targets[].args`` at first,
-then what the last finished rollout left (``daemon.state``).
+then what the last finished rollout left (``runtime.state``).
 """
 
 from __future__ import annotations
@@ -21,23 +21,7 @@ from typing import Any
 from tuner import config
 from tuner.actuators import base
 from tuner.actuators import settings as actuator_settings
-from tuner.daemon import (
-    clocks,
-    collecting,
-    control,
-    cycle,
-    drained,
-    logs,
-    notify,
-    results,
-    rolling,
-    scheduling,
-    selfmetrics,
-    verifying,
-    views,
-)
-from tuner.daemon.httpserver import TunerHttpServer
-from tuner.daemon.state import TunerState
+from tuner.daemon import notify
 from tuner.errors import PermanentActuatorError, SourceError, StorageError, TunerError
 from tuner.model import knobs, secrets
 from tuner.planning import guards, pooling, verification
@@ -46,6 +30,22 @@ from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules import loading
 from tuner.rules.schema import Verify
+from tuner.runtime import (
+    clocks,
+    collecting,
+    control,
+    cycle,
+    drained,
+    logs,
+    results,
+    rolling,
+    scheduling,
+    selfmetrics,
+    verifying,
+    views,
+)
+from tuner.runtime.httpserver import TunerHttpServer
+from tuner.runtime.state import TunerState
 from tuner.signals import Signal
 from tuner.sources import engines, live_knobs
 
@@ -412,7 +412,8 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         return said
 
     loop = scheduling.Loop(step, interval_seconds=settings.scrape.interval_seconds, on_stop=state.save,
-                           notifier=notifier, between=between, between_seconds=settings.rollout.poll_seconds,
+                           notifier=notifier, watchdog_seconds=notify.watchdog_seconds(), between=between,
+                           between_seconds=settings.rollout.poll_seconds,
                            on_reload=reload)
     loop_holder["loop"] = loop
 

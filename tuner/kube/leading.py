@@ -1,4 +1,4 @@
-"""The leader's work: the tuner's cycle over the pool's pods (``daemon.cycle.run_cycle``, the one decision
+"""The leader's work: the tuner's cycle over the pool's pods (``runtime.cycle.run_cycle``, the one decision
 path), with the pods as targets — they come and go, so the targets are taken from the API server at every
 cycle — and, in apply mode, the rollout driver over the pods' launchers (``acting``), journaling into the
 pool's ConfigMap (``store.ConfigMapJournal``, fenced by the leader's epoch).
@@ -14,7 +14,7 @@ Per cycle:
    bases (the Deployment is rolling), nothing is rolled out: the leader does not fight the Deployment.
 3. **the cycle**: collect → step → pool → act → report, as ``vllm-tuner run`` does, with the operator's
    switches — the pause and pins annotated on the pool's ConfigMap (``switches``) — taken as the daemon
-   takes ``vllm-tuner pause``/``pin`` (``daemon.control.take``: the decisions' guards, ``/status``,
+   takes ``vllm-tuner pause``/``pin`` (``runtime.control.take``: the decisions' guards, ``/status``,
    ``tuner_paused`` and ``tuner_pinned``); read at every cycle, before anything else, so a pool with no pod
    reporting yet shows them too.
 4. **verified arguments**: a rollout that finished *done* makes its overrides the pool's (``pool``): what a
@@ -40,8 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import clocks, collecting, control, cycle, drained, running, scheduling, selfmetrics, views
-from tuner.daemon.state import TunerState
+from tuner.daemon import running
 from tuner.kube import acting, switches
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
@@ -52,6 +51,8 @@ from tuner.planning import stepping
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules.schema import Rule
+from tuner.runtime import clocks, collecting, control, cycle, drained, scheduling, selfmetrics, views
+from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
 log = logging.getLogger("tuner.kube.leader")
@@ -91,7 +92,7 @@ class Leader:
         self.settings, self.k = settings, settings.kubernetes
         self.api, self.store, self.identity, self.rules, self.client = api, store, identity, tuple(rules), client
         self.metrics, self.clock = metrics, clock
-        self.loop_clock = loop_clock  # the cycle's clock (daemon.clocks); ``clock`` is its ``now`` where given
+        self.loop_clock = loop_clock  # the cycle's clock (runtime.clocks); ``clock`` is its ``now`` where given
         self.gatherer = collecting.Gatherer()
         self.maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                           timezone=settings.daemon.maintenance_timezone)

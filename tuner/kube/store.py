@@ -54,13 +54,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.daemon import selfmetrics
 from tuner.errors import TunerError
 from tuner.kube.api import ApiError, ConfigMapRecord, KubeApi, dumps
 from tuner.launcher import untrusted
 from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.runtime import selfmetrics
 
 __all__ = ["QUARANTINE", "REPORT_PREFIX", "BadLine", "ConfigMapJournal", "Deposed", "Inspection", "ParsedJournal",
            "PoolStore", "PoolUnreadableError", "Problem", "compact", "dumps", "epoch_floor", "inspect",

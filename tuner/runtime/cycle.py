@@ -28,17 +28,17 @@ from dataclasses import replace
 from typing import Protocol
 
 from tuner import config
-from tuner.daemon import clocks, selfmetrics, views
-from tuner.daemon.collecting import Collecting, Gatherer
-from tuner.daemon.results import CycleResult, RolloutOutcome, TargetResult
-from tuner.daemon.scheduling import MaintenanceWindows
-from tuner.daemon.state import TunerState
 from tuner.errors import TunerError
 from tuner.model import knobs
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
 from tuner.planning.guards import Action
 from tuner.rules.schema import Rule
+from tuner.runtime import clocks, selfmetrics, views
+from tuner.runtime.collecting import Collecting, Gatherer
+from tuner.runtime.results import CycleResult, RolloutOutcome, TargetResult
+from tuner.runtime.scheduling import MaintenanceWindows
+from tuner.runtime.state import TunerState
 from tuner.signals import Signal
 
 log = logging.getLogger("tuner.cycle")
@@ -84,7 +84,7 @@ def run_cycle(
 ) -> CycleResult:
     """Run one cycle; ``state`` is updated in place (``state.last`` last). ``now``: the cycle's time
     (seconds since the epoch; default: ``clock``'s, else the wall clock). ``clock``: the loop's clock
-    (``daemon.clocks``); a step of the wall clock is logged once, and the loop re-based on it with
+    (``runtime.clocks``); a step of the wall clock is logged once, and the loop re-based on it with
     everything ``state`` holds — between rollouts, never inside one."""
     if clock is not None:
         clock.detected()
