@@ -30,10 +30,9 @@ from hypothesis import strategies as st
 
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake
-from tuner.daemon import running
 from tuner.planning import verification
 from tuner.rollout import journal, machine
-from tuner.runtime import drained, rolling, selfmetrics
+from tuner.runtime import dispatching, drained, rolling, selfmetrics
 from tuner.sources.engines import EngineClient
 
 OLD = ("--max-model-len", "4096", "--max-num-seqs", "8")
@@ -220,7 +219,7 @@ def test_an_engine_whose_self_report_never_reads_is_put_back_after_a_failed_roll
     j = journal.Journal(tmp_path / "journal.jsonl")
     # health from the actuator (this engine serves no completions to warm with); the self-report over HTTP
     driver = rolling.RolloutDriver(actuator=actuator, drainer=drainer, prober=FakeProber(actuator), journal=j,
-                                   confirm=running.confirm_for(client, actuator, kind="vllm"),
+                                   confirm=dispatching.confirm_for(client, actuator, kind="vllm"),
                                    poll_seconds=0.01, idle_settle_seconds=0)
     rollout = driver.run(driver.begin("r", {"a": NEW}, limits=LIMITS))
     j.close()
@@ -229,7 +228,7 @@ def test_an_engine_whose_self_report_never_reads_is_put_back_after_a_failed_roll
     assert "max_model_len is unreadable" in p.reason
     assert drainer.drained == set() and actuator.status("a").argv == OLD
     assert journal.left_drained(j.records) == {}
-    state = running.rollout_state(rollout)
+    state = dispatching.rollout_state(rollout)
     assert state["outcome"] == "failed" and state["replicas"] == {"a": "failed_serving"}
     assert "unreadable" in state["reasons"]["a"]
 
@@ -244,7 +243,7 @@ def test_a_readable_self_report_that_differs_on_the_way_back_stays_drained(
     client = EngineClient()
     j = journal.Journal(tmp_path / "journal.jsonl")
     driver = rolling.RolloutDriver(actuator=actuator, drainer=drainer, prober=FakeProber(actuator), journal=j,
-                                   confirm=running.confirm_for(client, actuator, kind="vllm"),
+                                   confirm=dispatching.confirm_for(client, actuator, kind="vllm"),
                                    poll_seconds=0.01, idle_settle_seconds=0)
     rollout = driver.run(driver.begin("r", {"a": ("--max-model-len", "1024", "--max-num-seqs", "8")},
                                       limits=LIMITS))

@@ -23,7 +23,7 @@ Per cycle:
 A new leader first resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or
 deposed leader left — with every pod in flight put back on a step that is safe to repeat.
 
-The dispatcher (``running.dispatcher``, built as the daemon builds it) lives as long as the leadership
+The dispatcher (``runtime.dispatching.dispatcher``, built as the daemon builds it) lives as long as the leadership
 term: a rollout — a restart or a live change — is advanced at every cycle and between cycles, so cycles
 go on while it is verified. A live change goes to vLLM's runtime_config on the pod's IP where the engine
 has it, else to the pod's engine-side plugin through the pod's agent (``acting.RelayedPlugin``: the
@@ -40,7 +40,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import running
 from tuner.kube import acting, switches
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
@@ -51,7 +50,7 @@ from tuner.planning import stepping
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules.schema import Rule
-from tuner.runtime import clocks, collecting, control, cycle, drained, scheduling, selfmetrics, views
+from tuner.runtime import clocks, collecting, control, cycle, dispatching, drained, scheduling, selfmetrics
 from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
@@ -101,7 +100,7 @@ class Leader:
         self.last: Any = None
         self.cycles = 0
         self.pool: acting.PoolActions | None = None  # this term's actions on the pods
-        self.applying: running.Applying | None = None  # this term's dispatcher (apply mode)
+        self.applying: dispatching.Applying | None = None  # this term's dispatcher (apply mode)
         self.collectors: dict[str, collecting.Collector] = {}  # by pod, rebuilt when its target changes
         self._tracked = False  # the pods run with --enable-server-load-tracking
         self._unreadable_said: tuple[str, ...] = ()  # the problems last said (once, until they change)
@@ -207,13 +206,10 @@ class Leader:
     def _between(self, stop: threading.Event, *, until: float) -> None:
         """Until the next cycle is due: the rollout in flight goes on, every ``rollout.poll_seconds``."""
         while not stop.is_set() and (left := until - time.monotonic()) > 0:
-            if self.applying is not None and self.applying.busy:
+            if self.applying is not None:
                 try:
-                    outcome = self.applying.advance()
-                    if outcome is not None:
-                        self.state.rollout_state = dict(outcome.state)
-                        if self.metrics is not None:
-                            views.count_finished(self.metrics, outcome)
+                    dispatching.carry_on(self.applying, self.state, self.metrics,
+                                         passing=(store_mod.Deposed, store_mod.PoolUnreadableError))
                 except (store_mod.Deposed, store_mod.PoolUnreadableError):
                     raise
                 except Exception:  # the journal holds the rollout: the next cycle takes it up again
@@ -307,7 +303,7 @@ class Leader:
             self.applying = None
             return
         r = self.settings.rollout
-        self.applying = running.dispatcher(
+        self.applying = dispatching.dispatcher(
             self.settings, self.state, self.client, actuator=acting.KubeActuator(self.pool),
             drainer=acting.KubeDrainer(self.pool), journal=journal, kind=self.k.engine_kind, stop_event=stop,
             server_load=lambda: self._tracked, drains=True,

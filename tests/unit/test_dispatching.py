@@ -1,4 +1,4 @@
-"""The rollout adapter's booking (tuner.daemon.running.Applying.book, through planning.pooling.book): what a
+"""The rollout adapter's booking (tuner.runtime.dispatching.Applying.book, through planning.pooling.book): what a
 finished rollout changes in the tuner's owned arguments and histories — and that an interrupted one
 changes nothing."""
 
@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuner import config
-from tuner.daemon import running
 from tuner.model import knobs
 from tuner.planning.history import Change
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Event
 from tuner.rules.schema import Verify
+from tuner.runtime import dispatching
 from tuner.runtime.state import TunerState
 
 OLD, NEW = ("--max-num-seqs", "4"), ("--max-num-seqs", "8")
@@ -27,13 +27,13 @@ FORWARD = (Event.GO, Event.DRAINED, Event.IDLE, Event.STOPPED, Event.STARTED, Ev
            Event.WARMED, Event.UNDRAINED, Event.VERIFIED)
 
 
-def applying(tmp_path: Path) -> running.Applying:
+def applying(tmp_path: Path) -> dispatching.Applying:
     settings = config.parse({"mode": "apply", "targets": [
         {"name": n, "metrics_url": f"http://127.0.0.1:{p}/metrics", "args": list(OLD)}
         for n, p in (("a", 8001), ("b", 8002))]})
     state = TunerState.fresh(settings.targets, path=tmp_path / "state.json")
     driver = SimpleNamespace(restored=lambda rollout: rollout)  # booking reads nothing else of the driver
-    return running.Applying(settings, state, driver=driver, client=None,  # type: ignore[arg-type]
+    return dispatching.Applying(settings, state, driver=driver, client=None,  # type: ignore[arg-type]
                             journal=journal.Journal(tmp_path / "j.jsonl"), kind="vllm", clock=lambda: 1000.0)
 
 
@@ -80,7 +80,7 @@ def test_a_rolled_back_pool_rejects_the_arguments_on_every_replica(tmp_path: Pat
     assert ap.state.args["a"].argv() == list(NEW)  # a stays on what it runs; the pool rolled back at b
 
 
-def journal_a_finished_rollout(ap: running.Applying) -> machine.Rollout:
+def journal_a_finished_rollout(ap: dispatching.Applying) -> machine.Rollout:
     """The journal of a rollout that finished (both replicas done), with its decision, as the driver writes it."""
     ap.journal.append("decision", at=0, rollout="r1", changes=[{**CHANGE.as_dict(), "knob": CHANGE.knob,
                                                                "direction": CHANGE.direction}])
@@ -145,4 +145,4 @@ def test_a_state_that_does_not_say_what_it_booked_takes_the_journal_as_booked(tm
 def test_a_journaled_change_reads_back_as_the_change_that_was_decided(change: Change) -> None:
     """What a resumed rollout books is the change that was decided, every field of it: a live change
     taken up after a restart was booked as a restart once (the fault test caught it)."""
-    assert running._change_from(json.loads(json.dumps(running.change_record(change)))) == change
+    assert dispatching._change_from(json.loads(json.dumps(dispatching.change_record(change)))) == change
