@@ -23,9 +23,10 @@ Per cycle:
 A new leader first resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or
 deposed leader left — with every pod in flight put back on a step that is safe to repeat.
 
-The dispatcher (``runtime.dispatching.dispatcher``, built as the daemon builds it) lives as long as the leadership
-term: a rollout — a restart or a live change — is advanced at every cycle and between cycles, so cycles
-go on while it is verified. A live change goes to vLLM's runtime_config on the pod's IP where the engine
+The cycles run on the runtime's loop (``scheduling.Loop``, the daemon's), one per term. The dispatcher
+(``runtime.dispatching.dispatcher``, built as the daemon builds it) lives as long as the leadership term: a
+rollout — a restart or a live change — is advanced at every cycle and between cycles (``dispatching.carry_on``),
+so cycles go on while it is verified. A live change goes to vLLM's runtime_config on the pod's IP where the engine
 has it, else to the pod's engine-side plugin through the pod's agent (``acting.RelayedPlugin``: the
 leader cannot reach a pod's files); the collectors read the live knobs the same way
 (``collecting.collector_for``, as ``vllm-tuner run`` builds them).
@@ -55,6 +56,8 @@ from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
 log = logging.getLogger("tuner.kube.leader")
+
+_TERM_POLL_SECONDS = 0.2  # how soon the term's end (stop, or deposed in a cycle) stops the loop
 
 
 def claim(store: store_mod.PoolStore, epoch: int, *, identity: str,
@@ -135,28 +138,46 @@ class Leader:
                 self.metrics.set_control(paused=False, pins=set())
 
     def _lead(self, journal: store_mod.ConfigMapJournal, stop: threading.Event) -> None:
-        first = True
-        while not stop.is_set():
-            started = time.monotonic()
+        """The runtime's loop (``scheduling.Loop``, the daemon's): a cycle every ``scrape.interval_seconds``
+        and, between cycles, the rollout in flight carried on every ``rollout.poll_seconds`` — until ``stop``
+        or a write refused for a newer epoch (``Deposed``) ends the term."""
+        ended = threading.Event()
+        first = [True]
+
+        def step() -> None:
+            if stop.is_set() or ended.is_set():
+                return
             try:
-                self.cycle(journal, stop, recover=first)
-                first = False
+                self.cycle(journal, stop, recover=first[0])
+                first[0] = False
                 self._readable()
             except store_mod.Deposed as exc:
                 log.warning("%s: no longer acting", exc)
-                return
+                ended.set()
             except store_mod.PoolUnreadableError as exc:
                 self._unreadable(exc)
             except Exception:  # a failing cycle is reported and the next one tries again
                 log.exception("the leader's cycle failed")
+
+        def between() -> None:
+            if stop.is_set() or ended.is_set():
+                return
             try:
-                self._between(stop, until=started + self.settings.scrape.interval_seconds)
+                self._between()
             except store_mod.Deposed as exc:
                 log.warning("%s: no longer acting", exc)
-                return
+                ended.set()
             except store_mod.PoolUnreadableError as exc:
                 self._unreadable(exc)
-                stop.wait(max(0.0, started + self.settings.scrape.interval_seconds - time.monotonic()))
+
+        loop = scheduling.Loop(step, interval_seconds=self.settings.scrape.interval_seconds, between=between,
+                               between_seconds=self.settings.rollout.poll_seconds)
+        loop.start()
+        try:
+            while not (stop.is_set() or ended.is_set()):
+                stop.wait(_TERM_POLL_SECONDS)
+        finally:
+            loop.stop()
 
     def _claim(self, epoch: int, stop: threading.Event,
                advance: Callable[[int], Leadership | None] | None) -> int | None:
@@ -203,18 +224,17 @@ class Leader:
                 self.metrics.pool_unreadable.labels(key=key).set(0)
         self._unreadable_said, self._unreadable_keys = (), set()
 
-    def _between(self, stop: threading.Event, *, until: float) -> None:
-        """Until the next cycle is due: the rollout in flight goes on, every ``rollout.poll_seconds``."""
-        while not stop.is_set() and (left := until - time.monotonic()) > 0:
-            if self.applying is not None:
-                try:
-                    dispatching.carry_on(self.applying, self.state, self.metrics,
-                                         passing=(store_mod.Deposed, store_mod.PoolUnreadableError))
-                except (store_mod.Deposed, store_mod.PoolUnreadableError):
-                    raise
-                except Exception:  # the journal holds the rollout: the next cycle takes it up again
-                    log.exception("advancing the rollout failed")
-            stop.wait(min(left, self.settings.rollout.poll_seconds))
+    def _between(self) -> None:
+        """Between cycles: the rollout in flight goes on (``dispatching.carry_on``, the daemon's too)."""
+        if self.applying is None:
+            return
+        try:
+            dispatching.carry_on(self.applying, self.state, self.metrics,
+                                 passing=(store_mod.Deposed, store_mod.PoolUnreadableError))
+        except (store_mod.Deposed, store_mod.PoolUnreadableError):
+            raise
+        except Exception:  # the journal holds the rollout: the next cycle takes it up again
+            log.exception("advancing the rollout failed")
 
     def cycle(self, journal: store_mod.ConfigMapJournal, stop: threading.Event, *, recover: bool = False) -> None:
         now = self.clock()
