@@ -51,7 +51,17 @@ from tuner.planning import stepping
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules.schema import Rule
-from tuner.runtime import clocks, collecting, control, cycle, dispatching, drained, scheduling, selfmetrics
+from tuner.runtime import (
+    clocks,
+    collecting,
+    control,
+    cycle,
+    dispatching,
+    drained,
+    results,
+    scheduling,
+    selfmetrics,
+)
 from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
@@ -123,7 +133,7 @@ class Leader:
         claim (``_claim``); ``advance`` is the elector's (a new epoch while this agent holds the Lease)."""
         for part in (self.state.targets, self.state.args, self.state.config_args):  # the same object: /status reads it
             part.clear()
-        self.state.pending, self.state.rollout_state = None, {}
+        self.state.pending, self.state.rollout_state, self.state.booked_rollout = None, {}, None
         epoch = self._claim(leadership.epoch, stop, advance)
         if epoch is None:
             return
@@ -249,6 +259,8 @@ class Leader:
             raise store_mod.PoolUnreadableError(self.store.name, found.problems)
         if found.journal.bad:
             journal.quarantine()
+        if recover:
+            self.book_unbooked(journal)
         unfinished = journaling.unfinished(journal.records)
         self._forget_gone({p.name for p in listed} | set(unfinished.replicas if unfinished is not None else ()),
                           journal)
@@ -297,6 +309,24 @@ class Leader:
         self._save_history(journal)
 
     # --- pieces --------------------------------------------------------------------------------------
+
+    def book_unbooked(self, journal: store_mod.ConfigMapJournal) -> results.RolloutOutcome | None:
+        """The start of a term, the daemon's too (``dispatching.start_up``): the journal's last finished
+        rollout, booked if the pool's saved history does not include it — a leader that finished it died
+        or was deposed before its cycle saved the booking. Saved with the history (``booked_rollout``), so
+        it is booked once, by whichever leader saves first. A replica it moved that the saved history does
+        not know takes the pool's history, as a new pod does (``_track``)."""
+        if self.applying is None:
+            return None
+        finished = [r for r in journaling.replay(journal.records).values()
+                    if machine.outcome(r) is not machine.Outcome.RUNNING]
+        seed = next((self.state.targets[n].history for n in sorted(self.state.targets)), history_mod.History())
+        for name in finished[-1].order if finished else ():
+            self.state.targets.setdefault(name, stepping.TargetState(history=seed))
+        outcome = self.applying.book_unbooked()
+        if outcome is not None:
+            self.state.rollout_state = dict(outcome.state)
+        return outcome
 
     def _collectors(self, targets: Sequence[config.Target]) -> list[collecting.Collector]:
         """One per pod, kept while its target stays the same (its slow reads are cached across cycles)."""
@@ -413,9 +443,13 @@ class Leader:
             raise store_mod.PoolUnreadableError(self.store.name, state)
         for name, history in found.histories.items():
             self.state.targets[name] = stepping.TargetState(history=history)
+        self.state.booked_rollout = found.booked_rollout
 
     def _save_history(self, journal: store_mod.ConfigMapJournal) -> None:
-        doc = {"histories": {n: history_mod.to_dict(t.history) for n, t in sorted(self.state.targets.items())}}
+        doc: dict[str, Any] = {"histories": {n: history_mod.to_dict(t.history)
+                                             for n, t in sorted(self.state.targets.items())}}
+        if self.state.booked_rollout is not None:  # with the histories that include it: one write
+            doc["booked_rollout"] = self.state.booked_rollout
         text = store_mod.dumps(doc)
         self.store.update(lambda d: None if d.get("state") == text else {**d, "state": text},
                           epoch=journal.epoch, leader=self.identity)
