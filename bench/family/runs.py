@@ -132,7 +132,7 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
         client = engines.EngineClient(scraping.HttpSettings(), transport=httpx.MockTransport(transport), clock=clock)
         state = TunerState.fresh(settings.targets, path=work / "state.json")
         journal = journaling.Journal(work / "journal.jsonl", fsync=False, lock=False)
-        applying = dispatching.dispatcher(
+        applying = dispatching.build(
             settings, state, client, actuator=pool.actuator(), drainer=pool.drainer(), journal=journal,
             kind="vllm", stop_event=threading.Event(), server_load=True, drains=not live,
             plugin=lambda name: None, clock=clock)
@@ -146,7 +146,7 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
         while pool.now < end and (pool.now < trace.duration or pool.busy()):
             if pool.now >= next_cycle - 1e-9:
                 result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=RULES,
-                                         rollout=applying, gatherer=gatherer, now=pool.now,  # type: ignore[arg-type]
+                                         dispatcher=applying, gatherer=gatherer, now=pool.now,  # type: ignore[arg-type]
                                          monotonic=clock)
                 if summaries is not None:
                     summaries.append((pool.now, result.summary))

@@ -676,7 +676,7 @@ def test_a_rollout_a_killed_leader_finished_but_did_not_save_is_booked_by_the_ne
     """The kill point between a rollout's last journal record and the leader's save of the pool's history: the
     rollout's booking (the value that rolled back is held bad, its cooldown runs) was in that leader's memory
     only. The next leader books it at the start of its term, as a restarted daemon does
-    (``Applying.book_unbooked``), and saves what it booked with the history, so no later leader books it again
+    (``Dispatcher.book_unbooked``), and saves what it booked with the history, so no later leader books it again
     — and the value is not proposed again."""
     a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
     a.book_unbooked(journal_a)  # a fresh pool: nothing to book, and the state says so from now on

@@ -160,7 +160,7 @@ class TendWorld:
         self.state = TunerState.fresh(self.settings.targets)
         self.client = engines.EngineClient(deadline_seconds=2)
         self.collectors = [collecting.collector_for(t, self.settings, client=self.client) for t in self.settings.targets]
-        self.applying = types.SimpleNamespace(in_flight=None, driver=types.SimpleNamespace(actuator=self.actuator),
+        self.dispatcher = types.SimpleNamespace(in_flight=None, driver=types.SimpleNamespace(actuator=self.actuator),
                                               replicas={"a": None}, held_down={}, settings=self.settings)
         self.actuator.start("a", argv)
         self.wait_serving()
@@ -173,7 +173,7 @@ class TendWorld:
 
     def cycle(self) -> list[str]:
         result = cycle_mod.run_cycle(self.state, settings=self.settings, collectors=self.collectors)
-        return dispatching.tend(self.applying, self.state, result, now=time.time())  # type: ignore[arg-type]
+        return dispatching.tend(self.dispatcher, self.state, result, now=time.time())  # type: ignore[arg-type]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -17,7 +17,7 @@ from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Outcome, State
-from tuner.runtime import rolling
+from tuner.runtime import driving
 
 ARGV = ("--model", "m", "--max-num-seqs", "16")
 CANDIDATE = ("--model", "m", "--max-num-seqs", "16")  # a live change leaves the command line as it is
@@ -75,7 +75,7 @@ class Healthy:
 
 @dataclass
 class Judge:
-    """``rolling.Verifier``: counts the scrapes of each window, says ``bad`` replicas got worse."""
+    """``driving.Verifier``: counts the scrapes of each window, says ``bad`` replicas got worse."""
 
     bad: set[str] = field(default_factory=set)
     observed: dict[str, int] = field(default_factory=dict)
@@ -88,15 +88,15 @@ class Judge:
 
 
 def driver(path: Path, clock: Clock, live: FakeLive, judge: Judge,
-           actuator: fake.FakeActuator | None = None) -> rolling.RolloutDriver:
+           actuator: fake.FakeActuator | None = None) -> driving.RolloutDriver:
     actuator = actuator or fake.FakeActuator([base.Replica(n, f"http://{n}") for n in NAMES],
                                              running=dict.fromkeys(NAMES, ARGV))
-    return rolling.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=Healthy(),
+    return driving.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=Healthy(),
                                  journal=journaling.Journal(path, fsync=False, lock=False), verifier=judge,
                                  clock=clock, live_control=live, stop_event=threading.Event(), poll_seconds=0)
 
 
-def begin(d: rolling.RolloutDriver) -> machine.Rollout:
+def begin(d: driving.RolloutDriver) -> machine.Rollout:
     return d.begin("l1", dict.fromkeys(NAMES, CANDIDATE), limits=LIMITS,
                    live=dict.fromkeys(NAMES, ({"max_num_seqs": 8}, {"max_num_seqs": 32})))
 

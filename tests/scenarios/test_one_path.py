@@ -85,7 +85,7 @@ def daemon(name: str, *, mode: str, overrides: Mapping[str, Any] | None = None) 
     out = []
     for snap in list(snaps):
         result = cycle.run_cycle(state, settings=settings, collectors=[collector], rules=rules,
-                                 rollout=Booking(state) if mode == "apply" else None, now=snap.scraped_at)
+                                 dispatcher=Booking(state) if mode == "apply" else None, now=snap.scraped_at)
         plan = result.targets[name].plan
         assert plan is not None
         out.append(plan.summary())

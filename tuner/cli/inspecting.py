@@ -50,11 +50,11 @@ def _live(ns: argparse.Namespace, gpus_given: GpuInputs | None, info: EngineInfo
         targets = settings.targets
         http = collecting.http_settings(settings.scrape, config_dir=Path(ns.config).resolve().parent)
     elif ns.engine_url:
-        gpu: Any = config.NoGpuSource(kind="none")
+        gpu: Any = config.NoGpuSettings(kind="none")
         if ns.dcgm_url:
-            gpu = config.DcgmSource(kind="dcgm", url=ns.dcgm_url, slowdown_temp_c=ns.slowdown_temp_c)
+            gpu = config.DcgmSettings(kind="dcgm", url=ns.dcgm_url, slowdown_temp_c=ns.slowdown_temp_c)
         elif ns.nvml:
-            gpu = config.NvmlSource(kind="nvml")
+            gpu = config.NvmlSettings(kind="nvml")
         targets = [config.Target(name=f"engine-{i}", kind=ns.kind, metrics_url=u, gpu=gpu)
                    for i, u in enumerate(ns.engine_url)]
         http = collecting.http_settings(config.ScrapeSettings())

@@ -279,7 +279,7 @@ def _gpus(settings: config.TunerSettings) -> list[Problem]:
 
     problems: list[Problem] = []
     for i, t in enumerate(settings.targets):
-        if isinstance(t.gpu, config.NvmlSource):
+        if isinstance(t.gpu, config.NvmlSettings):
             why = nvml.NvmlSource(t.gpu.devices).probe()
             if why is not None:
                 problems.append((f"targets[{i}].gpu", f"NVML does not load here ({why}); the host needs the NVIDIA "

@@ -69,15 +69,15 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
     gatherer = collecting.Gatherer(stop=stop_event, clock=loop_clock.now)  # SIGTERM ends a gathering at once
     control_path = control.path_for(settings, config_path)
     reloadable = [(settings, tuple(rules))]  # the configuration the cycles decide with; SIGHUP replaces it
-    applying: dispatching.Applying | None = None
+    dispatcher: dispatching.Dispatcher | None = None
     startup: list[Callable[[], None]] = []  # run once, at the start of the first cycle (again until it succeeds)
     loop_holder: dict[str, scheduling.Loop] = {}
 
     if settings.mode == "apply":
-        applying = _build_applying(settings, state, client, config_dir, stop_event=stop_event,
+        dispatcher = _build_dispatcher(settings, state, client, config_dir, stop_event=stop_event,
                                    on_transition=lambda r: _show_rollout(state, notifier, r, metrics),
                                    clock=loop_clock.now)
-        startup.append(lambda: dispatching.start_up(applying, state))
+        startup.append(lambda: dispatching.start_up(dispatcher, state))
 
     watch = drained.LeftDrainedWatch(ask_after_seconds=settings.rollout.left_drained_ask_after_seconds,
                                      metrics=metrics)
@@ -88,30 +88,30 @@ def build_and_run(config_path: str, *, once: bool = False) -> int:
         while startup:
             startup[0]()  # a failure (a full disk) raises here and is tried again at the next cycle
             startup.pop(0)
-        act = applying if applying is None or dispatching.resumed(applying, state) else None
+        act = dispatcher if dispatcher is None or dispatching.resumed(dispatcher, state) else None
         running, rules_now = reloadable[0]  # what SIGHUP last loaded (one tuple: swapped at once)
         switches = control.load(control_path)  # the operator's pause and pins, read every cycle
         effective = running.model_copy(update={"decisions": control.take(running.decisions, switches, state=state,
                                                                          metrics=metrics)})
         result = cycle.run_cycle(state, settings=effective, collectors=collectors, rules=rules_now,
-                                 rollout=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
+                                 dispatcher=act, maintenance=maintenance, metrics=metrics, gatherer=gatherer,
                                  should_stop=should_stop, clock=loop_clock)
-        if applying is not None:  # a replica a failed rollout left drained: shown, measured, a person asked
-            state.left_drained = watch.check(applying.journal.records, now=loop_clock.now())
-        if applying is not None and not should_stop():
-            dispatching.tend(applying, state, result, now=loop_clock.now())
+        if dispatcher is not None:  # a replica a failed rollout left drained: shown, measured, a person asked
+            state.left_drained = watch.check(dispatcher.journal.records, now=loop_clock.now())
+        if dispatcher is not None and not should_stop():
+            dispatching.tend(dispatcher, state, result, now=loop_clock.now())
         return result
 
     def between() -> None:  # the rollout in flight goes on between cycles
-        if applying is not None:
-            dispatching.carry_on(applying, state, metrics)
+        if dispatcher is not None:
+            dispatching.carry_on(dispatcher, state, metrics)
 
     if once:
         result = step()
         print(result.summary)
-        while applying is not None and applying.busy:  # the rollout it began is carried to its end
+        while dispatcher is not None and dispatcher.busy:  # the rollout it began is carried to its end
             between()
-            applying.sleep(settings.rollout.poll_seconds)
+            dispatcher.sleep(settings.rollout.poll_seconds)
         state.save()
         unread = [f"{name}: {t.scrape_error}" for name, t in result.targets.items() if t.scrape_error]
         if result.targets and len(unread) == len(result.targets):  # the CLI's exit code 1: it ran, read nothing
@@ -181,10 +181,10 @@ class _MaskedNotifier(notify.Notifier):
         return super().send(**{k: self._redactor.text(v) if isinstance(v, str) else v for k, v in fields.items()})
 
 
-def _build_applying(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient,
+def _build_dispatcher(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient,
                     config_dir: Path, *, stop_event: threading.Event,
                     on_transition: Callable[[machine.Rollout], None],
-                    clock: Callable[[], float] = time.time) -> dispatching.Applying:
+                    clock: Callable[[], float] = time.time) -> dispatching.Dispatcher:
     assert settings.actuator is not None  # validated
     kind = settings.targets[0].kind
     redactor = state.redactor
@@ -225,7 +225,7 @@ def _build_applying(settings: config.TunerSettings, state: TunerState, client: e
 
         power = gpu_power.GpuPowerControl(enabled=True, devices=settings.gpu_control.devices,
                                           power_limit_w=settings.gpu_control.power_limit_w)
-    return dispatching.dispatcher(settings, state, client, actuator=actuator, drainer=drainer, journal=journal, kind=kind,
+    return dispatching.build(settings, state, client, actuator=actuator, drainer=drainer, journal=journal, kind=kind,
                       stop_event=stop_event, server_load=tracked, drains=settings.drain.kind != "none",
                       plugin=(lambda name: live_knobs.Files(settings.live.dir_for(name))) if settings.live.enabled
                       else lambda name: None,

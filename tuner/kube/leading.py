@@ -24,7 +24,7 @@ A new leader first resumes the rollout the journal holds unfinished (machine Rul
 deposed leader left — with every pod in flight put back on a step that is safe to repeat.
 
 The cycles run on the runtime's loop (``scheduling.Loop``, the daemon's), one per term. The dispatcher
-(``runtime.dispatching.dispatcher``, built as the daemon builds it) lives as long as the leadership term: a
+(``runtime.dispatching.build``, built as the daemon builds it) lives as long as the leadership term: a
 rollout — a restart or a live change — is advanced at every cycle and between cycles (``dispatching.carry_on``),
 so cycles go on while it is verified. A live change goes to vLLM's runtime_config on the pod's IP where the engine
 has it, else to the pod's engine-side plugin through the pod's agent (``acting.RelayedPlugin``: the
@@ -113,7 +113,7 @@ class Leader:
         self.last: Any = None
         self.cycles = 0
         self.pool: acting.PoolActions | None = None  # this term's actions on the pods
-        self.applying: dispatching.Applying | None = None  # this term's dispatcher (apply mode)
+        self.dispatcher: dispatching.Dispatcher | None = None  # this term's dispatcher (apply mode)
         self.collectors: dict[str, collecting.Collector] = {}  # by pod, rebuilt when its target changes
         self._tracked = False  # the pods run with --enable-server-load-tracking
         self._unreadable_said: tuple[str, ...] = ()  # the problems last said (once, until they change)
@@ -236,10 +236,10 @@ class Leader:
 
     def _between(self) -> None:
         """Between cycles: the rollout in flight goes on (``dispatching.carry_on``, the daemon's too)."""
-        if self.applying is None:
+        if self.dispatcher is None:
             return
         try:
-            dispatching.carry_on(self.applying, self.state, self.metrics,
+            dispatching.carry_on(self.dispatcher, self.state, self.metrics,
                                  passing=(store_mod.Deposed, store_mod.PoolUnreadableError))
         except (store_mod.Deposed, store_mod.PoolUnreadableError):
             raise
@@ -284,12 +284,12 @@ class Leader:
             self.pool.replicas = dict(replicas)
         kind = self.k.engine_kind
         self._tracked = kind == "vllm" and all("--enable-server-load-tracking" in (t.args or ()) for t in targets)
-        applying = self.applying if targets else None
-        if applying is not None:
-            if not applying.busy and journaling.unfinished(journal.records) is not None:
+        dispatcher = self.dispatcher if targets else None
+        if dispatcher is not None:
+            if not dispatcher.busy and journaling.unfinished(journal.records) is not None:
                 recover = True  # a rollout stopped by a failed journal write: taken up from the journal
             if recover:
-                outcome = applying.recover()
+                outcome = dispatcher.recover()
                 if outcome is not None:
                     self.state.rollout_state = dict(outcome.state)
                     self._track(targets)
@@ -298,12 +298,12 @@ class Leader:
             return
         settings = self.settings.model_copy(update={"targets": targets, "decisions": decisions})
         result = cycle.run_cycle(self.state, settings=settings, collectors=self._collectors(targets),
-            rules=self.rules, rollout=applying if hold is None or (applying is not None and applying.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
+            rules=self.rules, dispatcher=dispatcher if hold is None or (dispatcher is not None and dispatcher.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
             gatherer=self.gatherer, now=now, should_stop=stop.is_set, clock=self.loop_clock)
         if hold is not None:
             log.info("no rollout: %s", hold)
         self.last, self.cycles = result, self.cycles + 1
-        if self.applying is not None:
+        if self.dispatcher is not None:
             self.state.left_drained = self.left_drained.check(journal.records, now=now)
         self._verified(journal, members={p.name for p in members})
         self._save_history(journal)
@@ -316,14 +316,14 @@ class Leader:
         or was deposed before its cycle saved the booking. Saved with the history (``booked_rollout``), so
         it is booked once, by whichever leader saves first. A replica it moved that the saved history does
         not know takes the pool's history, as a new pod does (``_track``)."""
-        if self.applying is None:
+        if self.dispatcher is None:
             return None
         finished = [r for r in journaling.replay(journal.records).values()
                     if machine.outcome(r) is not machine.Outcome.RUNNING]
         seed = next((self.state.targets[n].history for n in sorted(self.state.targets)), history_mod.History())
         for name in finished[-1].order if finished else ():
             self.state.targets.setdefault(name, stepping.TargetState(history=seed))
-        outcome = self.applying.book_unbooked()
+        outcome = self.dispatcher.book_unbooked()
         if outcome is not None:
             self.state.rollout_state = dict(outcome.state)
         return outcome
@@ -350,10 +350,10 @@ class Leader:
                                        replicas=[], stop=stop)
         self.collectors = {}  # their live channel goes through this term's pool actions
         if self.settings.mode != "apply":
-            self.applying = None
+            self.dispatcher = None
             return
         r = self.settings.rollout
-        self.applying = dispatching.dispatcher(
+        self.dispatcher = dispatching.build(
             self.settings, self.state, self.client, actuator=acting.KubeActuator(self.pool),
             drainer=acting.KubeDrainer(self.pool), journal=journal, kind=self.k.engine_kind, stop_event=stop,
             server_load=lambda: self._tracked, drains=True,

@@ -29,8 +29,8 @@ from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules.schema import Verify
 from tuner.runtime import (
+    driving,
     results,
-    rolling,
     selfmetrics,
     verifying,
     views,
@@ -42,15 +42,15 @@ from tuner.sources import engines, live_knobs
 log = logging.getLogger("tuner.run")
 
 
-class Applying:
+class Dispatcher:
     """``cycle.Dispatcher``: takes a cycle's actions (keep-warm, sleep, wake, a GPU power cap)
     and hands the pool's change to the one rollout machine — a restart or a live change, the same
     driver, journal and recovery — then advances the rollout in flight a step at a time (at every cycle
     and between cycles: ``advance``) and books it once it finished. It decides nothing: the change
-    carries what its rollout needs (``pooling.PoolChange``). ``dispatcher`` builds it, for the daemon and
+    carries what its rollout needs (``pooling.PoolChange``). ``build`` builds it, for the daemon and
     the Kubernetes leader alike."""
 
-    def __init__(self, settings: config.TunerSettings, state: TunerState, driver: rolling.RolloutDriver,
+    def __init__(self, settings: config.TunerSettings, state: TunerState, driver: driving.RolloutDriver,
                  client: engines.EngineClient, journal: journaling.JournalLike, *, kind: knobs.EngineKind,
                  verifier: verifying.SignalVerifier | None = None, power: Any = None,
                  clock: Callable[[], float] | None = None, sleep: Callable[[float], Any] | None = None) -> None:
@@ -258,7 +258,7 @@ def _change_from(data: Mapping[str, Any]) -> history_mod.Change:
 
 
 def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: knobs.EngineKind
-                ) -> rolling.Confirmer:
+                ) -> driving.Confirmer:
     """The new values are live: the running process has exactly these arguments, and where the engine
     reports a value itself (the served max_model_len) it agrees."""
     def confirm(replica: base.Replica, argv: Sequence[str]) -> str | None:
@@ -272,7 +272,7 @@ def confirm_for(client: engines.EngineClient, actuator: base.Actuator, *, kind: 
         if wanted is not None:
             served, why = client.served_max_model_len(replica.base_url, kind)
             if served is None:  # not a disagreement: the engine's self-report cannot be read
-                return rolling.Unreadable(f"the served max_model_len is unreadable: {why}")
+                return driving.Unreadable(f"the served max_model_len is unreadable: {why}")
             if served != wanted:
                 return f"the engine serves max_model_len {served}, expected {wanted}"
         return None
@@ -287,7 +287,7 @@ def rollout_state(rollout: machine.Rollout) -> dict[str, Any]:
             "replicas": {p.name: p.state.value for p in rollout.progress},
             "reasons": {p.name: p.reason for p in rollout.progress if p.reason}}
 
-def dispatcher(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient, *,
+def build(settings: config.TunerSettings, state: TunerState, client: engines.EngineClient, *,
                actuator: base.Actuator, drainer: base.Drainer, journal: journaling.JournalLike,
                kind: knobs.EngineKind, stop_event: threading.Event, server_load: bool | Callable[[], bool],
                drains: bool,
@@ -296,7 +296,7 @@ def dispatcher(settings: config.TunerSettings, state: TunerState, client: engine
                restore: Callable[[machine.Rollout], machine.Rollout] | None = None,
                admission: Callable[[machine.Rollout, str], str | None] | None = None,
                departed: Callable[[Collection[str]], Collection[str]] | None = None,
-               power: Any = None, clock: Callable[[], float] = time.time) -> Applying:
+               power: Any = None, clock: Callable[[], float] = time.time) -> Dispatcher:
     """The dispatcher over one actuator, drainer and journal — the daemon's (``vllm-tuner run``) and the
     Kubernetes leader's (``kube.leading``) are built here, the same way: one driver for restarts and
     live changes (``plugin``: where a replica's engine-side plugin is reached — its control directory, its
@@ -305,8 +305,8 @@ def dispatcher(settings: config.TunerSettings, state: TunerState, client: engine
     redactor = state.redactor
     verifier = verifying.SignalVerifier(client, kind=kind)
     r = settings.rollout
-    driver = rolling.RolloutDriver(
-        actuator=actuator, drainer=drainer, prober=rolling.EngineProber(client, kind=kind, server_load=server_load),
+    driver = driving.RolloutDriver(
+        actuator=actuator, drainer=drainer, prober=driving.EngineProber(client, kind=kind, server_load=server_load),
         journal=journal, poll_seconds=r.poll_seconds, idle_settle_seconds=r.idle_settle_seconds,
         hold_timeout_seconds=r.hold_timeout_seconds, verifier=verifier,
         confirm=confirm_for(client, actuator, kind=kind),
@@ -314,41 +314,41 @@ def dispatcher(settings: config.TunerSettings, state: TunerState, client: engine
                                                         " ".join(redactor.argv(argv)), why),
         on_transition=on_transition, stop_event=stop_event, drains=drains, restore=restore, admission=admission,
         departed=departed, clock=clock,
-        live_control=rolling.EngineLive(client, kind=kind, plugin=plugin),
+        live_control=driving.EngineLive(client, kind=kind, plugin=plugin),
     )
-    return Applying(settings, state, driver, client, journal, kind=kind, verifier=verifier, power=power, clock=clock)
+    return Dispatcher(settings, state, driver, client, journal, kind=kind, verifier=verifier, power=power, clock=clock)
 
-def resumed(applying: Applying, state: TunerState) -> bool:
+def resumed(dispatcher: Dispatcher, state: TunerState) -> bool:
     """The journal holds no unfinished rollout, or the one it holds was resumed now. A journal append
     that failed mid-rollout (a full or read-only disk) stopped the rollout at a safe step and left it
     unfinished in the journal: it is resumed (machine Rule 3) before anything else, at the first cycle
     whose journal takes records again. False while it cannot be: the cycle then starts no rollout."""
-    if applying.busy:
+    if dispatcher.busy:
         return True  # the dispatcher holds it in flight
-    records = applying.journal.records
+    records = dispatcher.journal.records
     last = next((i for i in range(len(records) - 1, -1, -1) if records[i]["kind"] == "rollout"), None)
     if last is None or journaling.unfinished(records[last:]) is None:
         return True
     try:
-        outcome = applying.recover()
+        outcome = dispatcher.recover()
     except journaling.JournalWriteError as exc:
         log.error("the unfinished rollout is not resumed yet: %s", exc)
         return False
     if outcome is not None:
         state.rollout_state = dict(outcome.state)
-    return journaling.unfinished(applying.journal.records) is None
+    return journaling.unfinished(dispatcher.journal.records) is None
 
 
-def carry_on(applying: Applying, state: TunerState, metrics: selfmetrics.TunerMetrics | None, *,
+def carry_on(dispatcher: Dispatcher, state: TunerState, metrics: selfmetrics.TunerMetrics | None, *,
              passing: tuple[type[BaseException], ...] = ()) -> results.RolloutOutcome | None:
     """Between cycles, in both roots: the rollout in flight carried as far as it goes now, shown on
     /status and counted once it finished (then said once, as a cycle would have). A condition it names
     itself (a full disk) is said in one line; the journal holds the rollout and the next cycle takes it up.
     ``passing``: what the root handles itself (the leader's loss of its term). None when nothing ran."""
-    if not applying.busy:
+    if not dispatcher.busy:
         return None
     try:
-        outcome = applying.advance()
+        outcome = dispatcher.advance()
     except passing:
         raise
     except TunerError as exc:
@@ -358,22 +358,22 @@ def carry_on(applying: Applying, state: TunerState, metrics: selfmetrics.TunerMe
         state.rollout_state = dict(outcome.state)
         if metrics is not None:
             views.count_finished(metrics, outcome)
-        if not applying.busy:
+        if not dispatcher.busy:
             log.info(outcome.summary)
     return outcome
 
 
-def _start_the_rest(applying: Applying, state: TunerState) -> None:
+def _start_the_rest(dispatcher: Dispatcher, state: TunerState) -> None:
     """Before a rollout is resumed: every replica it does not hold in flight that is down (a host reboot
     took them all) is started now, on what it ran — the new arguments where the rollout is done, the old
     ones where it is pending or rolled back (or not part of it). Else they stayed down until the rollout
     ended, and Rule 2 held the next replica for want of serving ones until the hold timeout aborted it."""
-    unfinished = journaling.unfinished(applying.journal.records)
+    unfinished = journaling.unfinished(dispatcher.journal.records)
     if unfinished is None:
         return  # nothing to resume: the take-over below starts what is down
-    unfinished = applying.driver.restored(unfinished)
-    actuator = applying.driver.actuator
-    for name in applying.replicas:
+    unfinished = dispatcher.driver.restored(unfinished)
+    actuator = dispatcher.driver.actuator
+    for name in dispatcher.replicas:
         if name in unfinished.in_flight or actuator.status(name).state is base.State.RUNNING:
             continue
         argv: Sequence[str] = state.args[name].argv()
@@ -387,33 +387,33 @@ def _start_the_rest(applying: Applying, state: TunerState) -> None:
                     " ".join(state.redactor.argv(argv)))
 
 
-def tend(applying: Applying, state: TunerState, result: results.CycleResult, *, now: float) -> list[str]:
+def tend(dispatcher: Dispatcher, state: TunerState, result: results.CycleResult, *, now: float) -> list[str]:
     """After a cycle: each replica whose scrape failed and that no rollout holds is asked of the actuator
     (the process actuator reaps an engine that exited: no zombie). One that is down is said, with how it
     ended, and started again on the arguments the tuner owns — the start-up's path (``adopt``) — within
     the restart budget (``decisions.safety``: each such start counts as a restart); beyond it, it stays
     down and the hold is said once. Returns what was said (one line per replica)."""
-    in_flight = set(applying.in_flight.in_flight) if applying.in_flight is not None else set()
-    actuator = applying.driver.actuator
+    in_flight = set(dispatcher.in_flight.in_flight) if dispatcher.in_flight is not None else set()
+    actuator = dispatcher.driver.actuator
     said: list[str] = []
     for name, target in result.targets.items():
-        if target.scrape_error is None or name in in_flight or name not in applying.replicas:
-            applying.held_down.pop(name, None)
+        if target.scrape_error is None or name in in_flight or name not in dispatcher.replicas:
+            dispatcher.held_down.pop(name, None)
             continue
         status = actuator.status(name)
         if status.state is base.State.RUNNING:
             continue
         how = status.detail or status.state.value
         history = state.history(name)
-        budget = guards.restart_budget(history, applying.settings.decisions.safety, now=now)
+        budget = guards.restart_budget(history, dispatcher.settings.decisions.safety, now=now)
         if not budget.allowed:
             line = f"{name} is down ({how}); not started again: {budget.reason}"
-            if applying.held_down.get(name) != budget.reason:
+            if dispatcher.held_down.get(name) != budget.reason:
                 log.warning("%s", line)
                 said.append(line)
-            applying.held_down[name] = budget.reason
+            dispatcher.held_down[name] = budget.reason
             continue
-        applying.held_down.pop(name, None)
+        dispatcher.held_down.pop(name, None)
         argv = state.args[name].argv()
         line = f"{name} is down ({how}); starting it again: {' '.join(state.redactor.argv(argv))} ({budget.reason})"
         log.warning("%s", line)
@@ -428,21 +428,21 @@ def tend(applying: Applying, state: TunerState, result: results.CycleResult, *, 
     return said
 
 
-def start_up(applying: Applying, state: TunerState) -> None:
+def start_up(dispatcher: Dispatcher, state: TunerState) -> None:
     """A tuner killed mid-rollout takes that rollout up before anything else (it goes on between cycles
     and at every cycle, and no other change goes out until it is booked). This runs inside the first
     cycle, so systemd has READY=1 and watchdog pings meanwhile, and /healthz and /status answer (/status
     shows the resumed rollout's progress). A rollout that finished but was not booked (killed in
     between) is booked first. Then every replica the rollout does not carry is taken over: what was
     never started is started, what runs is learnt."""
-    booked = applying.book_unbooked()
-    _start_the_rest(applying, state)
-    for outcome in (booked, applying.recover()):
+    booked = dispatcher.book_unbooked()
+    _start_the_rest(dispatcher, state)
+    for outcome in (booked, dispatcher.recover()):
         if outcome is not None:
             state.rollout_state = dict(outcome.state)
-    actuator = applying.driver.actuator
-    names = list(applying.replicas)
-    in_flight = applying.in_flight.in_flight if applying.in_flight is not None else ()
+    actuator = dispatcher.driver.actuator
+    names = list(dispatcher.replicas)
+    in_flight = dispatcher.in_flight.in_flight if dispatcher.in_flight is not None else ()
     for i, name in enumerate(names):
         if name in in_flight:
             continue  # the resumed rollout carries it (its path starts and confirms it)
@@ -451,8 +451,8 @@ def start_up(applying: Applying, state: TunerState) -> None:
         shown = " ".join(state.redactor.argv(state.args[name].argv()))
         if before.state is not base.State.RUNNING and after.state is base.State.RUNNING:
             log.info("started %s: %s", name, shown)
-            if applying.settings.rollout.start_one_at_a_time and i + 1 < len(names):
-                _wait_started(applying, name)
+            if dispatcher.settings.rollout.start_one_at_a_time and i + 1 < len(names):
+                _wait_started(dispatcher, name)
         if after.state is base.State.RUNNING and after.argv is None:
             log.warning("%s: %s", name, after.detail)
         elif after.argv is not None and tuple(after.argv) != tuple(state.args[name].argv()):
@@ -461,20 +461,20 @@ def start_up(applying: Applying, state: TunerState) -> None:
     state.save()
 
 
-def _wait_started(applying: Applying, name: str) -> None:
+def _wait_started(dispatcher: Dispatcher, name: str) -> None:
     """Until the engine the tuner just started answers /health, exits, or start_timeout_seconds pass (or
     the tuner is stopping); the next engine starts after it."""
-    rollout = applying.settings.rollout
-    deadline = applying.clock() + rollout.start_timeout_seconds
-    replica, actuator = applying.replicas[name], applying.driver.actuator
-    while not applying.driver.stop_event.is_set():
-        if applying.driver.prober.is_healthy(replica):
+    rollout = dispatcher.settings.rollout
+    deadline = dispatcher.clock() + rollout.start_timeout_seconds
+    replica, actuator = dispatcher.replicas[name], dispatcher.driver.actuator
+    while not dispatcher.driver.stop_event.is_set():
+        if dispatcher.driver.prober.is_healthy(replica):
             log.info("%s is healthy; starting the next engine", name)
             return
         if actuator.status(name).state is not base.State.RUNNING:
             log.warning("%s exited while starting; starting the next engine", name)
             return
-        if applying.clock() >= deadline:
+        if dispatcher.clock() >= deadline:
             log.warning("%s not healthy after %.0f s; starting the next engine", name, rollout.start_timeout_seconds)
             return
-        applying.sleep(rollout.poll_seconds)
+        dispatcher.sleep(rollout.poll_seconds)

@@ -16,7 +16,7 @@ too; loading puts the real values back from ``targets[].args`` (the tuner never 
 
 Booked rollout: the id of the last rollout whose outcome these arguments and histories include, saved in
 the same atomic write. A tuner killed after a rollout's last journal record but before that write finds
-the rollout finished and not booked, and books it then — once (``dispatching.Applying.book_unbooked``).
+the rollout finished and not booked, and books it then — once (``dispatching.Dispatcher.book_unbooked``).
 """
 
 from __future__ import annotations
