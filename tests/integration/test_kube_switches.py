@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.faults import test_kube_store as kube_store
+from tests.properties import test_kube_store as kube_store
 from tests.support import fake_kube as fk
 from tuner import config
 from tuner.cli import operating
@@ -38,7 +38,7 @@ from tuner.runtime.httpserver import TunerHttpServer
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 
 NS, CM = kube_store.NS, kube_store.CM
-# the pool of tests/faults/test_kube_store.py: one pod that runs and reports, a leader in a thread
+# the pool of tests/properties/test_kube_store.py: one pod that runs and reports, a leader in a thread
 cycle_ready_pool, engine_client, lead_in_thread = kube_store.cycle_ready_pool, kube_store.engine_client, kube_store.lead_in_thread
 settings_of, until = kube_store.settings_of, kube_store.until
 

@@ -2,7 +2,7 @@
 moves: the driver never waits for the verification window (``advance`` returns while replicas verify),
 a refusal or a missing acknowledgement on one replica puts the whole pool back, and a tuner restarted
 mid-verification asks again and judges anew (Rule 3). The same driver over real processes is
-tests/integration/test_live_apply.py and tests/faults/test_live_kill_points.py."""
+tests/processes/test_live_apply.py and tests/faults/test_live_kill_points.py."""
 
 from __future__ import annotations
 
