@@ -697,7 +697,7 @@ def test_a_rollout_a_killed_leader_finished_but_did_not_save_is_booked_by_the_ne
     # ... leader a is killed here: its cycle never saved the booking
 
     b, journal_b = a_term(api, tuner_settings, "pod-b_2", 2)
-    assert b.book_unbooked(journal_b) is not None
+    assert b.book_unbooked(journal_b) is not None  # what the term's first cycle does first
     assert b.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))  # never proposed again
     b._save_history(journal_b)
     saved = json.loads(data(kube)["state"])
