@@ -20,8 +20,10 @@ Per cycle:
 4. **verified arguments**: a rollout that finished *done* makes its overrides the pool's (``pool``): what a
    new pod starts on. The decision history is saved in the ConfigMap (``state``).
 
-A new leader first resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or
-deposed leader left — with every pod in flight put back on a step that is safe to repeat.
+A new leader first books the journal's last finished rollout if the pool's saved history does not include it
+(``booked_rollout``: a leader that finished it died or was deposed before its save), as a restarted daemon
+does, then resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or deposed
+leader left — with every pod in flight put back on a step that is safe to repeat.
 
 The cycles run on the runtime's loop (``scheduling.Loop``, the daemon's), one per term. The dispatcher
 (``runtime.dispatching.build``, built as the daemon builds it) lives as long as the leadership term: a
