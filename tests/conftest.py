@@ -12,10 +12,13 @@ The tiers (pyproject.toml's markers):
 ``make test`` runs them all in one session (``-n 3 --dist loadfile``, no ``-m``): the e2e tests go one at a
 time to one worker and the rest to the other two beside them (the scheduler below).
 
-Which to use: a whole file that is slow goes in ``SLOW_FILES`` below, with why (``tests/faults/`` is slow
-unless its file is in ``FAST_FAULTS``); one slow test in a fast file gets ``@pytest.mark.slow``, one slow
-parameter ``pytest.param(..., marks=pytest.mark.slow)``. When slow tests are left out, the summary names
-each test that took longer than ``SLOW_SECONDS``: mark it slow or make it faster.
+Which to use: the folder says it. A whole file that is slow goes in ``tests/processes/`` (real outside
+programs, the tuner's processes against each other; its ``__init__.py`` says why each is there) or, for a
+fault-injection test, ``tests/faults/`` (real processes under generated faults); an in-process property test
+of the fault catalogue goes in ``tests/properties/``, which is fast. One slow test in a fast file gets
+``@pytest.mark.slow``, one slow parameter ``pytest.param(..., marks=pytest.mark.slow)``. When slow tests
+are left out, the summary names each test that took longer than ``SLOW_SECONDS``: mark it slow or make it
+faster.
 """
 
 from __future__ import annotations
@@ -29,39 +32,19 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-SLOW_FILES = {
-    "integration/test_kube_agents.py": "real agents, launchers and simulated engines; Lease failover in real time",
-    "integration/test_launcher.py": "the real launcher and its engines' process groups, signal deadlines",
-    "integration/test_podman_pod.py": "a real podman pod",
-    "integration/test_systemd_units.py": "systemd-analyze and a real private systemd",
-    "integration/test_rolling.py": "real nginx in front of real engine processes under a load loop",
-    "integration/test_bench_client.py": "vLLM's own benchmark client, from .venv-vllm",
-    "integration/test_run_recovery.py": "`vllm-tuner run` killed and restarted mid-rollout, in real time",
-    "integration/test_live_apply.py": "the daemon's live rollouts on simulated replicas, in real time",
-    "integration/test_recommend_live.py": "`vllm-tuner recommend` scraping a simulated engine for its window",
-    "integration/test_cli_errors.py": "`vllm-tuner run` on busy ports, held locks, a full and a read-only mount",
-    "integration/test_secrets_shown.py": "`vllm-tuner run` and engine processes as subprocesses",
-    "integration/test_install.py": "python -m build, new virtualenvs, pip installs of the wheel, sdist and tree, "
-                                   "and pipx install . (from the package index)",
-    "integration/test_systemd_install.py": "install.sh on a real private systemd; a rolling restart through polkit",
-    "integration/test_operating.py": "`vllm-tuner run` on simulated replicas, restarted; the CLI beside it",
-}
-FAST_FAULTS = {  # in-process property tests: no process, no clock
-    "test_config_bounds.py", "test_decoded_size.py", "test_impossible_exposition.py", "test_kube_store.py",
-    "test_secrets_masked.py", "test_untrusted.py",
-}
+SLOW_FOLDERS = ("faults/", "processes/")  # every test in them is slow (the module docstring)
 SLOW_SECONDS = 10.0
 # The longest files first, each on a worker of its own from the start (make check and make test run
 # ``--dist loadfile --no-loadscope-reorder``; xdist's own reordering, by number of tests, sent these
 # files of one to four long tests last, where one of them made the whole tier wait). Measured with
 # ``--durations=0``, longest first; every other file follows in collection order.
 LONGEST_FIRST = (
-    "integration/test_kube_agents.py", "faults/test_live_kill_points.py", "faults/test_kill_points.py",
-    "integration/test_rolling.py", "integration/test_launcher.py", "faults/test_daemon_faults.py",
-    "integration/test_run_recovery.py", "integration/test_demo.py", "faults/test_storage.py",
-    "faults/test_stuck_reads.py", "integration/test_bench_client.py", "integration/test_live_apply.py",
+    "processes/test_kube_agents.py", "faults/test_live_kill_points.py", "faults/test_kill_points.py",
+    "processes/test_rolling.py", "processes/test_launcher.py", "faults/test_daemon_faults.py",
+    "processes/test_run_recovery.py", "integration/test_demo.py", "faults/test_storage.py",
+    "faults/test_stuck_reads.py", "processes/test_bench_client.py", "processes/test_live_apply.py",
     # the fast tier's longest
-    "fuzz/test_fuzz_exposition.py", "faults/test_untrusted.py", "integration/test_cli_inspect.py",
+    "fuzz/test_fuzz_exposition.py", "properties/test_untrusted.py", "integration/test_cli_inspect.py",
     "unit/test_snapshots.py", "integration/test_kube_api.py",
 )
 
@@ -72,12 +55,12 @@ LONGEST_FIRST = (
 # before these.
 E2E_ORDER = (
     "e2e/test_launcher_live.py", "e2e/test_live_knobs_live.py", "e2e/test_podman_pod.py",
-    "integration/test_podman_pod.py", "e2e/test_systemd_live.py", "e2e/test_image.py", "e2e/test_evaluation.py",
+    "processes/test_podman_pod.py", "e2e/test_systemd_live.py", "e2e/test_image.py", "e2e/test_evaluation.py",
 )
 # Files that run on the e2e tests' worker, one after the other with them, and why: they share something with
 # an e2e module that two workers at once would break.
 WITH_THE_E2E_TESTS = {
-    "integration/test_podman_pod.py": "it plays the example pool's pod under the name e2e/test_podman_pod.py's pod "
+    "processes/test_podman_pod.py": "it plays the example pool's pod under the name e2e/test_podman_pod.py's pod "
                                       "has, and podman 4.3 shares an emptyDir's named volume between pods: one "
                                       "module's teardown removed the other's pod",
 }
@@ -96,10 +79,7 @@ def _path(nodeid: str) -> str:
 
 
 def is_slow(nodeid: str) -> bool:
-    path = _path(nodeid)
-    if path.startswith("faults/"):
-        return path.removeprefix("faults/") not in FAST_FAULTS
-    return path in SLOW_FILES
+    return _path(nodeid).startswith(SLOW_FOLDERS)
 
 
 def is_e2e(nodeid: str) -> bool:

@@ -97,7 +97,7 @@ class ScrapeSettings(_Model):
                                        gpu_stale_after_seconds=self.gpu_stale_after())
 
 
-class DcgmSource(_Model):
+class DcgmSettings(_Model):
     kind: Literal["dcgm"]
     url: str
     """dcgm-exporter's metrics URL, e.g. http://127.0.0.1:9400/metrics."""
@@ -112,17 +112,17 @@ class DcgmSource(_Model):
     """The GPUs' max SM clock, for sm_clock_ratio (dcgm-exporter does not export it). None: unknown."""
 
 
-class NvmlSource(_Model):
+class NvmlSettings(_Model):
     kind: Literal["nvml"]
     devices: list[int] | None = None
     """NVML device indices this engine uses. None: all devices on this host."""
 
 
-class NoGpuSource(_Model):
+class NoGpuSettings(_Model):
     kind: Literal["none"]
 
 
-GpuSource = Annotated[DcgmSource | NvmlSource | NoGpuSource, Field(discriminator="kind")]
+GpuSettings = Annotated[DcgmSettings | NvmlSettings | NoGpuSettings, Field(discriminator="kind")]
 
 
 class Target(_Model):
@@ -134,7 +134,7 @@ class Target(_Model):
     """The engine's Prometheus endpoint, e.g. http://127.0.0.1:8000/metrics."""
     base_url: str | None = Field(None, pattern=r"^https?://")
     """Where /health, /v1/models and /version live. None: metrics_url without /metrics."""
-    gpu: GpuSource = NoGpuSource(kind="none")
+    gpu: GpuSettings = NoGpuSettings(kind="none")
     """Where this engine's GPU telemetry comes from."""
     args: list[str] | None = None
     """The engine's arguments as it runs now (argv after the executable, e.g. ["--model", "m",
@@ -440,7 +440,7 @@ class TunerSettings(_Model):
         tokens in URLs, the bearer token read from scrape.bearer_token_file)."""
         base = secrets.DEFAULT.extended(flags=self.daemon.secret_flags, env=self.daemon.secret_env)
         urls = [u for t in self.targets for u in (t.metrics_url, t.base_url) if u]
-        urls += [t.gpu.url for t in self.targets if isinstance(t.gpu, DcgmSource)]
+        urls += [t.gpu.url for t in self.targets if isinstance(t.gpu, DcgmSettings)]
         if isinstance(self.drain, actuator_settings.HttpDrainSettings):
             urls += [self.drain.drain_url, self.drain.undrain_url]
         env = self.actuator.env if isinstance(self.actuator, actuator_settings.ProcessActuatorSettings) else {}

@@ -7,7 +7,7 @@
     │   └── StorageError       the tuner's own state or journal cannot be written at start
     ├── StartError             (cli) ``run`` cannot start for a reason outside the configuration; exit 2
     ├── UnreachableError       (cli.operating) the running tuner's /status or its journal cannot be read; exit 1
-    ├── ControlFileError       (daemon.control) the runtime switches (control.json) cannot be written; exit 2
+    ├── ControlFileError       (runtime.control) the runtime switches (control.json) cannot be written; exit 2
     ├── SourceError            a scrape or read failed; no decision from that window (transient); the
     │                          CLI exits 1 when no target or file it was given could be read
     ├── ActuatorError          an actuator could not act

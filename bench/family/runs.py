@@ -25,11 +25,11 @@ import httpx
 from bench.family.pool import Pool, Transport, bad_argv
 from bench.family.traces import Trace
 from tuner import config
-from tuner.daemon import collecting, cycle, running
-from tuner.daemon.state import TunerState
 from tuner.model import live as live_mod
 from tuner.rollout import journal as journaling
 from tuner.rules import loading
+from tuner.runtime import collecting, cycle, dispatching
+from tuner.runtime.state import TunerState
 from tuner.sim.config import GpuModel
 from tuner.sources import engines, scraping
 
@@ -132,7 +132,7 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
         client = engines.EngineClient(scraping.HttpSettings(), transport=httpx.MockTransport(transport), clock=clock)
         state = TunerState.fresh(settings.targets, path=work / "state.json")
         journal = journaling.Journal(work / "journal.jsonl", fsync=False, lock=False)
-        applying = running.dispatcher(
+        applying = dispatching.build(
             settings, state, client, actuator=pool.actuator(), drainer=pool.drainer(), journal=journal,
             kind="vllm", stop_event=threading.Event(), server_load=True, drains=not live,
             plugin=lambda name: None, clock=clock)
@@ -146,7 +146,7 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
         while pool.now < end and (pool.now < trace.duration or pool.busy()):
             if pool.now >= next_cycle - 1e-9:
                 result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=RULES,
-                                         rollout=applying, gatherer=gatherer, now=pool.now,  # type: ignore[arg-type]
+                                         dispatcher=applying, gatherer=gatherer, now=pool.now,  # type: ignore[arg-type]
                                          monotonic=clock)
                 if summaries is not None:
                     summaries.append((pool.now, result.summary))

@@ -19,8 +19,8 @@ Asserted: 0 failed requests in the client's own output; the decision and every t
 replicas in the journal, nothing lost across the kill; never two replicas out of service at once; 8 in
 the units' EnvironmentFiles, in what systemd exec'd (/proc), in the tuner's state and /status. The same
 rollout with the process actuator (the engines the tuner's children), the kill at every record boundary
-and the refused-flags rollback are the fast tier's, on simulated engines (tests/integration/test_rolling.py,
-tests/integration/test_run_recovery.py, tests/faults/test_kill_points.py); up to 0.3.0 they also ran here
+and the refused-flags rollback are the fast tier's, on simulated engines (tests/processes/test_rolling.py,
+tests/processes/test_run_recovery.py, tests/faults/test_kill_points.py); up to 0.3.0 they also ran here
 on real engines, as tests/e2e/test_rollout_live.py (6-9 minutes of ``make test``).
 
 The shipped unit runs unchanged but for a test drop-in (``dropin()``):

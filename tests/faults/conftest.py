@@ -1,2 +1,2 @@
-"""The fault-injection tier. Which of its files are ``slow`` (real processes for tens of seconds) and which
-run in ``make check`` (in-process property tests): ``FAST_FAULTS`` in tests/conftest.py."""
+"""The fault-injection tier: real processes under generated faults, every test ``slow`` (tests/conftest.py).
+The in-process property tests of the same catalogue are in ``tests/properties/``."""

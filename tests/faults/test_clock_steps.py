@@ -8,7 +8,7 @@ and was corrected did the same, and a state file written then held cooldowns an 
 Generated: a run of cycles against an engine whose queue changes at a generated cycle, with the wall
 clock stepped (±1 s to ±2 h, one or several times, before or after the change) while the monotonic
 clock runs on — the daemon's wiring: the engine client stamps snapshots with the loop's clock
-(``daemon.clocks.LoopClock``) and ``run_cycle`` reads the same clock. The promise, at every cycle: no
+(``runtime.clocks.LoopClock``) and ``run_cycle`` reads the same clock. The promise, at every cycle: no
 snapshot in a window is later than the cycle's time, the window is in order and no longer than its
 span, the queue reported is the engine's own of that moment, and each step is logged once. And a state
 file written while the clock ran ahead loads with nothing later than now.
@@ -24,13 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tuner import config
-from tuner.daemon import clocks, cycle
-from tuner.daemon.state import TunerState
 from tuner.model import snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
 from tuner.model.live import NONE, LiveState
 from tuner.planning import history as history_mod
+from tuner.runtime import clocks, cycle
+from tuner.runtime.state import TunerState
 
 INTERVAL = 10.0
 WINDOW = 60.0

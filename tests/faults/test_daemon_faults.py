@@ -202,7 +202,7 @@ def test_a_slow_loris_and_broken_engines_beside_a_healthy_one_do_not_stall_the_d
         }
         config = tmp_path / "tuner.yaml"
         config.write_text(yaml.safe_dump(cfg))
-        # every cycle's record (a cycle that repeats the last one's line is logged at DEBUG: tuner/daemon/cycle.py)
+        # every cycle's record (a cycle that repeats the last one's line is logged at DEBUG: tuner/runtime/cycle.py)
         tuner = support.Tuner(config, tmp_path / "tuner.log", journal=tmp_path / "unused.jsonl",
                               env={"VLLM_TUNER_LOG_LEVEL": "DEBUG"})
         try:

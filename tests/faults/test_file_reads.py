@@ -31,10 +31,11 @@ from hypothesis import strategies as st
 from tuner import config
 from tuner.actuators import base, draining, process
 from tuner.cli import inputs
-from tuner.daemon import collecting, preflight
+from tuner.daemon import preflight
 from tuner.errors import TunerError
 from tuner.launcher import untrusted
 from tuner.rollout import journal
+from tuner.runtime import collecting
 
 ROOT = Path(__file__).resolve().parents[2]
 

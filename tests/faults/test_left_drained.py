@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake
-from tuner.daemon import drained, rolling, running, selfmetrics
 from tuner.planning import verification
 from tuner.rollout import journal, machine
+from tuner.runtime import dispatching, drained, driving, selfmetrics
 from tuner.sources.engines import EngineClient
 
 OLD = ("--max-model-len", "4096", "--max-num-seqs", "8")
@@ -81,7 +81,7 @@ class Confirmer:
         if leg == "differs":
             return "the engine serves max_model_len 2048, expected 4096"
         if leg == "unreadable":
-            return rolling.Unreadable("the served max_model_len is unreadable: max_model_len is not a finite number")
+            return driving.Unreadable("the served max_model_len is unreadable: max_model_len is not a finite number")
         return None
 
 
@@ -109,7 +109,7 @@ def test_a_failed_confirmation_leaves_drained_only_what_cannot_serve(
     path = Path(tmp_path_factory.mktemp("j")) / "journal.jsonl"
     j = journal.Journal(path)
     clock = iter(range(10_000))
-    driver = rolling.RolloutDriver(actuator=actuator, drainer=drainer, prober=prober, journal=j,
+    driver = driving.RolloutDriver(actuator=actuator, drainer=drainer, prober=prober, journal=j,
                                    verifier=Verifier({victim_name} if forward == "worse" else set()),
                                    confirm=confirm, poll_seconds=0.001, idle_settle_seconds=0,
                                    hold_timeout_seconds=5.0, clock=lambda: float(next(clock)))
@@ -155,7 +155,7 @@ def test_a_later_rollout_that_drains_the_replica_again_clears_it(tmp_path: Path)
     prober = Prober(actuator)
     j = journal.Journal(tmp_path / "journal.jsonl")
     confirm = Confirmer("a", "differs", "differs", True, prober)
-    driver = rolling.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=prober, journal=j,
+    driver = driving.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=prober, journal=j,
                                    confirm=confirm, poll_seconds=0.001, idle_settle_seconds=0)
     driver.run(driver.begin("r1", {"a": NEW}, limits=LIMITS))
     assert set(journal.left_drained(j.records)) == {"a"}
@@ -218,8 +218,8 @@ def test_an_engine_whose_self_report_never_reads_is_put_back_after_a_failed_roll
     client = EngineClient()
     j = journal.Journal(tmp_path / "journal.jsonl")
     # health from the actuator (this engine serves no completions to warm with); the self-report over HTTP
-    driver = rolling.RolloutDriver(actuator=actuator, drainer=drainer, prober=FakeProber(actuator), journal=j,
-                                   confirm=running.confirm_for(client, actuator, kind="vllm"),
+    driver = driving.RolloutDriver(actuator=actuator, drainer=drainer, prober=FakeProber(actuator), journal=j,
+                                   confirm=dispatching.confirm_for(client, actuator, kind="vllm"),
                                    poll_seconds=0.01, idle_settle_seconds=0)
     rollout = driver.run(driver.begin("r", {"a": NEW}, limits=LIMITS))
     j.close()
@@ -228,7 +228,7 @@ def test_an_engine_whose_self_report_never_reads_is_put_back_after_a_failed_roll
     assert "max_model_len is unreadable" in p.reason
     assert drainer.drained == set() and actuator.status("a").argv == OLD
     assert journal.left_drained(j.records) == {}
-    state = running.rollout_state(rollout)
+    state = dispatching.rollout_state(rollout)
     assert state["outcome"] == "failed" and state["replicas"] == {"a": "failed_serving"}
     assert "unreadable" in state["reasons"]["a"]
 
@@ -242,8 +242,8 @@ def test_a_readable_self_report_that_differs_on_the_way_back_stays_drained(
     drainer = fake.FakeDrainer()
     client = EngineClient()
     j = journal.Journal(tmp_path / "journal.jsonl")
-    driver = rolling.RolloutDriver(actuator=actuator, drainer=drainer, prober=FakeProber(actuator), journal=j,
-                                   confirm=running.confirm_for(client, actuator, kind="vllm"),
+    driver = driving.RolloutDriver(actuator=actuator, drainer=drainer, prober=FakeProber(actuator), journal=j,
+                                   confirm=dispatching.confirm_for(client, actuator, kind="vllm"),
                                    poll_seconds=0.01, idle_settle_seconds=0)
     rollout = driver.run(driver.begin("r", {"a": ("--max-model-len", "1024", "--max-num-seqs", "8")},
                                       limits=LIMITS))
@@ -275,7 +275,7 @@ def test_a_replica_left_drained_by_an_earlier_rollout_is_not_counted_as_serving(
     j = journal.Journal(tmp_path / "journal.jsonl")
     confirm = Confirmer("b", "differs", "differs", True, prober)
     limits = machine.Limits(verify_seconds=0, warmup_requests=1)  # no allow_downtime
-    driver = rolling.RolloutDriver(actuator=actuator, drainer=drainer, prober=prober, journal=j, confirm=confirm,
+    driver = driving.RolloutDriver(actuator=actuator, drainer=drainer, prober=prober, journal=j, confirm=confirm,
                                    poll_seconds=0.001, idle_settle_seconds=0, hold_timeout_seconds=0.2)
     driver.run(driver.begin("r1", {"b": NEW}, limits=limits))
     assert drainer.drained == {"b"}

@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 from harness.ports import free_port
 from tuner import config
 from tuner.actuators import base, process
-from tuner.daemon import collecting, running
-from tuner.daemon import cycle as cycle_mod
-from tuner.daemon.state import TunerState
+from tuner.runtime import collecting, dispatching
+from tuner.runtime import cycle as cycle_mod
+from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,7 +144,7 @@ def _zombies_of(parent: int) -> list[int]:
 
 class TendWorld:
     """A daemon's apply-mode pieces around one stub engine: the real collector and cycle, the process
-    actuator, and ``running.tend`` after each cycle (what ``vllm-tuner run``'s step does)."""
+    actuator, and ``dispatching.tend`` after each cycle (what ``vllm-tuner run``'s step does)."""
 
     def __init__(self, tmp: Path, *, max_restarts_per_hour: int) -> None:
         self.port = free_port()
@@ -160,7 +160,7 @@ class TendWorld:
         self.state = TunerState.fresh(self.settings.targets)
         self.client = engines.EngineClient(deadline_seconds=2)
         self.collectors = [collecting.collector_for(t, self.settings, client=self.client) for t in self.settings.targets]
-        self.applying = types.SimpleNamespace(in_flight=None, driver=types.SimpleNamespace(actuator=self.actuator),
+        self.dispatcher = types.SimpleNamespace(in_flight=None, driver=types.SimpleNamespace(actuator=self.actuator),
                                               replicas={"a": None}, held_down={}, settings=self.settings)
         self.actuator.start("a", argv)
         self.wait_serving()
@@ -173,7 +173,7 @@ class TendWorld:
 
     def cycle(self) -> list[str]:
         result = cycle_mod.run_cycle(self.state, settings=self.settings, collectors=self.collectors)
-        return running.tend(self.applying, self.state, result, now=time.time())  # type: ignore[arg-type]
+        return dispatching.tend(self.dispatcher, self.state, result, now=time.time())  # type: ignore[arg-type]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -37,8 +37,8 @@ from tests.support import fake_schedulers as fakes
 from tests.support.fake_prober import FakeProber
 from tests.support.plugin import live, protocol
 from tuner.actuators import base, fake
-from tuner.daemon import rolling
 from tuner.rollout import journal, machine
+from tuner.runtime import driving
 from tuner.sources import engines, live_knobs
 
 V032 = "0.32.0"
@@ -231,10 +231,10 @@ def test_a_live_rollout_over_an_earlier_launchs_directory_is_acknowledged(tmp_pa
     actuator = fake.FakeActuator([base.Replica("a", "http://127.0.0.1:9")], running={"a": argv})
     client = engines.EngineClient(deadline_seconds=2)
     j = journal.Journal(tmp_path / "journal.jsonl")
-    driver = rolling.RolloutDriver(
+    driver = driving.RolloutDriver(
         actuator=actuator, drainer=fake.FakeDrainer(), prober=FakeProber(actuator), journal=j,
         poll_seconds=0.02, idle_settle_seconds=0,
-        live_control=rolling.EngineLive(client, kind="vllm", plugin=lambda name: live_knobs.Files(control_dir)))
+        live_control=driving.EngineLive(client, kind="vllm", plugin=lambda name: live_knobs.Files(control_dir)))
     rollout = driver.begin("live-1", {"a": ("--max-num-seqs", "64")}, live={"a": ({"max_num_seqs": None},
                                                                                   {"max_num_seqs": 16})},
                            limits=machine.Limits(ack_timeout_seconds=10, verify_seconds=0, allow_downtime=True))

@@ -26,8 +26,8 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tuner.daemon import httpserver, selfmetrics
-from tuner.daemon.state import TunerState
+from tuner.runtime import httpserver, selfmetrics
+from tuner.runtime.state import TunerState
 
 SCRAPE_SECONDS = 1.0
 DEADLINE_SECONDS = 1.5  # the server's whole-request deadline in this test (5 s in the daemon)
@@ -157,8 +157,8 @@ SERVER_AT_128 = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 from prometheus_client import CollectorRegistry
-from tuner.daemon import httpserver, selfmetrics
-from tuner.daemon.state import TunerState
+from tuner.runtime import httpserver, selfmetrics
+from tuner.runtime.state import TunerState
 from tuner.sources import engines
 state = TunerState(targets={}, args={}, config_args={})
 server = httpserver.TunerHttpServer(metrics=selfmetrics.TunerMetrics(CollectorRegistry()), state=state,

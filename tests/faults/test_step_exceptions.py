@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake
-from tuner.daemon import rolling
 from tuner.planning import verification
 from tuner.rollout import journal, machine
+from tuner.runtime import driving
 
 OLD = ("--max-num-seqs", "8")
 NEW = ("--max-num-seqs", "32")
@@ -88,7 +88,7 @@ def test_any_exception_of_any_step_is_that_steps_failure(tmp_path_factory: Any, 
                                  running=dict.fromkeys(names, OLD))
     drainer = fake.FakeDrainer()
     j = journal.Journal(Path(tmp_path_factory.mktemp("j")) / "j.jsonl")
-    driver = rolling.RolloutDriver(
+    driver = driving.RolloutDriver(
         actuator=_wrap(actuator, "actuator", faults, ("stop", "start", "status")),
         prober=_wrap(FakeProber(actuator), "prober", faults, ("is_healthy", "warm", "load")),
         drainer=_wrap(drainer, "drainer", faults, ("drain", "undrain")),

@@ -36,10 +36,10 @@ from harness.ports import free_port
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess
 from tuner import config
-from tuner.daemon import collecting
 from tuner.model import live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.runtime import collecting
 
 NAMES = ("a", "b", "c", "d")
 
@@ -105,7 +105,7 @@ def test_a_reader_stuck_in_a_syscall_does_not_keep_the_process_alive_after_sigte
         import signal, sys, threading
         from pathlib import Path
         from tuner import config
-        from tuner.daemon import collecting
+        from tuner.runtime import collecting
         from tuner.model.engines import EngineInfo
         from tuner.model.gpus import GpuInputs
         from tuner.model import live

@@ -12,8 +12,8 @@ import yaml
 
 from harness import required
 from tests.integration.test_deploy import metric_names
-from tuner.daemon import selfmetrics
 from tuner.kube import reporting
+from tuner.runtime import selfmetrics
 
 REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yaml"

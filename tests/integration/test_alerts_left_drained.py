@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from harness import required
-from tuner.daemon import selfmetrics
+from tuner.runtime import selfmetrics
 
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yaml"
 

@@ -462,7 +462,7 @@ def exported_names() -> set[str]:
         for line in prom.read_text().splitlines():
             if line and not line.startswith("#"):
                 names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
-    from tuner.daemon import selfmetrics
+    from tuner.runtime import selfmetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),  # no _created (selfmetrics)
                 "gauge": ("",), "info": ("_info",), "summary": ("_sum", "_count")}

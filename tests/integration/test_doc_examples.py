@@ -110,7 +110,7 @@ SKIPPED = {
         "a GPU machine",
     ("docs/evaluation.md", "# call 1"): "a GPU machine",
     ("docs/kubernetes.md", "python -m tuner.launcher --build-zipapp"): "its second line starts vLLM "
-                                                                       "(tests/integration/test_launcher.py)",
+                                                                       "(tests/processes/test_launcher.py)",
     ("docs/kubernetes.md", "make image chart"): "podman, helm and a Kubernetes cluster",
     ("docs/kubernetes.md", "helm install vllm dist/"): "helm and a Kubernetes cluster",
     ("docs/kubernetes.md", "helm plugin install"): "helm and a Kubernetes cluster",

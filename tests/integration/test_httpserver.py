@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.unit.test_cycle import Harness
-from tuner.daemon import httpserver
+from tuner.runtime import httpserver
 
 
 class Clock:
@@ -125,7 +125,7 @@ def test_no_endpoint_shows_a_secret_of_the_engines_arguments(http: httpx.Client)
     /recommendations show it masked, never its value — with the state as the daemon builds it and as
     anything else builds it (the known secret flags are masked without being told the value)."""
     from tuner import config
-    from tuner.daemon.state import TunerState
+    from tuner.runtime.state import TunerState
 
     key = "sk-http-4c1d9e2b"
     for build in ("daemon", "plain"):

@@ -1,6 +1,6 @@
 """The operator's pause and pins on Kubernetes (issue 26): annotations on the pool's ConfigMap
 (``tuner/kube/switches.py``), taken by the leader's cycle through the daemon's own function
-(``daemon.control.take``) before the one decision path, shown on the leader's ``/status`` and metrics,
+(``runtime.control.take``) before the one decision path, shown on the leader's ``/status`` and metrics,
 kept across a leader change and across the leader's own writes.
 
 Against the fake API server (tests/support/fake_kube.py, in this process, the chart's Role enforced on the
@@ -25,20 +25,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.faults import test_kube_store as kube_store
+from tests.properties import test_kube_store as kube_store
 from tests.support import fake_kube as fk
 from tuner import config
 from tuner.cli import operating
-from tuner.daemon import cycle, selfmetrics
-from tuner.daemon.httpserver import TunerHttpServer
 from tuner.kube import api as kapi
 from tuner.kube import electing, leading, store, switches
 from tuner.planning.planner import DecisionSettings
+from tuner.runtime import cycle, selfmetrics
+from tuner.runtime.httpserver import TunerHttpServer
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 
 NS, CM = kube_store.NS, kube_store.CM
-# the pool of tests/faults/test_kube_store.py: one pod that runs and reports, a leader in a thread
+# the pool of tests/properties/test_kube_store.py: one pod that runs and reports, a leader in a thread
 cycle_ready_pool, engine_client, lead_in_thread = kube_store.cycle_ready_pool, kube_store.engine_client, kube_store.lead_in_thread
 settings_of, until = kube_store.settings_of, kube_store.until
 

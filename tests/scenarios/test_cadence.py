@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-
 from tuner import config
 from tuner.model import knobs, snapshots
 from tuner.model.engines import EngineInfo

@@ -2,7 +2,7 @@
 moves: the driver never waits for the verification window (``advance`` returns while replicas verify),
 a refusal or a missing acknowledgement on one replica puts the whole pool back, and a tuner restarted
 mid-verification asks again and judges anew (Rule 3). The same driver over real processes is
-tests/integration/test_live_apply.py and tests/faults/test_live_kill_points.py."""
+tests/processes/test_live_apply.py and tests/faults/test_live_kill_points.py."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from tuner.actuators import base, fake
-from tuner.daemon import rolling
 from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Outcome, State
+from tuner.runtime import driving
 
 ARGV = ("--model", "m", "--max-num-seqs", "16")
 CANDIDATE = ("--model", "m", "--max-num-seqs", "16")  # a live change leaves the command line as it is
@@ -75,7 +75,7 @@ class Healthy:
 
 @dataclass
 class Judge:
-    """``rolling.Verifier``: counts the scrapes of each window, says ``bad`` replicas got worse."""
+    """``driving.Verifier``: counts the scrapes of each window, says ``bad`` replicas got worse."""
 
     bad: set[str] = field(default_factory=set)
     observed: dict[str, int] = field(default_factory=dict)
@@ -88,15 +88,15 @@ class Judge:
 
 
 def driver(path: Path, clock: Clock, live: FakeLive, judge: Judge,
-           actuator: fake.FakeActuator | None = None) -> rolling.RolloutDriver:
+           actuator: fake.FakeActuator | None = None) -> driving.RolloutDriver:
     actuator = actuator or fake.FakeActuator([base.Replica(n, f"http://{n}") for n in NAMES],
                                              running=dict.fromkeys(NAMES, ARGV))
-    return rolling.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=Healthy(),
+    return driving.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=Healthy(),
                                  journal=journaling.Journal(path, fsync=False, lock=False), verifier=judge,
                                  clock=clock, live_control=live, stop_event=threading.Event(), poll_seconds=0)
 
 
-def begin(d: rolling.RolloutDriver) -> machine.Rollout:
+def begin(d: driving.RolloutDriver) -> machine.Rollout:
     return d.begin("l1", dict.fromkeys(NAMES, CANDIDATE), limits=LIMITS,
                    live=dict.fromkeys(NAMES, ({"max_num_seqs": 8}, {"max_num_seqs": 32})))
 

@@ -1,5 +1,5 @@
 """The daemon and `replay` make the same decisions, fed the same recorded real-vLLM snapshots: the cycle
-(``tuner.daemon.cycle.run_cycle``, collecting from a recording, booking each change as a finished
+(``tuner.runtime.cycle.run_cycle``, collecting from a recording, booking each change as a finished
 rollout) and ``vllm-tuner replay`` both go through ``planning.stepping.step`` and ``planning.pooling``."""
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ import pytest
 from tests.scenarios.support import meta, replay, scenario_dir
 from tuner import config
 from tuner.cli import deciding, inputs
-from tuner.daemon import cycle
-from tuner.daemon.results import RolloutOutcome
-from tuner.daemon.state import TunerState
 from tuner.model import snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -25,6 +22,9 @@ from tuner.model.live import NONE, LiveState
 from tuner.planning import pooling
 from tuner.planning.guards import Action
 from tuner.rules import loading
+from tuner.runtime import cycle
+from tuner.runtime.results import RolloutOutcome
+from tuner.runtime.state import TunerState
 
 
 class Recording:
@@ -85,7 +85,7 @@ def daemon(name: str, *, mode: str, overrides: Mapping[str, Any] | None = None) 
     out = []
     for snap in list(snaps):
         result = cycle.run_cycle(state, settings=settings, collectors=[collector], rules=rules,
-                                 rollout=Booking(state) if mode == "apply" else None, now=snap.scraped_at)
+                                 dispatcher=Booking(state) if mode == "apply" else None, now=snap.scraped_at)
         plan = result.targets[name].plan
         assert plan is not None
         out.append(plan.summary())

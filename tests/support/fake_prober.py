@@ -1,6 +1,6 @@
 """A prober over the in-memory fake actuator: a replica is healthy while the fake says it runs, it holds no
 requests, and warming it always works. The rollout driver's tests drive the branches real engines rarely take
-with it (tests/integration/test_rolling.py, tests/faults/test_step_exceptions.py)."""
+with it (tests/processes/test_rolling.py, tests/faults/test_step_exceptions.py)."""
 
 from __future__ import annotations
 

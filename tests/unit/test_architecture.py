@@ -41,6 +41,16 @@ def test_every_module_of_tuner_sits_in_a_layer_or_stands_alone() -> None:
     assert any(c["type"] == "acyclic_siblings" and c["ancestors"] == ["tuner"] for c in contracts())
 
 
+def test_the_two_roots_share_the_runtime_not_each_other() -> None:
+    """``vllm-tuner run`` (daemon/) and ``vllm-tuner agent`` (kube/) run the same runtime/ and never import
+    each other: a contract that says so, and the layers put both above the runtime."""
+    assert any(c["type"] == "independence" and sorted(c["modules"]) == ["tuner.daemon", "tuner.kube"]
+               for c in contracts())
+    (layers,) = [c for c in contracts() if c["type"] == "layers"]
+    names = [[m.strip() for m in layer.split("|")] for layer in layers["layers"]]
+    assert sorted(names[names.index(["tuner.runtime"]) - 1]) == ["tuner.daemon", "tuner.kube"]
+
+
 def _grep(pattern: str) -> list[str]:
     rx = re.compile(pattern)
     hits = []
@@ -57,7 +67,7 @@ def test_one_decision_path() -> None:
     verification computes the signals of its own window after a change)."""
     assert [h.split(":")[0] for h in _grep(r"\bplanner\.plan\(")] == ["tuner/planning/stepping.py"]
     assert sorted({h.split(":")[0] for h in _grep(r"\bengine_signals\.compute\(")}) == [
-        "tuner/daemon/verifying.py", "tuner/planning/stepping.py"]
+        "tuner/planning/stepping.py", "tuner/runtime/verifying.py"]
     assert {h.split(":")[0] for h in _grep(r"\bgpu_signals\.compute\(")} == {"tuner/planning/stepping.py"}
     assert not _grep(r"def timeline\(")
 

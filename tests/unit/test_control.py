@@ -1,5 +1,5 @@
 """The operator's switches: pause and pins, as guards the planner asks first, and as the runtime file
-(``daemon.control``) the CLI writes and the daemon reads every cycle."""
+(``runtime.control``) the CLI writes and the daemon reads every cycle."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from tests.unit.test_planner import QUEUE_BOUND, SETTINGS, run, sig
-from tuner.daemon import control
 from tuner.model import knobs
 from tuner.model.knobs import EngineArgs
 from tuner.planning import guards, planner, pooling
+from tuner.runtime import control
 from tuner.signals import Signal
 
 TARGETS = {"targets": [{"name": "a", "metrics_url": "http://127.0.0.1:8000/metrics"}]}

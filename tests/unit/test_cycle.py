@@ -14,10 +14,6 @@ from typing import Any
 import pytest
 
 from tuner import config
-from tuner.daemon import cycle, logs, selfmetrics, views
-from tuner.daemon.results import RolloutOutcome
-from tuner.daemon.scheduling import MaintenanceWindows
-from tuner.daemon.state import TunerState
 from tuner.model import snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -25,6 +21,10 @@ from tuner.model.live import NONE, LiveState
 from tuner.planning import pooling
 from tuner.planning.guards import Action
 from tuner.rules import loading
+from tuner.runtime import cycle, logs, selfmetrics, views
+from tuner.runtime.results import RolloutOutcome
+from tuner.runtime.scheduling import MaintenanceWindows
+from tuner.runtime.state import TunerState
 
 BODY = """\
 # TYPE vllm:num_requests_running gauge
@@ -163,7 +163,7 @@ def test_recommend_mode_plans_with_the_real_planner_and_says_what_it_said() -> N
     first = h.run()  # one snapshot: no window yet
     assert first.summary == "cycle 1: no action (no decision: too few snapshots: 1 spanning 0s (need ≥ 2 over > 0s))"
     rollout = FakeRollout()
-    result = h.run(rollout=rollout)
+    result = h.run(dispatcher=rollout)
     assert rollout.calls == []  # recommend never hands anything over
     assert result.summary == ("cycle 2: --max-num-seqs 8→16 (queue-pressure); restart needed; "
                               "warm-up ×10 after the restart (the restart for --max-num-seqs)")
@@ -182,8 +182,8 @@ def test_recommend_mode_plans_with_the_real_planner_and_says_what_it_said() -> N
 def test_apply_without_windows_hands_the_pool_change_to_the_rollout_and_books_it() -> None:
     h = Harness("apply", names=("engine-0", "engine-1"))
     rollout = FakeRollout(h.state)
-    h.run(rollout=rollout)
-    result = h.run(rollout=rollout)
+    h.run(dispatcher=rollout)
+    result = h.run(dispatcher=rollout)
     ((actions, change),) = rollout.calls
     assert actions == () and change is not None and change.leader == "engine-0"
     assert {n: a.argv() for n, a in change.new_args.items()} == {
@@ -199,7 +199,7 @@ def test_apply_without_windows_hands_the_pool_change_to_the_rollout_and_books_it
     assert v("tuner_decisions_total", {"rule": "queue-pressure", "outcome": "applied",
                                        "reason": "fired"}) == 2
     # booked: the next cycle is held by the cooldown, on the new arguments
-    after = h.run(rollout=rollout)
+    after = h.run(dispatcher=rollout)
     assert len(rollout.calls) == 1
     assert "cooldown" in after.summary
 
@@ -208,26 +208,26 @@ def test_changes_outside_the_maintenance_window_are_deferred_not_dropped() -> No
     h = Harness("apply")
     windows = MaintenanceWindows([WINDOW])
     rollout = FakeRollout(h.state)
-    h.run(rollout=rollout, maintenance=windows, advance=30)
-    first = h.run(rollout=rollout, maintenance=windows, advance=1800)  # 01:00:30
+    h.run(dispatcher=rollout, maintenance=windows, advance=30)
+    first = h.run(dispatcher=rollout, maintenance=windows, advance=1800)  # 01:00:30
     assert rollout.calls == []
     assert first.summary == ("cycle 2: --max-num-seqs 8→16 deferred (outside the maintenance window; "
                              "next opens 2026-06-06 02:00Z)")
     assert first.pending is not None and first.pending.plan.target == "engine-0"
 
     h.collectors[0].waiting = 0  # the queue drains: the rule stops firing, the pending change must survive
-    second = h.run(rollout=rollout, maintenance=windows, advance=1770)  # 01:30:30
+    second = h.run(dispatcher=rollout, maintenance=windows, advance=1770)  # 01:30:30
     assert rollout.calls == []
     assert second.summary.endswith("still pending: --max-num-seqs 8→16 (outside the maintenance window; "
                                    "next opens 2026-06-06 02:00Z)")
     assert views.status(second)["pending"]["plan"]["recommendations"][0]["to"] == "16"
 
-    third = h.run(rollout=rollout, maintenance=windows)  # 02:00:00: the window opens
+    third = h.run(dispatcher=rollout, maintenance=windows)  # 02:00:00: the window opens
     ((_, change),) = rollout.calls
     assert change is not None and change.new_args["engine-0"].argv() == ["--max-num-seqs", "16"]
     assert "deferred --max-num-seqs 8→16 handed to the rollout (maintenance window open)" in third.summary
     assert third.pending is None
-    assert h.run(rollout=rollout, maintenance=windows).pending is None
+    assert h.run(dispatcher=rollout, maintenance=windows).pending is None
     assert len(rollout.calls) == 1  # handed over exactly once
     v = h.metrics.registry.get_sample_value
     assert v("tuner_decisions_total", {"rule": "queue-pressure", "outcome": "deferred",
@@ -238,12 +238,12 @@ def test_a_newer_change_supersedes_the_pending_one() -> None:
     h = Harness("apply")
     windows = MaintenanceWindows([WINDOW])
     rollout = FakeRollout()
-    h.run(rollout=rollout, maintenance=windows)
-    h.run(rollout=rollout, maintenance=windows)  # deferred: 8 → 16
+    h.run(dispatcher=rollout, maintenance=windows)
+    h.run(dispatcher=rollout, maintenance=windows)  # deferred: 8 → 16
     h.state.args["engine-0"] = h.state.args["engine-0"].with_value("--max-num-seqs", "12")  # as if a human did
-    h.run(rollout=rollout, maintenance=windows, advance=3600)  # deferred again: 12 → 24 replaces 8 → 16
+    h.run(dispatcher=rollout, maintenance=windows, advance=3600)  # deferred again: 12 → 24 replaces 8 → 16
     assert h.state.pending is not None and h.state.pending.plan.changes[0].to_value == 24
-    h.run(rollout=rollout, maintenance=windows)  # 02:xx: a fresh change goes out, the pending one with it
+    h.run(dispatcher=rollout, maintenance=windows)  # 02:xx: a fresh change goes out, the pending one with it
     ((_, change),) = rollout.calls
     assert change is not None and change.changes[0].to_value == 24 and h.state.pending is None
 
@@ -254,13 +254,13 @@ def test_actions_without_a_restart_are_not_held_by_windows_nor_drop_a_pending_ch
         "idle": h.settings.decisions.idle.model_copy(update={"keep_warm_after_seconds": 60})})})
     windows = MaintenanceWindows([WINDOW])
     rollout = FakeRollout()
-    h.run(rollout=rollout, maintenance=windows)
-    h.run(rollout=rollout, maintenance=windows)  # deferred
+    h.run(dispatcher=rollout, maintenance=windows)
+    h.run(dispatcher=rollout, maintenance=windows)  # deferred
     c = h.collectors[0]
     c.waiting = c.running = 0
     c.step = 0  # no request finishes any more: idle
     for _ in range(4):
-        result = h.run(rollout=rollout, maintenance=windows)
+        result = h.run(dispatcher=rollout, maintenance=windows)
     actions = [a for acts, ch in rollout.calls for _, a in acts if ch is None]
     assert [a.kind for a in actions] == ["keep-warm", "keep-warm"]  # idle from cycle 3: at 1m and 2m
     assert result.summary == ("cycle 6: keep-warm ×10 (idle for 2m (keep-warm after 1m)); still pending: "
@@ -287,8 +287,8 @@ def test_failures_become_part_of_the_line_not_exceptions(monkeypatch: pytest.Mon
         def __call__(self, actions: Any, change: Any, **kwargs: Any) -> RolloutOutcome:
             raise RuntimeError("actuator exploded")
 
-    h.run(rollout=Broken())
-    result = h.run(rollout=Broken())
+    h.run(dispatcher=Broken())
+    result = h.run(dispatcher=Broken())
     assert result.summary == (
         "cycle 2: engine-0: --max-num-seqs 8→16 handed to the rollout; "
         "engine-1: scrape failed (cannot connect: [Errno 111] Connection refused); "
@@ -300,7 +300,7 @@ def test_failures_become_part_of_the_line_not_exceptions(monkeypatch: pytest.Mon
         raise ValueError("bad rule")
 
     monkeypatch.setattr(planner, "plan", broken_plan)
-    result = h.run(rollout=Broken())
+    result = h.run(dispatcher=Broken())
     assert result.summary == ("cycle 3: engine-0: planner error (ValueError: bad rule); "
                               "engine-1: scrape failed (cannot connect: [Errno 111] Connection refused)")
     assert result.targets["engine-0"].signals["requests_waiting"].value == 112  # still observed
@@ -313,8 +313,8 @@ def test_failures_become_part_of_the_line_not_exceptions(monkeypatch: pytest.Mon
 def test_a_stop_request_skips_planning_and_acting() -> None:
     h = Harness("apply")
     rollout = FakeRollout()
-    h.run(rollout=rollout)
-    result = h.run(rollout=rollout, should_stop=lambda: True)
+    h.run(dispatcher=rollout)
+    result = h.run(dispatcher=rollout, should_stop=lambda: True)
     assert rollout.calls == []
     assert result.stopped == "stopping: skipped planning and acting"
     assert result.summary == "cycle 2: running 8, waiting 112, kv 1%; stopping: skipped planning and acting"

@@ -1,5 +1,5 @@
 """The launcher's pod states (tuner.launcher.states), driven by observations the way the rollout machine's
-tests drive events: no process, no clock. The same table over real processes: tests/integration/test_launcher.py."""
+tests drive events: no process, no clock. The same table over real processes: tests/processes/test_launcher.py."""
 
 from __future__ import annotations
 

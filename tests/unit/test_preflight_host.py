@@ -1,6 +1,6 @@
 """check-config's host checks: what `run` needs of this host beyond the file — PID 1 is systemd for the
 systemd actuator, the engine units are installed, NVML loads for an `nvml` GPU source — and the checks it
-could not make, said as such (the real-systemd cases are in tests/integration/test_systemd_units.py)."""
+could not make, said as such (the real-systemd cases are in tests/processes/test_systemd_units.py)."""
 
 from __future__ import annotations
 

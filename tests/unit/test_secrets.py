@@ -142,7 +142,7 @@ def test_the_daemons_documents_without_secrets_pass_through_unchanged(mode: str)
     """No false positives where it matters: masking /status, /recommendations and a cycle's log record
     of a configuration without secrets changes nothing (signal names with 'tokens', reasons, plans)."""
     from tests.unit.test_cycle import Harness
-    from tuner.daemon import views
+    from tuner.runtime import views
 
     h = Harness(mode)
     h.run()

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from tuner import __version__
-from tuner.daemon import results, selfmetrics, views
+from tuner.runtime import results, selfmetrics, views
 from tuner.signals import VOCABULARY, Signal, missing
 
 

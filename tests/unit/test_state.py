@@ -1,4 +1,4 @@
-"""daemon/state.py: the tuner's state file holds no secret — masked command lines, the configuration's
+"""runtime/state.py: the tuner's state file holds no secret — masked command lines, the configuration's
 arguments only as a hash, crash memory masked — and a restarted tuner gets the real values back from
 ``targets[].args``. A file it cannot trust is one ConfigError naming it."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tuner import config
-from tuner.daemon.state import TunerState
 from tuner.errors import ConfigError
 from tuner.model import knobs
 from tuner.planning import history as history_mod
+from tuner.runtime.state import TunerState
 
 KEY = "sk-state-7f3a9c"
 

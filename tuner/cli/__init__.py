@@ -31,7 +31,8 @@ from tuner.errors import ConfigError, SourceError, TunerError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tuner.daemon import logs, preflight, running
+    from tuner.daemon import preflight, running
+    from tuner.runtime import logs
 
     settings = config.load(args.config)
     preflight.check(settings, args.config, serving=not args.once)  # check-config's checks, before anything is touched

@@ -10,9 +10,9 @@ from tuner.cli import arguments
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from tuner import config
-    from tuner.daemon import logs
     from tuner.errors import TunerError
     from tuner.kube import running
+    from tuner.runtime import logs
 
     try:
         json_logs = config.load(args.config).daemon.json_logs

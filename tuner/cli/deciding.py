@@ -129,7 +129,7 @@ def _decision_text(decision: stepping.Decision) -> list[str]:
 
 def cmd_recommend_live(ns: argparse.Namespace) -> int:
     """``recommend --config``: a few live scrapes per target, then the same dry-run path as for files."""
-    from tuner.daemon import collecting
+    from tuner.runtime import collecting
     from tuner.sources import engines
 
     settings = config.load(ns.config, runnable=False)

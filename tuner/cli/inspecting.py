@@ -42,7 +42,7 @@ def _signals(series: _Series, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _live(ns: argparse.Namespace, gpus_given: GpuInputs | None, info: EngineInfo | None) -> list[_Series] | None:
-    from tuner.daemon import collecting
+    from tuner.runtime import collecting
     from tuner.sources import engines
 
     if ns.config:
@@ -50,11 +50,11 @@ def _live(ns: argparse.Namespace, gpus_given: GpuInputs | None, info: EngineInfo
         targets = settings.targets
         http = collecting.http_settings(settings.scrape, config_dir=Path(ns.config).resolve().parent)
     elif ns.engine_url:
-        gpu: Any = config.NoGpuSource(kind="none")
+        gpu: Any = config.NoGpuSettings(kind="none")
         if ns.dcgm_url:
-            gpu = config.DcgmSource(kind="dcgm", url=ns.dcgm_url, slowdown_temp_c=ns.slowdown_temp_c)
+            gpu = config.DcgmSettings(kind="dcgm", url=ns.dcgm_url, slowdown_temp_c=ns.slowdown_temp_c)
         elif ns.nvml:
-            gpu = config.NvmlSource(kind="nvml")
+            gpu = config.NvmlSettings(kind="nvml")
         targets = [config.Target(name=f"engine-{i}", kind=ns.kind, metrics_url=u, gpu=gpu)
                    for i, u in enumerate(ns.engine_url)]
         http = collecting.http_settings(config.ScrapeSettings())

@@ -4,7 +4,7 @@
   pool, each engine's flags, the rollout in flight, the last decisions with their reasons, the switches.
 - ``history`` reads the rollout journal (``rollout.journal_file``): every decision the tuner carried
   out, when, why, and how its rollout ended. Read-only, beside a running tuner.
-- ``pause``/``resume``/``pin``/``unpin`` write the runtime switches (``daemon.control``): the daemon
+- ``pause``/``resume``/``pin``/``unpin`` write the runtime switches (``runtime.control``): the daemon
   takes them at its next cycle, and they survive its restarts. A Kubernetes pool's switches are
   annotations on its ConfigMap (``kube.switches``): given its configuration, they say the ``kubectl
   annotate`` that does it (exit 2), rather than write a file its leader never reads.
@@ -128,7 +128,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
     if ns.format == "json":
         print(json.dumps(body, indent=1))
     else:
-        from tuner.daemon import control
+        from tuner.runtime import control
 
         print("\n".join(status_text(body, url=url, now=control.clock())))
     return 0
@@ -208,7 +208,7 @@ def _who() -> str:
 def cmd_switch(ns: argparse.Namespace) -> int:
     import dataclasses
 
-    from tuner.daemon import control
+    from tuner.runtime import control
 
     settings = _settings(ns.config)
     if settings.kubernetes is not None:
@@ -244,8 +244,8 @@ def _on_kubernetes(ns: argparse.Namespace, k: config.KubernetesSettings) -> str:
     """What to run instead, for a Kubernetes pool's configuration: its leader reads annotations, no file."""
     import os
 
-    from tuner.daemon import control
     from tuner.kube import switches
+    from tuner.runtime import control
 
     flag = control.pin_name(ns.flag) if ns.command in ("pin", "unpin") else None
     reason = " ".join((getattr(ns, "reason", None) or "").split())

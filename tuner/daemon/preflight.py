@@ -27,13 +27,13 @@ from pathlib import Path
 from tuner import config
 from tuner.actuators import base, draining, process
 from tuner.actuators import settings as actuator_settings
-from tuner.daemon import collecting, scheduling
-from tuner.daemon.state import TunerState
 from tuner.errors import ConfigError, TunerError
 from tuner.launcher import untrusted
 from tuner.rollout import journal as journaling
 from tuner.rollout import locks
 from tuner.rules import loading
+from tuner.runtime import collecting, scheduling
+from tuner.runtime.state import TunerState
 
 Problem = tuple[str, str]
 PROBE_BYTES = 64 * 1024  # a disk that cannot take this cannot take the state file and the journal either
@@ -279,7 +279,7 @@ def _gpus(settings: config.TunerSettings) -> list[Problem]:
 
     problems: list[Problem] = []
     for i, t in enumerate(settings.targets):
-        if isinstance(t.gpu, config.NvmlSource):
+        if isinstance(t.gpu, config.NvmlSettings):
             why = nvml.NvmlSource(t.gpu.devices).probe()
             if why is not None:
                 problems.append((f"targets[{i}].gpu", f"NVML does not load here ({why}); the host needs the NVIDIA "

@@ -34,9 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from tuner.daemon import selfmetrics
 from tuner.kube import store
 from tuner.kube.api import ApiError, KubeApi
+from tuner.runtime import selfmetrics
 
 log = logging.getLogger("tuner.kube.lease")
 

@@ -1,4 +1,4 @@
-"""The leader's work: the tuner's cycle over the pool's pods (``daemon.cycle.run_cycle``, the one decision
+"""The leader's work: the tuner's cycle over the pool's pods (``runtime.cycle.run_cycle``, the one decision
 path), with the pods as targets — they come and go, so the targets are taken from the API server at every
 cycle — and, in apply mode, the rollout driver over the pods' launchers (``acting``), journaling into the
 pool's ConfigMap (``store.ConfigMapJournal``, fenced by the leader's epoch).
@@ -14,18 +14,21 @@ Per cycle:
    bases (the Deployment is rolling), nothing is rolled out: the leader does not fight the Deployment.
 3. **the cycle**: collect → step → pool → act → report, as ``vllm-tuner run`` does, with the operator's
    switches — the pause and pins annotated on the pool's ConfigMap (``switches``) — taken as the daemon
-   takes ``vllm-tuner pause``/``pin`` (``daemon.control.take``: the decisions' guards, ``/status``,
+   takes ``vllm-tuner pause``/``pin`` (``runtime.control.take``: the decisions' guards, ``/status``,
    ``tuner_paused`` and ``tuner_pinned``); read at every cycle, before anything else, so a pool with no pod
    reporting yet shows them too.
 4. **verified arguments**: a rollout that finished *done* makes its overrides the pool's (``pool``): what a
    new pod starts on. The decision history is saved in the ConfigMap (``state``).
 
-A new leader first resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or
-deposed leader left — with every pod in flight put back on a step that is safe to repeat.
+A new leader first books the journal's last finished rollout if the pool's saved history does not include it
+(``booked_rollout``: a leader that finished it died or was deposed before its save), as a restarted daemon
+does, then resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or deposed
+leader left — with every pod in flight put back on a step that is safe to repeat.
 
-The dispatcher (``running.dispatcher``, built as the daemon builds it) lives as long as the leadership
-term: a rollout — a restart or a live change — is advanced at every cycle and between cycles, so cycles
-go on while it is verified. A live change goes to vLLM's runtime_config on the pod's IP where the engine
+The cycles run on the runtime's loop (``scheduling.Loop``, the daemon's), one per term. The dispatcher
+(``runtime.dispatching.build``, built as the daemon builds it) lives as long as the leadership term: a
+rollout — a restart or a live change — is advanced at every cycle and between cycles (``dispatching.carry_on``),
+so cycles go on while it is verified. A live change goes to vLLM's runtime_config on the pod's IP where the engine
 has it, else to the pod's engine-side plugin through the pod's agent (``acting.RelayedPlugin``: the
 leader cannot reach a pod's files); the collectors read the live knobs the same way
 (``collecting.collector_for``, as ``vllm-tuner run`` builds them).
@@ -40,8 +43,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tuner import config
-from tuner.daemon import clocks, collecting, control, cycle, drained, running, scheduling, selfmetrics, views
-from tuner.daemon.state import TunerState
 from tuner.kube import acting, switches
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
@@ -52,9 +53,23 @@ from tuner.planning import stepping
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules.schema import Rule
+from tuner.runtime import (
+    clocks,
+    collecting,
+    control,
+    cycle,
+    dispatching,
+    drained,
+    results,
+    scheduling,
+    selfmetrics,
+)
+from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
 log = logging.getLogger("tuner.kube.leader")
+
+_TERM_POLL_SECONDS = 0.2  # how soon the term's end (stop, or deposed in a cycle) stops the loop
 
 
 def claim(store: store_mod.PoolStore, epoch: int, *, identity: str,
@@ -91,7 +106,7 @@ class Leader:
         self.settings, self.k = settings, settings.kubernetes
         self.api, self.store, self.identity, self.rules, self.client = api, store, identity, tuple(rules), client
         self.metrics, self.clock = metrics, clock
-        self.loop_clock = loop_clock  # the cycle's clock (daemon.clocks); ``clock`` is its ``now`` where given
+        self.loop_clock = loop_clock  # the cycle's clock (runtime.clocks); ``clock`` is its ``now`` where given
         self.gatherer = collecting.Gatherer()
         self.maintenance = (scheduling.MaintenanceWindows(settings.daemon.maintenance_windows,
                                                           timezone=settings.daemon.maintenance_timezone)
@@ -100,7 +115,7 @@ class Leader:
         self.last: Any = None
         self.cycles = 0
         self.pool: acting.PoolActions | None = None  # this term's actions on the pods
-        self.applying: running.Applying | None = None  # this term's dispatcher (apply mode)
+        self.dispatcher: dispatching.Dispatcher | None = None  # this term's dispatcher (apply mode)
         self.collectors: dict[str, collecting.Collector] = {}  # by pod, rebuilt when its target changes
         self._tracked = False  # the pods run with --enable-server-load-tracking
         self._unreadable_said: tuple[str, ...] = ()  # the problems last said (once, until they change)
@@ -120,7 +135,7 @@ class Leader:
         claim (``_claim``); ``advance`` is the elector's (a new epoch while this agent holds the Lease)."""
         for part in (self.state.targets, self.state.args, self.state.config_args):  # the same object: /status reads it
             part.clear()
-        self.state.pending, self.state.rollout_state = None, {}
+        self.state.pending, self.state.rollout_state, self.state.booked_rollout = None, {}, None
         epoch = self._claim(leadership.epoch, stop, advance)
         if epoch is None:
             return
@@ -135,28 +150,46 @@ class Leader:
                 self.metrics.set_control(paused=False, pins=set())
 
     def _lead(self, journal: store_mod.ConfigMapJournal, stop: threading.Event) -> None:
-        first = True
-        while not stop.is_set():
-            started = time.monotonic()
+        """The runtime's loop (``scheduling.Loop``, the daemon's): a cycle every ``scrape.interval_seconds``
+        and, between cycles, the rollout in flight carried on every ``rollout.poll_seconds`` — until ``stop``
+        or a write refused for a newer epoch (``Deposed``) ends the term."""
+        ended = threading.Event()
+        first = [True]
+
+        def step() -> None:
+            if stop.is_set() or ended.is_set():
+                return
             try:
-                self.cycle(journal, stop, recover=first)
-                first = False
+                self.cycle(journal, stop, recover=first[0])
+                first[0] = False
                 self._readable()
             except store_mod.Deposed as exc:
                 log.warning("%s: no longer acting", exc)
-                return
+                ended.set()
             except store_mod.PoolUnreadableError as exc:
                 self._unreadable(exc)
             except Exception:  # a failing cycle is reported and the next one tries again
                 log.exception("the leader's cycle failed")
+
+        def between() -> None:
+            if stop.is_set() or ended.is_set():
+                return
             try:
-                self._between(stop, until=started + self.settings.scrape.interval_seconds)
+                self._between()
             except store_mod.Deposed as exc:
                 log.warning("%s: no longer acting", exc)
-                return
+                ended.set()
             except store_mod.PoolUnreadableError as exc:
                 self._unreadable(exc)
-                stop.wait(max(0.0, started + self.settings.scrape.interval_seconds - time.monotonic()))
+
+        loop = scheduling.Loop(step, interval_seconds=self.settings.scrape.interval_seconds, between=between,
+                               between_seconds=self.settings.rollout.poll_seconds)
+        loop.start()
+        try:
+            while not (stop.is_set() or ended.is_set()):
+                stop.wait(_TERM_POLL_SECONDS)
+        finally:
+            loop.stop()
 
     def _claim(self, epoch: int, stop: threading.Event,
                advance: Callable[[int], Leadership | None] | None) -> int | None:
@@ -203,21 +236,17 @@ class Leader:
                 self.metrics.pool_unreadable.labels(key=key).set(0)
         self._unreadable_said, self._unreadable_keys = (), set()
 
-    def _between(self, stop: threading.Event, *, until: float) -> None:
-        """Until the next cycle is due: the rollout in flight goes on, every ``rollout.poll_seconds``."""
-        while not stop.is_set() and (left := until - time.monotonic()) > 0:
-            if self.applying is not None and self.applying.busy:
-                try:
-                    outcome = self.applying.advance()
-                    if outcome is not None:
-                        self.state.rollout_state = dict(outcome.state)
-                        if self.metrics is not None:
-                            views.count_finished(self.metrics, outcome)
-                except (store_mod.Deposed, store_mod.PoolUnreadableError):
-                    raise
-                except Exception:  # the journal holds the rollout: the next cycle takes it up again
-                    log.exception("advancing the rollout failed")
-            stop.wait(min(left, self.settings.rollout.poll_seconds))
+    def _between(self) -> None:
+        """Between cycles: the rollout in flight goes on (``dispatching.carry_on``, the daemon's too)."""
+        if self.dispatcher is None:
+            return
+        try:
+            dispatching.carry_on(self.dispatcher, self.state, self.metrics,
+                                 passing=(store_mod.Deposed, store_mod.PoolUnreadableError))
+        except (store_mod.Deposed, store_mod.PoolUnreadableError):
+            raise
+        except Exception:  # the journal holds the rollout: the next cycle takes it up again
+            log.exception("advancing the rollout failed")
 
     def cycle(self, journal: store_mod.ConfigMapJournal, stop: threading.Event, *, recover: bool = False) -> None:
         now = self.clock()
@@ -232,6 +261,8 @@ class Leader:
             raise store_mod.PoolUnreadableError(self.store.name, found.problems)
         if found.journal.bad:
             journal.quarantine()
+        if recover:
+            self.book_unbooked(journal)
         unfinished = journaling.unfinished(journal.records)
         self._forget_gone({p.name for p in listed} | set(unfinished.replicas if unfinished is not None else ()),
                           journal)
@@ -255,12 +286,12 @@ class Leader:
             self.pool.replicas = dict(replicas)
         kind = self.k.engine_kind
         self._tracked = kind == "vllm" and all("--enable-server-load-tracking" in (t.args or ()) for t in targets)
-        applying = self.applying if targets else None
-        if applying is not None:
-            if not applying.busy and journaling.unfinished(journal.records) is not None:
+        dispatcher = self.dispatcher if targets else None
+        if dispatcher is not None:
+            if not dispatcher.busy and journaling.unfinished(journal.records) is not None:
                 recover = True  # a rollout stopped by a failed journal write: taken up from the journal
             if recover:
-                outcome = applying.recover()
+                outcome = dispatcher.recover()
                 if outcome is not None:
                     self.state.rollout_state = dict(outcome.state)
                     self._track(targets)
@@ -269,17 +300,35 @@ class Leader:
             return
         settings = self.settings.model_copy(update={"targets": targets, "decisions": decisions})
         result = cycle.run_cycle(self.state, settings=settings, collectors=self._collectors(targets),
-            rules=self.rules, rollout=applying if hold is None or (applying is not None and applying.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
+            rules=self.rules, dispatcher=dispatcher if hold is None or (dispatcher is not None and dispatcher.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
             gatherer=self.gatherer, now=now, should_stop=stop.is_set, clock=self.loop_clock)
         if hold is not None:
             log.info("no rollout: %s", hold)
         self.last, self.cycles = result, self.cycles + 1
-        if self.applying is not None:
+        if self.dispatcher is not None:
             self.state.left_drained = self.left_drained.check(journal.records, now=now)
         self._verified(journal, members={p.name for p in members})
         self._save_history(journal)
 
     # --- pieces --------------------------------------------------------------------------------------
+
+    def book_unbooked(self, journal: store_mod.ConfigMapJournal) -> results.RolloutOutcome | None:
+        """The start of a term, the daemon's too (``dispatching.start_up``): the journal's last finished
+        rollout, booked if the pool's saved history does not include it — a leader that finished it died
+        or was deposed before its cycle saved the booking. Saved with the history (``booked_rollout``), so
+        it is booked once, by whichever leader saves first. A replica it moved that the saved history does
+        not know takes the pool's history, as a new pod does (``_track``)."""
+        if self.dispatcher is None:
+            return None
+        finished = [r for r in journaling.replay(journal.records).values()
+                    if machine.outcome(r) is not machine.Outcome.RUNNING]
+        seed = next((self.state.targets[n].history for n in sorted(self.state.targets)), history_mod.History())
+        for name in finished[-1].order if finished else ():
+            self.state.targets.setdefault(name, stepping.TargetState(history=seed))
+        outcome = self.dispatcher.book_unbooked()
+        if outcome is not None:
+            self.state.rollout_state = dict(outcome.state)
+        return outcome
 
     def _collectors(self, targets: Sequence[config.Target]) -> list[collecting.Collector]:
         """One per pod, kept while its target stays the same (its slow reads are cached across cycles)."""
@@ -303,10 +352,10 @@ class Leader:
                                        replicas=[], stop=stop)
         self.collectors = {}  # their live channel goes through this term's pool actions
         if self.settings.mode != "apply":
-            self.applying = None
+            self.dispatcher = None
             return
         r = self.settings.rollout
-        self.applying = running.dispatcher(
+        self.dispatcher = dispatching.build(
             self.settings, self.state, self.client, actuator=acting.KubeActuator(self.pool),
             drainer=acting.KubeDrainer(self.pool), journal=journal, kind=self.k.engine_kind, stop_event=stop,
             server_load=lambda: self._tracked, drains=True,
@@ -396,9 +445,13 @@ class Leader:
             raise store_mod.PoolUnreadableError(self.store.name, state)
         for name, history in found.histories.items():
             self.state.targets[name] = stepping.TargetState(history=history)
+        self.state.booked_rollout = found.booked_rollout
 
     def _save_history(self, journal: store_mod.ConfigMapJournal) -> None:
-        doc = {"histories": {n: history_mod.to_dict(t.history) for n, t in sorted(self.state.targets.items())}}
+        doc: dict[str, Any] = {"histories": {n: history_mod.to_dict(t.history)
+                                             for n, t in sorted(self.state.targets.items())}}
+        if self.state.booked_rollout is not None:  # with the histories that include it: one write
+            doc["booked_rollout"] = self.state.booked_rollout
         text = store_mod.dumps(doc)
         self.store.update(lambda d: None if d.get("state") == text else {**d, "state": text},
                           epoch=journal.epoch, leader=self.identity)

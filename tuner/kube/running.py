@@ -38,9 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from tuner import config
-from tuner.daemon import clocks, collecting, selfmetrics
-from tuner.daemon.httpserver import DEFAULT_HOST, DEFAULT_PORT, TunerHttpServer
-from tuner.daemon.state import TunerState
 from tuner.errors import ConfigError, TunerError
 from tuner.kube import electing, leading, podside, reporting
 from tuner.kube import store as store_mod
@@ -48,6 +45,9 @@ from tuner.kube.api import KubeApi
 from tuner.launcher import untrusted
 from tuner.rules import loading
 from tuner.rules.schema import Rule
+from tuner.runtime import clocks, collecting, selfmetrics
+from tuner.runtime.httpserver import DEFAULT_HOST, DEFAULT_PORT, TunerHttpServer
+from tuner.runtime.state import TunerState
 from tuner.sources import engines
 
 log = logging.getLogger("tuner.kube")

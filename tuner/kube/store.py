@@ -54,13 +54,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.daemon import selfmetrics
 from tuner.errors import TunerError
 from tuner.kube.api import ApiError, ConfigMapRecord, KubeApi, dumps
 from tuner.launcher import untrusted
 from tuner.planning import history as history_mod
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.runtime import selfmetrics
 
 __all__ = ["QUARANTINE", "REPORT_PREFIX", "BadLine", "ConfigMapJournal", "Deposed", "Inspection", "ParsedJournal",
            "PoolStore", "PoolUnreadableError", "Problem", "compact", "dumps", "epoch_floor", "inspect",
@@ -201,6 +201,19 @@ def _histories(text: str | None) -> Mapping[str, history_mod.History]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _booked(text: str | None) -> str | None:
+    """The last rollout the pool's state says it booked ("": none yet); None where it does not say (a state
+    an older leader wrote: the journal's finished rollouts are then taken as booked)."""
+    if text is None or not text.strip():
+        return None
+    doc = untrusted.mapping(untrusted.loads(text, what="key 'state'", max_depth=64), what="key 'state'")
+    booked = doc.get("booked_rollout")
+    if booked is not None and not isinstance(booked, str):
+        raise untrusted.Untrusted("key 'state': booked_rollout is not a string")
+    return booked
+
+
 def _check_pool(data: Mapping[str, str]) -> None:
     pool = _strict(data, "pool")
     if pool is not ABSENT:
@@ -334,6 +347,7 @@ class Inspection:
     leader: str | None = None
     histories: Mapping[str, history_mod.History] = field(default_factory=dict)
     journal: ParsedJournal = ParsedJournal(())
+    booked_rollout: str | None = None  # the last rollout the saved history includes ("": none; None: not said)
 
 
 def inspect(data: Mapping[str, str]) -> Inspection:
@@ -343,6 +357,7 @@ def inspect(data: Mapping[str, str]) -> Inspection:
     problems: list[Problem] = []
     epoch = 0
     histories: Mapping[str, history_mod.History] = {}
+    booked: str | None = None
     journal = ParsedJournal(())
     for key in ("epoch", "state", "pool", "desired", "journal"):
         try:
@@ -350,6 +365,7 @@ def inspect(data: Mapping[str, str]) -> Inspection:
                 epoch = _epoch(data)
             elif key == "state":
                 histories = _histories(data.get("state"))
+                booked = _booked(data.get("state"))
             elif key == "pool":
                 _check_pool(data)
             elif key == "desired":
@@ -361,7 +377,8 @@ def inspect(data: Mapping[str, str]) -> Inspection:
         except untrusted.Untrusted as exc:
             problems.append(Problem(key, exc.reason, FIXES[key]))
     leader = loads(data, "leader", None)
-    return Inspection(tuple(problems), epoch, leader if isinstance(leader, str) else None, histories, journal)
+    return Inspection(tuple(problems), epoch, leader if isinstance(leader, str) else None, histories, journal,
+                      booked)
 
 
 def journal_text(records: Iterable[Mapping[str, Any]]) -> str:

@@ -16,7 +16,7 @@ annotation                         meaning
 ``kubectl annotate`` sets and removes them (docs/kubernetes.md). The leader reads them at every cycle from
 the ConfigMap it reads anyway (no permission beyond the chart's Role), so a switch takes effect at the next
 cycle; living on the ConfigMap, it survives a leader change and a restart of every pod, and the leader's
-own writes keep it (``api``: a PUT carries the annotations it read). Through ``daemon.control`` they act as
+own writes keep it (``api``: a PUT carries the annotations it read). Through ``runtime.control`` they act as
 ``vllm-tuner pause``/``pin`` do under systemd: they add up with the configuration's ``decisions.paused``
 and ``decisions.pins`` and reach the one decision path as its guards; ``/status`` shows them under
 ``control``, the leader's metrics as ``tuner_paused`` and ``tuner_pinned{flag}``.
@@ -32,8 +32,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 
-from tuner.daemon import control
 from tuner.model import knobs
+from tuner.runtime import control
 
 PAUSED = "vllm-tuner.io/paused"
 PAUSED_REASON = "vllm-tuner.io/paused-reason"
@@ -54,7 +54,7 @@ def pin_key(flag: str) -> str:
 
 
 def read(annotations: Mapping[str, str], *, configmap: str) -> control.Control:
-    """The switches the pool's ConfigMap's annotations set, as ``daemon.control`` takes them (``configmap``
+    """The switches the pool's ConfigMap's annotations set, as ``runtime.control`` takes them (``configmap``
     names it in the reasons)."""
     problems: list[str] = []
     paused: str | None = None

@@ -3,7 +3,7 @@
 Standard library only, for Python 3.10 and later: the tuner, the launcher (PID 1 of the engine
 container, under the engine image's Python) and the engine-side plugin (``vllm_tuner_plugin``, which
 cannot import the tuner and carries a byte-identical copy of this file,
-``plugin/src/vllm_tuner_plugin/untrusted.py``; ``tests/faults/test_untrusted.py`` holds the two equal
+``plugin/src/vllm_tuner_plugin/untrusted.py``; ``tests/properties/test_untrusted.py`` holds the two equal
 and runs the same generated cases through both) read through it.
 
 Every failure is ``Untrusted`` (a ``ValueError``) with a one-line reason that describes the input —

@@ -23,11 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuner import config
-from tuner.daemon import collecting
 from tuner.errors import ConfigError
 from tuner.launcher import argv as argvs
 from tuner.launcher import secrets as launcher_secrets
 from tuner.model import secrets, snapshots
+from tuner.runtime import collecting
 
 SETTINGS = settings(max_examples=200, deadline=None)
 secret_values = st.text(string.ascii_letters + string.digits + "-_.~+/=:@!$", min_size=8, max_size=24).filter(

@@ -1,4 +1,4 @@
-"""The rollout adapter's booking (tuner.daemon.running.Applying.book, through planning.pooling.book): what a
+"""The dispatcher's booking (tuner.runtime.dispatching.Dispatcher.book, through planning.pooling.book): what a
 finished rollout changes in the tuner's owned arguments and histories — and that an interrupted one
 changes nothing."""
 
@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuner import config
-from tuner.daemon import running
-from tuner.daemon.state import TunerState
 from tuner.model import knobs
 from tuner.planning.history import Change
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Event
 from tuner.rules.schema import Verify
+from tuner.runtime import dispatching
+from tuner.runtime.state import TunerState
 
 OLD, NEW = ("--max-num-seqs", "4"), ("--max-num-seqs", "8")
 CHANGE = Change(flag="--max-num-seqs", knob="max_num_seqs", from_value=4, to_value=8, rule="r", reason="why",
@@ -27,13 +27,13 @@ FORWARD = (Event.GO, Event.DRAINED, Event.IDLE, Event.STOPPED, Event.STARTED, Ev
            Event.WARMED, Event.UNDRAINED, Event.VERIFIED)
 
 
-def applying(tmp_path: Path) -> running.Applying:
+def dispatcher(tmp_path: Path) -> dispatching.Dispatcher:
     settings = config.parse({"mode": "apply", "targets": [
         {"name": n, "metrics_url": f"http://127.0.0.1:{p}/metrics", "args": list(OLD)}
         for n, p in (("a", 8001), ("b", 8002))]})
     state = TunerState.fresh(settings.targets, path=tmp_path / "state.json")
     driver = SimpleNamespace(restored=lambda rollout: rollout)  # booking reads nothing else of the driver
-    return running.Applying(settings, state, driver=driver, client=None,  # type: ignore[arg-type]
+    return dispatching.Dispatcher(settings, state, driver=driver, client=None,  # type: ignore[arg-type]
                             journal=journal.Journal(tmp_path / "j.jsonl"), kind="vllm", clock=lambda: 1000.0)
 
 
@@ -46,7 +46,7 @@ def rollout_with_a_done() -> machine.Rollout:
 
 
 def test_an_interrupted_rollout_is_not_booked_twice_the_journal_resumes_it(tmp_path: Path) -> None:
-    ap = applying(tmp_path)
+    ap = dispatcher(tmp_path)
     r = rollout_with_a_done()  # a done, b still pending: the tuner was stopping
     out = ap.book(r, [CHANGE])
     assert "interrupted" in out.summary and out.state["outcome"] == "running"
@@ -65,7 +65,7 @@ def test_an_interrupted_rollout_is_not_booked_twice_the_journal_resumes_it(tmp_p
 
 
 def test_a_rolled_back_pool_rejects_the_arguments_on_every_replica(tmp_path: Path) -> None:
-    ap = applying(tmp_path)
+    ap = dispatcher(tmp_path)
     r = rollout_with_a_done()
     for e in (Event.GO, Event.DRAINED, Event.IDLE, Event.STOPPED, Event.STARTED):
         r = machine.handle(r, "b", e, now=2)
@@ -80,7 +80,7 @@ def test_a_rolled_back_pool_rejects_the_arguments_on_every_replica(tmp_path: Pat
     assert ap.state.args["a"].argv() == list(NEW)  # a stays on what it runs; the pool rolled back at b
 
 
-def journal_a_finished_rollout(ap: running.Applying) -> machine.Rollout:
+def journal_a_finished_rollout(ap: dispatching.Dispatcher) -> machine.Rollout:
     """The journal of a rollout that finished (both replicas done), with its decision, as the driver writes it."""
     ap.journal.append("decision", at=0, rollout="r1", changes=[{**CHANGE.as_dict(), "knob": CHANGE.knob,
                                                                "direction": CHANGE.direction}])
@@ -100,12 +100,12 @@ def test_a_rollout_finished_but_not_booked_when_the_tuner_died_is_booked_at_the_
     """SIGKILL between the rollout's last journal record and the state file's write: the restarted tuner
     found nothing unfinished, kept the old arguments as its own while both engines ran the new ones, and
     rolled both replicas out again (tests/faults/test_kill_points.py, k = N)."""
-    ap = applying(tmp_path)
+    ap = dispatcher(tmp_path)
     ap.state.booked_rollout = ""  # what a first start saves: nothing booked yet
     ap.state.save()
     journal_a_finished_rollout(ap)
     ap.journal.close()  # …killed here
-    again = applying(tmp_path)
+    again = dispatcher(tmp_path)
     again.state = TunerState.load(tmp_path / "state.json", again.settings.targets)
     out = again.book_unbooked()
     assert out is not None and out.results == {"a": "ok", "b": "ok"}
@@ -114,7 +114,7 @@ def test_a_rollout_finished_but_not_booked_when_the_tuner_died_is_booked_at_the_
     assert saved.args["a"].argv() == list(NEW) and saved.history("a").restarts == (1000.0,)
     assert again.book_unbooked() is None  # once
     again.journal.close()
-    third = applying(tmp_path)
+    third = dispatcher(tmp_path)
     third.state = TunerState.load(tmp_path / "state.json", third.settings.targets)
     assert third.book_unbooked() is None and third.state.history("b").restarts == (1000.0,)
     third.journal.close()
@@ -123,7 +123,7 @@ def test_a_rollout_finished_but_not_booked_when_the_tuner_died_is_booked_at_the_
 def test_a_state_that_does_not_say_what_it_booked_takes_the_journal_as_booked(tmp_path: Path) -> None:
     """A state file from an older tuner (or none at all) with a journal of finished rollouts: nothing is
     booked twice; the last finished rollout is taken as booked."""
-    ap = applying(tmp_path)
+    ap = dispatcher(tmp_path)
     journal_a_finished_rollout(ap)
     assert ap.state.booked_rollout is None
     assert ap.book_unbooked() is None
@@ -145,4 +145,4 @@ def test_a_state_that_does_not_say_what_it_booked_takes_the_journal_as_booked(tm
 def test_a_journaled_change_reads_back_as_the_change_that_was_decided(change: Change) -> None:
     """What a resumed rollout books is the change that was decided, every field of it: a live change
     taken up after a restart was booked as a restart once (the fault test caught it)."""
-    assert running._change_from(json.loads(json.dumps(running.change_record(change)))) == change
+    assert dispatching._change_from(json.loads(json.dumps(dispatching.change_record(change)))) == change

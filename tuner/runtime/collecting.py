@@ -142,7 +142,7 @@ class Collector:
 
     def _read_gpus(self) -> GpuInputs:
         source = self.target.gpu
-        if isinstance(source, config.DcgmSource):
+        if isinstance(source, config.DcgmSettings):
             snap = self.client.scrape(source.url, keep_prefixes=dcgm.dcgm_keep_prefixes())
             if not snap.ok:
                 return GpuInputs(unavailable=f"dcgm-exporter: {snap.error}")
@@ -151,7 +151,7 @@ class Collector:
             if source.sm_clock_max_mhz:
                 readings = [dataclasses.replace(r, sm_clock_max_mhz=source.sm_clock_max_mhz) for r in readings]
             return GpuInputs(tuple(readings), None if readings else "dcgm-exporter reported no matching GPU")
-        if isinstance(source, config.NvmlSource):
+        if isinstance(source, config.NvmlSettings):
             from tuner.sources import nvml
 
             if self._nvml is None:

@@ -9,11 +9,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tuner.daemon import selfmetrics
-from tuner.daemon.results import CycleResult, RolloutOutcome
-from tuner.daemon.scheduling import MaintenanceWindows
 from tuner.model import knobs, live
 from tuner.planning import planner, pooling
+from tuner.runtime import selfmetrics
+from tuner.runtime.results import CycleResult, RolloutOutcome
+from tuner.runtime.scheduling import MaintenanceWindows
 from tuner.signals import Signal, reports
 
 _OK = frozenset({"ok"})

@@ -16,7 +16,7 @@ too; loading puts the real values back from ``targets[].args`` (the tuner never 
 
 Booked rollout: the id of the last rollout whose outcome these arguments and histories include, saved in
 the same atomic write. A tuner killed after a rollout's last journal record but before that write finds
-the rollout finished and not booked, and books it then — once (``running.Applying.book_unbooked``).
+the rollout finished and not booked, and books it then — once (``dispatching.Dispatcher.book_unbooked``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from typing import Any
 
 from tuner import config
 from tuner.actuators.files import write_atomically
-from tuner.daemon.results import CycleResult
 from tuner.errors import ConfigError
 from tuner.launcher import untrusted
 from tuner.model import knobs, secrets
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
+from tuner.runtime.results import CycleResult
 
 STATE_MAX_BYTES = 64 * 1024 * 1024  # the tuner's own state: histories of every target
 
@@ -87,7 +87,7 @@ class TunerState:
 
     def rebase(self, by: float) -> None:
         """Every time the state holds moved by ``by`` seconds: the loop's clock was re-based on a stepped
-        wall clock (``daemon.clocks``). Windows, histories, the pending change."""
+        wall clock (``runtime.clocks``). Windows, histories, the pending change."""
         if not by:
             return
         self.targets = {name: stepping.rebased(t, by=by) for name, t in self.targets.items()}

@@ -48,9 +48,9 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Self
 
-from tuner.daemon import selfmetrics, views
-from tuner.daemon.state import TunerState
 from tuner.model import secrets
+from tuner.runtime import selfmetrics, views
+from tuner.runtime.state import TunerState
 
 log = logging.getLogger("tuner.http")
 

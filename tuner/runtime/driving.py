@@ -45,7 +45,7 @@ from tuner.sources import engines, live_knobs, live_paths
 log = logging.getLogger("tuner.rollout")
 
 class Verifier(Protocol):
-    """Judges a replica after its change (``tuner.daemon.verifying.SignalVerifier`` against the engine).
+    """Judges a replica after its change (``tuner.runtime.verifying.SignalVerifier`` against the engine).
     The window begins at ``rollout.of(name).since`` (undrained) and ends at the VERIFY deadline."""
 
     def observe(self, replica: base.Replica, rollout: machine.Rollout, now: float) -> None:

@@ -14,9 +14,10 @@ read maintenance windows.
 - SIGHUP (``systemctl reload``, ``ExecReload=``): ``on_reload`` runs in the main thread between polls —
   it re-reads and validates the configuration and keeps the running one if the new one does not load —
   framed by ``RELOADING=1`` and ``READY=1``. Without ``on_reload`` SIGHUP is left as it was.
-- systemd: ``READY=1`` once the scheduler runs, ``STATUS=`` with each cycle's summary, ``WATCHDOG=1``
-  at half the period systemd asked for while the loop is healthy (a cycle finished recently, or the
-  running one is not stuck), ``STOPPING=1`` on the way out.
+- the supervisor (``notifier``: systemd's sd_notify, handed in by the daemon's root; silent by default):
+  ``READY=1`` once the scheduler runs, ``STATUS=`` with each cycle's summary, ``WATCHDOG=1`` at half
+  ``watchdog_seconds`` while the loop is healthy (a cycle finished recently, or the running one is not
+  stuck), ``STOPPING=1`` on the way out.
 
 Maintenance windows. A window is a crontab expression read as the set of minutes it matches
 (``"* 2-4 * * 6,0"`` = 02:00-04:59 on weekends), evaluated with APScheduler's ``CronTrigger`` against
@@ -36,18 +37,45 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from tuner.daemon import notify
-
 log = logging.getLogger("tuner.scheduling")
 
 _POLL_SECONDS = 0.2
+
+
+class Notifier(Protocol):
+    """What the loop tells its supervisor (``daemon.notify.Notifier`` under systemd)."""
+
+    def send(self, **fields: str | int) -> bool: ...
+    def ready(self, status: str | None = None) -> bool: ...
+    def watchdog(self) -> bool: ...
+    def stopping(self, status: str | None = None) -> bool: ...
+    def status(self, text: str) -> bool: ...
+
+
+class Silent:
+    """No supervisor to tell (the Kubernetes agent, tests)."""
+
+    def send(self, **fields: str | int) -> bool:
+        return False
+
+    def ready(self, status: str | None = None) -> bool:
+        return False
+
+    def watchdog(self) -> bool:
+        return False
+
+    def stopping(self, status: str | None = None) -> bool:
+        return False
+
+    def status(self, text: str) -> bool:
+        return False
 
 
 class Loop:
@@ -63,7 +91,7 @@ class Loop:
         *,
         interval_seconds: float,
         on_stop: Callable[[], None] | None = None,
-        notifier: notify.Notifier | None = None,
+        notifier: Notifier | None = None,
         watchdog_seconds: float | None = None,
         stop_timeout_seconds: float = 120.0,
         stuck_after_seconds: float | None = None,
@@ -80,8 +108,8 @@ class Loop:
         self.on_reload = on_reload
         self._reloads_asked = 0
         self._reloads_done = 0
-        self.notifier = notifier if notifier is not None else notify.Notifier()
-        self.watchdog_seconds = watchdog_seconds if watchdog_seconds is not None else notify.watchdog_seconds()
+        self.notifier: Notifier = notifier if notifier is not None else Silent()
+        self.watchdog_seconds = watchdog_seconds
         self.stop_timeout_seconds = stop_timeout_seconds
         # A cycle running longer than this is stuck: the watchdog stops pinging and systemd restarts
         # us. A rolling restart legitimately takes minutes, hence the generous default.

@@ -10,7 +10,7 @@
 3. **pool** (mode apply): ``planning.pooling.choose`` turns the replicas' plans into one change for the
    pool and the actions to take now; ``pooling.admit`` holds it for a maintenance window (deferred, not
    dropped) or while the tuner is stopping;
-4. **act**: the rollout adapter carries the actions and the change out and books the outcome;
+4. **act**: the dispatcher carries the actions and the change out and books the outcome;
 5. **report**: self-metrics, the status views, and ONE summary line (``views.summary``)::
 
     cycle 812: no action (kv-pressure: cooldown 4m12s left)
@@ -28,17 +28,17 @@ from dataclasses import replace
 from typing import Protocol
 
 from tuner import config
-from tuner.daemon import clocks, selfmetrics, views
-from tuner.daemon.collecting import Collecting, Gatherer
-from tuner.daemon.results import CycleResult, RolloutOutcome, TargetResult
-from tuner.daemon.scheduling import MaintenanceWindows
-from tuner.daemon.state import TunerState
 from tuner.errors import TunerError
 from tuner.model import knobs
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
 from tuner.planning.guards import Action
 from tuner.rules.schema import Rule
+from tuner.runtime import clocks, selfmetrics, views
+from tuner.runtime.collecting import Collecting, Gatherer
+from tuner.runtime.results import CycleResult, RolloutOutcome, TargetResult
+from tuner.runtime.scheduling import MaintenanceWindows
+from tuner.runtime.state import TunerState
 from tuner.signals import Signal
 
 log = logging.getLogger("tuner.cycle")
@@ -73,7 +73,7 @@ def run_cycle(
     settings: config.TunerSettings,
     collectors: Sequence[Collecting],
     rules: Sequence[Rule] = (),
-    rollout: Dispatcher | None = None,
+    dispatcher: Dispatcher | None = None,
     maintenance: MaintenanceWindows | None = None,
     metrics: selfmetrics.TunerMetrics | None = None,
     gatherer: Gatherer | None = None,
@@ -84,11 +84,11 @@ def run_cycle(
 ) -> CycleResult:
     """Run one cycle; ``state`` is updated in place (``state.last`` last). ``now``: the cycle's time
     (seconds since the epoch; default: ``clock``'s, else the wall clock). ``clock``: the loop's clock
-    (``daemon.clocks``); a step of the wall clock is logged once, and the loop re-based on it with
+    (``runtime.clocks``); a step of the wall clock is logged once, and the loop re-based on it with
     everything ``state`` holds — between rollouts, never inside one."""
     if clock is not None:
         clock.detected()
-        if abs(clock.offset()) > clock.tolerance_seconds and not (rollout is not None and rollout.busy):
+        if abs(clock.offset()) > clock.tolerance_seconds and not (dispatcher is not None and dispatcher.busy):
             moved = clock.rebase()
             state.rebase(moved)
             now = None if now is None else now + moved  # read before the re-base: on the old base
@@ -172,7 +172,7 @@ def run_cycle(
     plans = {name: tr.plan for name, tr in targets.items() if tr.plan is not None}
     signals = {name: tr.signals for name, tr in targets.items()}
     kind = settings.targets[0].kind
-    if mode == "apply" and rollout is not None and stopped is None:
+    if mode == "apply" and dispatcher is not None and stopped is None:
         lives = {name: tr.live for name, tr in targets.items()}
         pool = pooling.choose(plans, state.args, kind=kind, settings=settings.decisions, signals=signals, now=now,
                               lives=lives)
@@ -181,7 +181,7 @@ def run_cycle(
         admission = pooling.admit(pool, state.pending, window_open=window_open, stopping=stopping,
                                   closed_reason=views.deferral_reason(maintenance, now), now=now,
                                   args=state.args, kind=kind, settings=settings.decisions, signals=signals,
-                                  lives=lives, in_flight=rollout.busy, verifying=rollout.verifying)
+                                  lives=lives, in_flight=dispatcher.busy, verifying=dispatcher.verifying)
         state.pending = admission.pending
         if stopping and (pool.change is not None or pool.actions):
             stopped = "stopping: the change is kept pending, not handed to the rollout"
@@ -190,11 +190,11 @@ def run_cycle(
     # 4. act ----------------------------------------------------------------------------------------------
     outcome: RolloutOutcome | None = None
     rollout_error: str | None = None
-    if pool is not None and admission is not None and rollout is not None and stopped is None:
+    if pool is not None and admission is not None and dispatcher is not None and stopped is None:
         change = admission.hand_over
-        if change is not None or pool.actions or rollout.busy:
+        if change is not None or pool.actions or dispatcher.busy:
             try:
-                outcome = rollout(pool.actions, change, now=now, signals=signals, should_stop=should_stop)
+                outcome = dispatcher(pool.actions, change, now=now, signals=signals, should_stop=should_stop)
                 state.rollout_state = dict(outcome.state)
             except Exception as exc:  # the rollout journals its own state; the cycle reports and goes on
                 if isinstance(exc, TunerError):  # a condition it names itself (a full disk): no traceback
@@ -203,7 +203,7 @@ def run_cycle(
                     log.exception("rollout failed")
                 rollout_error = f"{type(exc).__name__}: {exc}"
     if metrics is not None:
-        views.count(metrics, mode, plans, pool, admission, outcome, rollout_error, has_rollout=rollout is not None)
+        views.count(metrics, mode, plans, pool, admission, outcome, rollout_error, has_rollout=dispatcher is not None)
         for name, tr in targets.items():
             recommended = {c.flag: knobs.format_value(c.to_value) for c in (tr.plan.changes if tr.plan else ())}
             metrics.set_engine_args(name, current=state.current_args(name), recommended=recommended)
@@ -213,7 +213,7 @@ def run_cycle(
     result = CycleResult(number=state.number, mode=mode, started_at=now, duration_seconds=t - t_start, summary="",
                          targets=targets, step_seconds=dict(steps), pool=pool, admission=admission,
                          pending=state.pending, rollout=outcome, rollout_error=rollout_error, stopped=stopped)
-    result = replace(result, summary=views.summary(result, has_rollout=rollout is not None))
+    result = replace(result, summary=views.summary(result, has_rollout=dispatcher is not None))
     if metrics is not None:
         metrics.observe_cycle(result.duration_seconds, finished_at=result.finished_at)
     state.last = result

@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 
 from tests.support import fake_kube as fk
 from tuner import config
-from tuner.daemon import selfmetrics
 from tuner.kube import acting, electing, leading, store
 from tuner.kube import api as kapi
+from tuner.model import knobs
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
+from tuner.runtime import selfmetrics
 from tuner.sources import engines
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
@@ -647,3 +648,61 @@ def test_a_pod_left_drained_is_reported_on_the_pod_with_a_warning_event(kube: fk
     assert len(events) == 1 and events[0]["type"] == "Warning", events
     assert events[0]["involvedObject"]["name"] == "pod-x" and "a person must look" in events[0]["message"].lower()
     assert metrics.registry.get_sample_value("tuner_replica_left_drained_seconds", {"replica": "pod-x"}) == ask_after + 60
+
+
+# --- one booking: a rollout a leader finished is booked, whichever leader books it (issue 29) -----------------
+
+OLD_ARGS, NEW_ARGS = ["--max-num-seqs", "8"], ["--max-num-seqs", "16"]
+ROLLED_BACK_AT_START = (machine.Event.GO, machine.Event.DRAINED, machine.Event.IDLE, machine.Event.STOPPED,
+                        machine.Event.STARTED, machine.Event.CRASHED, machine.Event.DRAINED, machine.Event.IDLE,
+                        machine.Event.STOPPED, machine.Event.STARTED, machine.Event.HEALTHY,
+                        machine.Event.CONFIRMED, machine.Event.WARMED, machine.Event.UNDRAINED)
+
+
+def a_term(api: kapi.KubeApi, tuner_settings: config.TunerSettings, who: str,
+           epoch: int) -> tuple[leading.Leader, store.ConfigMapJournal]:
+    """A leadership term's start, as ``Leader.lead`` makes it: the claim, the pool's history, the dispatcher."""
+    pool = store.PoolStore(api)
+    leader = leading.Leader(tuner_settings, api=api, store=pool, identity=who, rules=(), client=engine_client())
+    epoch = leading.claim(pool, epoch, identity=who, advance=None)
+    leader._load_history()
+    journal = store.ConfigMapJournal(pool, epoch=epoch, leader=who)
+    leader._build(journal, threading.Event())
+    return leader, journal
+
+
+def test_a_rollout_a_killed_leader_finished_but_did_not_save_is_booked_by_the_next_leader(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """The kill point between a rollout's last journal record and the leader's save of the pool's history: the
+    rollout's booking (the value that rolled back is held bad, its cooldown runs) was in that leader's memory
+    only. The next leader books it at the start of its term, as a restarted daemon does
+    (``Dispatcher.book_unbooked``), and saves what it booked with the history, so no later leader books it again
+    — and the value is not proposed again."""
+    a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
+    a.book_unbooked(journal_a)  # a fresh pool: nothing to book, and the state says so from now on
+    a._save_history(journal_a)
+    assert json.loads(data(kube)["state"])["booked_rollout"] == ""
+    journal_a.append("decision", at=10.0, rollout="r1", target="pod-x", changes=[{
+        "flag": "--max-num-seqs", "knob": "max_num_seqs", "from": "8", "to": "16", "rule": "more-seqs",
+        "reason": "why", "direction": 1}])
+    r = machine.new("r1", replicas=["pod-x"], changes={"pod-x": (OLD_ARGS, NEW_ARGS)}, limits=machine.Limits(),
+                    now=10.0)
+    journal_a.append("rollout", at=10.0, **journaling.rollout_fields(r))
+    for e in ROLLED_BACK_AT_START:
+        why = "engine exited: status 1" if e is machine.Event.CRASHED else ""
+        after = machine.handle(r, "pod-x", e, now=11.0, reason=why)
+        journal_a.append("event", at=11.0, **journaling.event_fields(r, after, "pod-x", e))
+        r = after
+    assert machine.outcome(r) is machine.Outcome.ROLLED_BACK
+    # ... leader a is killed here: its cycle never saved the booking
+
+    b, journal_b = a_term(api, tuner_settings, "pod-b_2", 2)
+    assert b.book_unbooked(journal_b) is not None  # what the term's first cycle does first
+    assert b.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))  # never proposed again
+    b._save_history(journal_b)
+    saved = json.loads(data(kube)["state"])
+    assert saved["booked_rollout"] == "r1" and "pod-x" in saved["histories"]
+
+    c, journal_c = a_term(api, tuner_settings, "pod-c_3", 3)
+    assert c.book_unbooked(journal_c) is None  # once
+    assert c.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))

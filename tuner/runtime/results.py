@@ -16,7 +16,7 @@ from tuner.signals import Signal
 
 @dataclass(frozen=True)
 class RolloutOutcome:
-    """What the rollout adapter did this cycle.
+    """What the dispatcher did this cycle.
 
     ``summary`` is a short clause for the cycle line; ``results`` maps replica → restart result (``ok``,
     ``rolled_back``, ``failed``) for ``tuner_restarts_total``; ``state`` is shown under ``rollout`` in

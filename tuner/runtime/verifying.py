@@ -52,7 +52,7 @@ class _Expectation:
 
 
 class SignalVerifier:
-    """``rolling.Verifier`` over real ``/metrics``: ``observe`` at every poll, ``judge`` at the deadline."""
+    """``driving.Verifier`` over real ``/metrics``: ``observe`` at every poll, ``judge`` at the deadline."""
 
     def __init__(self, client: engines.EngineClient, *, kind: str = "vllm") -> None:
         self._client = client

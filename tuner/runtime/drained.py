@@ -22,8 +22,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tuner.daemon import selfmetrics
 from tuner.rollout import journal as journaling
+from tuner.runtime import selfmetrics
 
 log = logging.getLogger("tuner.rollout")
 

@@ -27,10 +27,10 @@ from tests.support.plugin import PLUGIN_SRC
 from tests.support.plugin import protocol as plugin_protocol
 from tuner import config
 from tuner.actuators import process
-from tuner.daemon import state as state_mod
 from tuner.errors import ConfigError, PermanentActuatorError
 from tuner.launcher import protocol as launcher_protocol
 from tuner.launcher import untrusted
+from tuner.runtime import state as state_mod
 from tuner.sources import live_knobs
 from tuner.sources.engines import EngineClient
 

@@ -25,11 +25,11 @@ from harness import nginx as nginx_support
 from harness import required
 from tests.support.fake_prober import FakeProber
 from tuner.actuators import base, fake, process
-from tuner.daemon import rolling
 from tuner.errors import PermanentActuatorError
 from tuner.planning import verification
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Outcome
+from tuner.runtime import driving
 from tuner.sources.engines import EngineClient
 
 STUB = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"
@@ -119,11 +119,11 @@ class Stack:
         self.actuators.append(a)
         return a
 
-    def driver(self, j: journal.Journal) -> rolling.RolloutDriver:
+    def driver(self, j: journal.Journal) -> driving.RolloutDriver:
         client = EngineClient()
         self.probers.append(client)
-        prober = rolling.EngineProber(client, kind="vllm")
-        return rolling.RolloutDriver(
+        prober = driving.EngineProber(client, kind="vllm")
+        return driving.RolloutDriver(
             actuator=self.actuator(), drainer=self.lb.drainer(settle_seconds=0.3), prober=prober,
             journal=j, poll_seconds=0.2, idle_settle_seconds=0.5, hold_timeout_seconds=60,
             on_bad_args=lambda *bad: self.bad.append(bad),
@@ -295,10 +295,10 @@ def test_a_tuner_killed_mid_rollout_restarts_engines_with_their_real_secret(tmp_
             s.actuators.append(act)
             return act
 
-        def driver(j: journal.Journal) -> rolling.RolloutDriver:
-            return rolling.RolloutDriver(
+        def driver(j: journal.Journal) -> driving.RolloutDriver:
+            return driving.RolloutDriver(
                 actuator=actuator(), drainer=lb.drainer(settle_seconds=0.3),
-                prober=rolling.EngineProber(client, kind="vllm"), journal=j, poll_seconds=0.2,
+                prober=driving.EngineProber(client, kind="vllm"), journal=j, poll_seconds=0.2,
                 idle_settle_seconds=0.5, hold_timeout_seconds=60,
                 restore=lambda r: journal.restored(r, lambda name, argv: redactor.restore(argv, configured[name])))
 
@@ -337,12 +337,12 @@ def test_a_tuner_killed_mid_rollout_restarts_engines_with_their_real_secret(tmp_
 # --- the same driver over the in-memory fakes: the branches real engines rarely take ---------------
 
 
-def fake_driver(tmp_path: Path, names: tuple[str, ...] = ("a", "b"), **kwargs: Any) -> rolling.RolloutDriver:
+def fake_driver(tmp_path: Path, names: tuple[str, ...] = ("a", "b"), **kwargs: Any) -> driving.RolloutDriver:
     actuator = fake.FakeActuator([base.Replica(n, f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(names)],
                                  running=dict.fromkeys(names, ("--max-num-seqs", "8")))
     options: dict[str, Any] = dict(drainer=fake.FakeDrainer(), poll_seconds=0.01, idle_settle_seconds=0)
     options.update(kwargs)
-    return rolling.RolloutDriver(actuator=actuator, prober=FakeProber(actuator),
+    return driving.RolloutDriver(actuator=actuator, prober=FakeProber(actuator),
                                  journal=journal.Journal(tmp_path / "j.jsonl"), **options)
 
 

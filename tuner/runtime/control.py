@@ -14,7 +14,7 @@ tuner's user, the daemon as ``vllm-tuner``.
 On Kubernetes the same switches are annotations on the pool's ConfigMap (``tuner.kube.switches`` reads
 them into a ``Control``). Either way ``take`` is the one place they act: the decisions a cycle runs with
 (``effective``), ``/status`` (``report``), ``tuner_paused`` and ``tuner_pinned``, and a log line per change —
-the daemon's cycle and the Kubernetes leader's call it, then the one decision path (``daemon.cycle``).
+the daemon's cycle and the Kubernetes leader's call it, then the one decision path (``runtime.cycle``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 
 from tuner import config
 from tuner.actuators import files
-from tuner.daemon.selfmetrics import TunerMetrics
-from tuner.daemon.state import TunerState
 from tuner.errors import TunerError
 from tuner.launcher import untrusted
 from tuner.model import knobs
 from tuner.planning.planner import DecisionSettings
+from tuner.runtime.selfmetrics import TunerMetrics
+from tuner.runtime.state import TunerState
 
 log = logging.getLogger("tuner.control")
 
