@@ -342,11 +342,7 @@ class SimEngine:
             req.generated += 1  # a finished prefill samples a token
             emitted += 1
             if req.first_token is None:
-                req.first_token = self.now
-                prompt_counted += req.prompt_tokens  # vLLM counts a prompt once, at its first token
-                m.ttft.observe(self.now - req.arrival)
-                m.params_n.observe(1)
-                m.max_num_generation_tokens.observe(req.max_tokens)
+                prompt_counted += self._first_token(req)
             elif req.last_token is not None:
                 m.itl.observe(self.now - req.last_token)  # a recompute after preemption
             req.last_token = self.now
@@ -398,6 +394,16 @@ class SimEngine:
             admitted.append((req, n, need))
             budget -= n
         return admitted
+
+    def _first_token(self, req: Request) -> int:
+        """``req`` samples its first token now: its TTFT observed; the prompt tokens to count (vLLM counts a
+        prompt once, at its first token)."""
+        m = self.metrics
+        req.first_token = self.now
+        m.ttft.observe(self.now - req.arrival)
+        m.params_n.observe(1)
+        m.max_num_generation_tokens.observe(req.max_tokens)
+        return req.prompt_tokens
 
     def _reason(self, req: Request) -> str:
         eos = req.generated >= req.output_tokens and req.generated < req.max_tokens
@@ -458,11 +464,7 @@ class SimEngine:
             req.generated += 1  # a finished prefill samples a token; so does every decode step
             emitted += 1
             if req.first_token is None:
-                req.first_token = self.now
-                prompt_counted += req.prompt_tokens  # vLLM counts a prompt once, at its first token
-                m.ttft.observe(self.now - req.arrival)
-                m.params_n.observe(1)
-                m.max_num_generation_tokens.observe(req.max_tokens)
+                prompt_counted += self._first_token(req)
             elif req.last_token is not None:
                 gap = self.now - req.last_token
                 gaps[gap] = gaps.get(gap, 0) + 1
