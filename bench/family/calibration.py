@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.family import runs, traces
-from tuner.sim.config import H200, GpuModel
+from tuner.sim.config import H200, GpuModel, config_from_args
+from tuner.sim.queueing import SimEngine
 
 # A decode step reads every running sequence's KV cache: 2 (K, V) × 32 layers × 8 KV heads × 128 × 2 bytes
 # = 128 KiB per token of context, at the H200's 4.8 TB/s of HBM bandwidth 27 ns per token. The single-GPU
@@ -131,6 +132,26 @@ def fit(decode: Sequence[float], prefill: Sequence[float], *, jobs: int = 1) -> 
     return 0
 
 
+def kv_bound() -> str:
+    """The single-GPU model against docs/evidence-h200.md's KV-bound capture (``--gpu-memory-utilization 0.2
+    --max-num-seqs 256``, 3,072/512 tokens, 128 clients): running 31-39, about 90 waiting, 2,499 output tokens/s,
+    preemptions climbing. One minute after 20 s of warm-up, the same flags and load."""
+    cfg = config_from_args(["--gpu-memory-utilization", "0.2", "--max-num-seqs", "256", "--max-model-len", "4096",
+                            "--sim-concurrency", "128", "--sim-prompt-tokens", "3072", "--sim-output-tokens", "512",
+                            "--sim-max-tokens", "512"], gpu=H200)
+    engine = SimEngine(cfg, started_at=0.0)
+    engine.advance(20.0)
+    tokens, preempted, seen = engine.metrics.generation_tokens.value, engine.metrics.preemptions.value, []
+    for t in range(21, 81):
+        engine.advance(float(t))
+        seen.append((len(engine.running), len(engine.waiting)))
+    rate = (engine.metrics.generation_tokens.value - tokens) / 60
+    return (f"KV-bound capture (real: running 31-39, ~90 waiting, 2499 output tokens/s, preemptions climbing): "
+            f"simulated running {min(r for r, _ in seen)}-{max(r for r, _ in seen)}, "
+            f"{min(w for _, w in seen)}-{max(w for _, w in seen)} waiting, {rate:.0f} output tokens/s, "
+            f"{(engine.metrics.preemptions.value - preempted) / 60:.2f} preemptions/s")
+
+
 def main() -> int:
     print(f"simulated pool: {GPU.name}, decode steps × {DECODE_SHARE} and prefill × {PREFILL_SHARE} of the "
           f"single-GPU model, {CONTEXT_TOKEN_SECONDS * 1e9:.1f} ns per token of context, front end "
@@ -149,4 +170,5 @@ def main() -> int:
             print(f"{run:20} {arm:12} {real['goodput']:12.2f} {sim.goodput:7.2f} {ratio:8.2f}   "
                   f"{_fmt(real.get('ttft_p50')):>13} {_fmt(sim.ttft_p50)}   {_fmt(real.get('ttft_p99')):>13} "
                   f"{_fmt(sim.ttft_p99)}")
+    print(kv_bound())
     return 0
