@@ -1,5 +1,5 @@
 """One trace, every arm: the static sweep, vLLM's defaults, and the tuner — the whole loop of
-``vllm-tuner run`` (``daemon.cycle.run_cycle``: collecting through the one engine client, ``stepping.step``,
+``vllm-tuner run`` (``runtime.cycle.run_cycle``: collecting through the one engine client, ``stepping.step``,
 pooling, the dispatcher and rollout machine with its verification, cooldowns and hysteresis, the live
 apply and the restart path with its drain and start-up) — in virtual time, against the simulated pool of
 ``bench.family.pool``. Nothing of the tuner is replaced but its clock, its transport and its actuator.

@@ -257,4 +257,8 @@ def book(histories: Mapping[str, history_mod.History], args: Mapping[str, knobs.
                 hist[name] = history_mod.rejected(hist[name], pool_new_args[name],
                                                   reason="rolled back on another replica", now=now,
                                                   for_seconds=reject_seconds)
+                # and booked as put back on this replica too: the pool's next change is planned on any
+                # replica's history, and one without the rollback proposed it again 97 s later (restart-000
+                # of seed 3: 12 → 216, 289, 288, 290, a restart and one back each)
+                hist[name] = history_mod.reverted(hist[name], changes, now=now)
     return hist, owned
