@@ -45,12 +45,6 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 # --- metrics ------------------------------------------------------------------------------------------------
 
 
-def observe_many(histogram: Any, amount: float, count: int) -> None:
-    """``count`` observations of the same ``amount`` at once: every decoding request of one engine step has
-    the same inter-token gap."""
-    histogram.observe(amount, count)
-
-
 def _go(value: float) -> str:
     """A sample's value as prometheus_client writes it."""
     return str(_go_float(value))  # type: ignore[no-untyped-call]
@@ -96,6 +90,7 @@ class _Histogram:
         self.total = 0.0
 
     def observe(self, amount: float, count: int = 1) -> None:
+        """``count`` observations of ``amount`` (every decoding request of one engine step has the same gap)."""
         self.counts[bisect.bisect_left(self.bounds, amount)] += count  # the first bound ≥ amount
         self.total += amount * count
 

@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tuner.sim.config import SimConfig
-from tuner.sim.metrics import VllmMetrics, observe_many
+from tuner.sim.metrics import VllmMetrics
 
 log = logging.getLogger("tuner.sim")
 
@@ -330,7 +330,7 @@ class SimEngine:
         self.now += duration
         self.steps += 1
         if decoding:
-            observe_many(m.itl, self.now - self._last_end, decoding)
+            m.itl.observe(self.now - self._last_end, decoding)  # every decode of a step has the same gap
         emitted = decoding
         prompt_counted = 0
         finished = decoded = False
@@ -469,13 +469,11 @@ class SimEngine:
                 gap = self.now - req.last_token
                 gaps[gap] = gaps.get(gap, 0) + 1
             req.last_token = self.now
-            if req.generated >= req.output_tokens or req.generated >= req.max_tokens \
-                    or req.prompt_tokens + req.generated >= cfg.max_model_len:
-                eos = req.generated >= req.output_tokens and req.generated < req.max_tokens
-                self._finish(req, "stop" if eos else "length")
+            if req.generated >= self._limit(req):
+                self._finish(req, self._reason(req))
                 finished = True
         for gap, count in gaps.items():
-            observe_many(m.itl, gap, count)
+            m.itl.observe(gap, count)
         if finished:
             self.running = [r for r in self.running if r.state == "running"]
         m.prompt_tokens.inc(prompt_counted)
