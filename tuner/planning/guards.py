@@ -433,20 +433,25 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
     return allow("cooldown")
 
 
+def _hysteresis_seconds(settings: SafetySettings, live: bool) -> float:
+    return settings.live_hysteresis_seconds if live else settings.hysteresis_seconds
+
+
 def bracket(knob: str, direction: int, history: History, *, settings: SafetySettings, now: float,
             live: bool = True) -> tuple[float, float] | None:
-    """A live reversal of the knob's last live change, within the live hysteresis period, may go halfway back
-    at most: (the value it stands at, the halfway point) — or None where that does not apply (no such last
-    change, the same direction). After a change its verification put back (``history.reverted``), that is a
-    bisection toward the value that failed: a raise whose TPOT broke the SLO is tried again halfway, then
-    halfway again, instead of held for 10 minutes or retried whole every verification. On the trace family the hysteresis held every raise for 10 minutes after a lowering
-    while a queue grew at the lowered cap (live-016 of seed 2: 263 → 129 by kv-preemption-cap, then a phase
+    """A reversal of the knob's last change, within the hysteresis period (``live``: the live one), may go
+    halfway back at most: (the value it stands at, the halfway point) — or None where that does not apply (no
+    such last change, the same direction). After a change its verification put back (``history.reverted``),
+    that is a bisection toward the value that failed: a raise whose TPOT broke the SLO is tried again halfway,
+    then halfway again, instead of held for the whole hysteresis or retried whole at every verification. On
+    the trace family the hysteresis held every raise for 10 minutes after a lowering while a queue grew at
+    the lowered cap (live-016 of seed 2: 263 → 129 by kv-preemption-cap, then a phase
     that needed 250: 0.007 × the best static); the bisection lets the evidence move the cap back without
     letting it flap — each reversal halves the distance, and one inside the model's deadband is no change."""
     last = history.changes.get(knob)
     if last is None or direction == 0 or last.direction == direction:
         return None
-    if now - last.at >= (settings.live_hysteresis_seconds if live else settings.hysteresis_seconds):
+    if now - last.at >= _hysteresis_seconds(settings, live):
         return None
     try:
         was, now_at = float(last.from_value), float(last.to_value)
@@ -469,7 +474,7 @@ def hysteresis(knob: str, flag: str, direction: int, history: History, *, settin
     if span is not None and to_value is not None and min(span) <= to_value <= max(span) and to_value != span[0]:
         return allow("hysteresis", f"{flag}: halfway back at most within the hysteresis "
                      f"({last.from_value}→{last.to_value} by {last.rule})")
-    left = last.at + (settings.live_hysteresis_seconds if live else settings.hysteresis_seconds) - now
+    left = last.at + _hysteresis_seconds(settings, live) - now
     if left > 0:
         moved = "raised" if last.direction > 0 else "lowered"
         return deny("hysteresis", f"{flag} was {moved} {last.from_value}→{last.to_value} by {last.rule} "

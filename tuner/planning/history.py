@@ -130,7 +130,7 @@ def applied(history: History, changes: Iterable[Change], *, now: float) -> Histo
     return replace(history, changes=_frozen(last), streaks=_frozen(), restarts=restarts, idle_since=None)
 
 
-ROLLED_BACK = " (rolled back)"  # FlagChange.rule of a live change put back (``reverted``)
+ROLLED_BACK = " (rolled back)"  # FlagChange.rule of a change its verification put back (``reverted``)
 
 
 def reverted(history: History, changes: Iterable[Change], *, now: float) -> History:

@@ -365,8 +365,9 @@ def _floored(p: evaluation.Proposal, floor: guards.Floor) -> evaluation.Proposal
 
 def _bracketed(p: evaluation.Proposal, history: History, settings: DecisionSettings, *, now: float,
                live: bool) -> evaluation.Proposal:
-    """A live reversal within the hysteresis period, clamped halfway back (``guards.bracket``); unchanged when
-    the halfway point is within the model's deadband of today's value (the hysteresis then holds it)."""
+    """A reversal within the hysteresis period (live or by restart), clamped halfway back (``guards.bracket``);
+    unchanged when the halfway point is within the model's deadband of today's value (the hysteresis then
+    holds it)."""
     span = guards.bracket(p.knob, p.direction, history, settings=settings.safety, now=now, live=live)
     if span is None or isinstance(p.to_value, bool):
         return p
