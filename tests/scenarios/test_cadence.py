@@ -123,36 +123,23 @@ def test_steady_load_at_a_good_cap_changes_nothing():
     assert max(s.waiting for s in run[10:]) <= 10
 
 
-def test_a_tpot_breach_steps_down_once():
-    """256 closed-loop clients on 256 slots with a TPOT SLO of 40 ms: the p99 is in the 25-50 ms bucket, the
-    batch is full, nothing is preempted — slots-over-tpot-slo lowers the cap live, once, to the frontier
-    n₁ · (SLO / TPOT)^(1/α) (or half the batch, whichever is more), and the TPOT of the requests served since
-    meets the SLO. The queue rule then wants the 256 clients' slots back: within the hysteresis it goes halfway
-    at most (guards.bracket), never back to the value that broke the SLO."""
+def test_a_tpot_breach_that_lowering_would_trade_for_ttft_misses_is_held():
+    """256 closed-loop clients on 256 slots with a TPOT SLO of 40 ms: the TPOT p99 is in the 25-50 ms bucket,
+    the batch is full, nothing is preempted. Lowering the cap would make the clients that no longer fit wait for
+    a slot: every miss of the TPOT SLO it removes becomes a miss of the TTFT SLO (the goodput counts both).
+    While the start's burst keeps the TTFT tail over its SLO, slots-over-tpot-slo does not fire at all (its
+    gate: the TTFT has room to spend); after it, the concurrency model keeps every slot the clients need
+    (Little's law on the closed loop, ÷ utilisation). The cap stays 256 and the reasons say why."""
     slo = models.SloSettings(tpot_p99_s=0.04)
     run = drive(cap=256, load={0.0: {"concurrency": 256}}, seconds=60, settings=H200.model_copy(update={"slo": slo}))
-    stepped = [s for s in run if s.changes]
-    first = stepped[0]
-    (change,) = first.changes
-    assert first.t <= 3 * INTERVAL + 1e-9  # the first decided window (the third scrape has 3 snapshots)
-    assert (change.rule, change.from_value, change.live, change.direction) == ("slots-over-tpot-slo", 256, True, -1)
-    s = first.decision.signals
-    # the frontier is read at the batch the window's requests ran in (requests_running_max: the slots pinned)
-    n1, tpot = s["requests_running_max"].value, s["tpot_p99_s"].value
-    frontier = n1 * (0.04 / tpot) ** (1 / 0.3)
-    # one step at most halves the batch (models.MAX_LOWERING): the frontier, 125.7 here, is just below it
-    assert tpot > 0.04 and change.to_value == max(int(frontier), int(n1 * 0.5)) < 256
-    assert f"TPOT SLO frontier {frontier:.3g}" in change.reason and f"→ {change.to_value}" in change.reason
-    # not overloaded: Little's law on the arrivals the full batch serves needs fewer in service than that
-    assert "overloaded" not in change.reason
-    # the one lowering: what follows is the queue rule bisecting toward 256, halfway at most, after the live
-    # cooldown — never the lowering rule again at once, never 256 again
-    later = [c for x in stepped[1:] for c in x.changes]
-    assert all(c.live and c.to_value < 256 for c in later)
-    assert later[0].rule == "queue-slot-bound" and later[0].to_value <= (256 + change.to_value) // 2
-    assert "halfway back at most within the hysteresis" in later[0].reason
-    assert stepped[1].t >= first.t + 30  # the live cooldown holds the reversal
-    # until then, once the decision window holds only requests served at the new cap, their TPOT p99 meets the SLO
-    after = [x for x in run if first.t + 8 <= x.t < stepped[1].t]
-    assert after and all(x.decision.signals["tpot_p99_s"].value <= 0.04 for x in after)
-    assert all(x.cap == change.to_value for x in after)
+    assert not [s for s in run if s.changes] and all(x.cap == 256 for x in run)
+    decided = [x for x in run if x.decision.signals["tpot_p99_s"].value is not None]
+    assert decided and all(x.decision.signals["tpot_p99_s"].value > 0.04 for x in decided)
+    burst = [x for x in decided if x.decision.signals["ttft_p99_s"].value > 1.0]
+    steady = [x for x in decided if x.decision.signals["ttft_p99_s"].value <= 1.0]
+    assert burst and steady and max(x.t for x in burst) < min(x.t for x in steady)
+    for x in burst:
+        assert x.decision.plan is not None and "slots-over-tpot-slo" not in x.decision.plan.summary()
+    for x in steady:
+        summary = x.decision.plan.summary() if x.decision.plan is not None else ""
+        assert "slots-over-tpot-slo" in summary and "the arrivals need" in summary, summary

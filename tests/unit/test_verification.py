@@ -120,3 +120,21 @@ def test_the_queue_slot_raise_without_a_tpot_value_is_not_judged_like_any_establ
     assert v.reason.startswith("tpot_p99_s (queue-slot-bound): no value in the verification window "
                                "(sglang does not expose this); not judged")
     assert not verification.judge(checks, {}, {}, errors=2).ok
+
+
+@given(tpot=st.floats(0.0, 1.0), ttft=st.one_of(st.none(), st.floats(0.0, 10.0)))
+def test_an_at_most_check_is_waived_only_while_its_waiver_signal_stays_above_its_bound(tpot, ttft):
+    """queue-slot-bound's price: the TPOT tail within its SLO, unless the TTFT tail still misses its own after
+    the raise (the cap is still short of the demand: putting it back moves the misses, not removes them). The
+    bounds are resolved when the change is decided and travel with the journaled check."""
+    v = Verify.model_validate({"signal": "tpot_p99_s", "expect": "at-most", "slo": "tpot_p99_s",
+                               "unless_above": {"signal": "ttft_p99_s", "slo": "ttft_p99_s"}})
+    (c,) = verification.checks_of([Change("--max-num-seqs", "max_num_seqs", 8, 64, "queue-slot-bound", "r", 1, verify=(v,))],
+                                  slo=SloSettings(ttft_p99_s=1.0, tpot_p99_s=0.1))
+    assert (c.bound, c.waiver_bound) == (0.1, 1.0)
+    assert verification.Check.from_dict(c.as_dict()) == c
+    after = {"tpot_p99_s": tpot} if ttft is None else {"tpot_p99_s": tpot, "ttft_p99_s": ttft}
+    verdict = verification.judge([c], {}, after, errors=0)
+    waived = ttft is not None and ttft > 1.0
+    assert verdict.ok == (waived or tpot <= 0.1)
+    assert ("waived: ttft_p99_s" in verdict.reason) == waived

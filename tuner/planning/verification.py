@@ -37,20 +37,24 @@ class Check:
     verify: Verify
     experimental: bool = False
     bound: float | None = None  # at-most: the bound, resolved when the change was decided (an SLO may move)
+    waiver_bound: float | None = None  # at-most with unless_above: that signal's bound, resolved likewise
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"rule": self.rule, "experimental": self.experimental, **self.verify.as_dict()}
         if self.bound is not None:
             out["bound"] = self.bound
+        if self.waiver_bound is not None:
+            out["waiver_bound"] = self.waiver_bound
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Check:
-        fields = {k: v for k, v in data.items() if k not in ("rule", "experimental", "bound")}
-        bound = data.get("bound")
+        fields = {k: v for k, v in data.items() if k not in ("rule", "experimental", "bound", "waiver_bound")}
+        bound, waiver = data.get("bound"), data.get("waiver_bound")
         return cls(rule=str(data["rule"]), verify=Verify.model_validate(fields),
                    experimental=bool(data.get("experimental", False)),
-                   bound=float(bound) if isinstance(bound, int | float) else None)
+                   bound=float(bound) if isinstance(bound, int | float) else None,
+                   waiver_bound=float(waiver) if isinstance(waiver, int | float) else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,13 @@ def checks_of(changes: Iterable[Change], *, slo: SloSettings | None = None) -> t
             return None
         return v.value if v.value is not None else slo.value(v.slo or "")
 
-    return tuple(Check(rule=c.rule, verify=v, experimental=c.experimental, bound=bound(v))
+    def waiver(v: Verify) -> float | None:
+        w = v.unless_above
+        if w is None:
+            return None
+        return w.value if w.value is not None else slo.value(w.slo or "")
+
+    return tuple(Check(rule=c.rule, verify=v, experimental=c.experimental, bound=bound(v), waiver_bound=waiver(v))
                  for c in changes for v in c.verify)
 
 
@@ -88,9 +98,17 @@ def _relative(before: float, after: float) -> float:
 
 
 def judge_check(check: Check, before: float | None, after: float | None,
-                why_missing: str | None = None) -> tuple[bool, str]:
+                why_missing: str | None = None, *, waiver_after: float | None = None) -> tuple[bool, str]:
+    """One check's verdict and its one-line reason. ``waiver_after``: the value after the change of the
+    signal an at-most check's ``unless_above`` names (above its bound, the check is waived)."""
     v = check.verify
     name = f"{v.signal} ({check.rule})"
+    w = v.unless_above
+    if v.expect == "at-most" and w is not None and waiver_after is not None:
+        wbound = check.waiver_bound if check.waiver_bound is not None else w.value
+        if wbound is not None and waiver_after > wbound:
+            return True, (f"{name} waived: {w.signal} {_fmt(waiver_after)} > {_fmt(wbound)} after the change "
+                          "(still short of the demand: putting it back moves the misses, not removes them)")
     if v.expect == "at-most":
         limit = check.bound if check.bound is not None else v.value
         if after is None or limit is None:
@@ -130,7 +148,9 @@ def judge(checks: Sequence[Check], before: Values, after: Values, *, errors: flo
         failed.append(f"{errors:.0f} requests errored, aborted or were rejected in the verification window")
     for check in checks:
         name = check.verify.signal
-        ok, text = judge_check(check, before.get(name), after.get(name), (why_missing or {}).get(name))
+        waiver = check.verify.unless_above
+        ok, text = judge_check(check, before.get(name), after.get(name), (why_missing or {}).get(name),
+                               waiver_after=after.get(waiver.signal) if waiver is not None else None)
         (passed if ok else failed).append(text)
     if errors is None:
         passed.append("error counters unreadable")

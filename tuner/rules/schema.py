@@ -386,6 +386,30 @@ def _check_in_range(info: ValidationInfo, value: float) -> None:
         raise ValueError(f"{info.data['flag']}: {why}")
 
 
+class Waiver(_Model):
+    """When an ``at-most`` check does not apply: while ``signal`` stays above ``value`` or the SLO ``slo``
+    after the change (queue-slot-bound's: the TTFT tail still misses its SLO, so the cap is still short of
+    the demand and putting it back would only move the misses from the TPOT to the TTFT)."""
+
+    signal: str
+    value: float | None = None
+    slo: SloName | None = None
+
+    @field_validator("signal")
+    @classmethod
+    def _signal(cls, v: str) -> str:
+        return _check_signal(v)
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> Waiver:
+        if (self.value is None) == (self.slo is None):
+            raise ValueError("unless_above takes exactly one of `value:` and `slo:`")
+        return self
+
+    def as_dict(self) -> dict[str, object]:
+        return {"signal": self.signal, **({"slo": self.slo} if self.slo is not None else {"value": self.value})}
+
+
 class Verify(_Model):
     """One check of a change, after the rollout: the replica's signals over its verification window
     against the same signals before the change (the window the rule fired on). A rule may list several;
@@ -406,6 +430,8 @@ class Verify(_Model):
     """For decrease/increase: the least relative improvement that counts (0.05 = 5 %)."""
     tolerance: float = Field(default=0.1, ge=0)
     """For no-increase/no-decrease: the largest relative worsening accepted (0.1 = 10 %)."""
+    unless_above: Waiver | None = None
+    """For at-most: the check is waived while this other signal stays above its bound after the change."""
 
     @field_validator("signal")
     @classmethod
@@ -420,6 +446,8 @@ class Verify(_Model):
             raise ValueError(f"expect {self.expect} takes tolerance, not min_change")
         if self.expect == "at-most" and (self.value is None) == (self.slo is None):
             raise ValueError("expect at-most takes exactly one of `value:` and `slo:`")
+        if self.expect != "at-most" and self.unless_above is not None:
+            raise ValueError(f"expect {self.expect} compares with the baseline: `unless_above:` goes with at-most")
         if self.expect != "at-most" and (self.value is not None or self.slo is not None):
             raise ValueError(f"expect {self.expect} compares with the baseline: `value:`/`slo:` go with at-most")
         return self
@@ -428,14 +456,19 @@ class Verify(_Model):
         """The fields that mean something for ``expect`` (what journals and plans show)."""
         if self.expect == "at-most":
             bound = {"slo": self.slo} if self.slo is not None else {"value": self.value}
-            return {"signal": self.signal, "expect": self.expect, **bound}
+            waiver = {"unless_above": self.unless_above.as_dict()} if self.unless_above is not None else {}
+            return {"signal": self.signal, "expect": self.expect, **bound, **waiver}
         amount = ("min_change", self.min_change) if self.expect in ("decrease", "increase") else \
             ("tolerance", self.tolerance)
         return {"signal": self.signal, "expect": self.expect, amount[0]: amount[1]}
 
     def describe(self) -> str:
         if self.expect == "at-most":
-            return f"{self.signal} must stay ≤ " + (f"the SLO {self.slo}" if self.slo else f"{self.value:g}")
+            text = f"{self.signal} must stay ≤ " + (f"the SLO {self.slo}" if self.slo else f"{self.value:g}")
+            w = self.unless_above
+            if w is not None:
+                text += f" unless {w.signal} stays above " + (f"the SLO {w.slo}" if w.slo else f"{w.value:g}")
+            return text
         if self.expect in ("decrease", "increase"):
             return f"{self.signal} must {self.expect} by ≥ {self.min_change:.0%}"
         worse = "rise" if self.expect == "no-increase" else "fall"
