@@ -149,3 +149,25 @@ def test_a_lowering_step_at_most_halves_the_batch() -> None:
     gentle = models.concurrency({**s, "tpot_p99_s": Signal(0.11)}, models.ModelSettings(), slo=models.SloSettings(),
                                 down=True)
     assert gentle.value == math.floor(170 * (0.1 / 0.11) ** (1 / 0.3))  # near the SLO: the frontier itself
+
+
+def test_a_step_past_the_frontier_is_live_overloaded_and_short_of_the_median_cliff() -> None:
+    """slots-past-frontier: 46 req/s on a batch of 58 whose TPOT p99 sits at the SLO (the frontier, 58) while
+    the queue grows: one live step × 2, at most to the batch where the median request's predicted TPOT meets
+    the SLO; nothing when the frontier carries the arrivals, when the step cannot be live, or when the median
+    is already at the cliff."""
+    s = sig(arrival_rate_per_s=46.0, slot_seconds_mean=2.5, requests_running_mean=57.0, requests_waiting_mean=30.0,
+            in_system_growth_per_s=5.0, requests_running=58.0, requests_waiting=40.0, requests_running_max=58.0,
+            tpot_p99_s=0.1, tpot_p50_s=0.06)
+    slo, ms = models.SloSettings(), models.ModelSettings()
+    median = 58 * (0.1 / 0.06) ** (1 / 0.3)  # 317: the doubling is short of it
+    est = models.concurrency(s, ms, slo=slo, at_least=116, past_frontier=True)
+    assert est.value == 116 and "one live step past it (× 2) → 116" in est.text and median > 116
+    near = models.concurrency({**s, "tpot_p50_s": Signal(0.09)}, ms, slo=slo, at_least=116, past_frontier=True)
+    assert near.value == math.floor(58 * (0.1 / 0.09) ** (1 / 0.3)) and "at most the median TPOT frontier" in near.text
+    cliff = models.concurrency({**s, "tpot_p50_s": Signal(0.099)}, ms, slo=slo, at_least=116, past_frontier=True)
+    assert cliff.value is None and "leaves no room above the batch 58" in cliff.text
+    assert models.concurrency(s, ms, slo=slo, past_frontier=True).value is None  # not live: no step past it
+    light = models.concurrency({**s, "arrival_rate_per_s": Signal(10.0), "in_system_growth_per_s": Signal(0.0)},
+                               ms, slo=slo, at_least=116, past_frontier=True)
+    assert light.value is None and "not overloaded" in light.text

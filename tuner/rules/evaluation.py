@@ -290,7 +290,7 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
                 ceiling = ctx.live.envelope.get(knob.name)
                 at_least = c * factor if ceiling is None else min(c * factor, ceiling)
             estimate = models.concurrency(ctx.signals, ctx.model, utilisation=then.utilisation, slo=ctx.slo,
-                                          down=down, at_least=at_least)
+                                          down=down, at_least=at_least, past_frontier=then.past_frontier)
             intent = -1 if down else 1  # a model that finds enough is a no-op, never a move the other way
         else:
             estimate = models.step_budget(ctx.signals, ctx.slo, current=c)
@@ -376,6 +376,10 @@ def evaluate_rule(rule: Rule, ctx: Context, *, streak_before: int = 0) -> Outcom
         return Outcome(rule.id, "disabled", 0, "disabled in the rule file")
     if ctx.kind not in rule.engines:
         return Outcome(rule.id, "not-applicable", 0, f"applies to {', '.join(rule.engines)}, not {ctx.kind}")
+    if rule.then.past_frontier:
+        why = ctx.live.can_move(rule.then.knob.name, 1)
+        if why is not None:
+            return Outcome(rule.id, "not-applicable", 0, f"a step past the TPOT SLO frontier is taken live only: {why}")
     truth = check(rule.when.condition, ctx)
     if truth.value is None:
         return Outcome(rule.id, "unknown", 0, truth.text)

@@ -131,11 +131,13 @@ def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
 
 def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
                 slo: SloSettings | None = None, down: bool = False, growth_share: float = 0.1,
-                at_least: float | None = None) -> Estimate:
+                at_least: float | None = None, past_frontier: bool = False) -> Estimate:
     """The sequence slots the traffic needs (see the module docstring). ``growth_share``: the queue counts
     as growing (open loop) when running + waiting rises faster than this share of the arrival rate. ``slo``:
     the TPOT SLO the frontier keeps (None: no frontier). ``down``: the frontier itself (a lowering).
-    ``at_least``: a raise goes at least this far, the frontier permitting (a live raise: live_raise_factor)."""
+    ``at_least``: a raise goes at least this far, the frontier permitting (a live raise: live_raise_factor).
+    ``past_frontier``: only the overloaded case, one live step past the frontier to ``at_least`` (None
+    otherwise: not overloaded, or no live step)."""
     u = settings.utilisation if utilisation is None else utilisation
     alpha = settings.tpot_exponent
     names = ("arrival_rate_per_s", "slot_seconds_mean", "requests_running_mean", "requests_waiting_mean",
@@ -204,7 +206,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         text += f"; a live raise goes at least ×{settings.live_raise_factor:g} → {target}"
     frontier = _frontier(signals, slo, alpha)
     if isinstance(frontier, str):
-        if down:
+        if down or past_frontier:
             return Estimate(None, f"{text}; but {frontier}")
         return Estimate(float(target), f"{text}; {frontier}")
     if down:
@@ -230,6 +232,30 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
             f = max(1, math.floor(batch * MAX_LOWERING))
             why.append(f"at most half the batch {batch:.3g} in one step")
         return Estimate(float(f), f"{text}; {'; '.join(why)} → {f}")
+    if past_frontier:
+        if at_least is None:
+            return Estimate(None, f"{text}; a step past the TPOT SLO frontier {frontier:.3g} is taken live only")
+        if little <= frontier:
+            return Estimate(None, f"{text}; not overloaded: the TPOT SLO frontier {frontier:.3g} carries the "
+                                  "arrivals")
+        g = math.ceil(at_least - 1e-9)
+        over = (f"{text}; overloaded: even the TPOT SLO frontier {frontier:.3g} cannot carry the arrivals, one "
+                f"live step past it (× {settings.live_raise_factor:g}) → {g}")
+        # ...to the median's frontier at most: the batch at which the median request's predicted TPOT meets the
+        # SLO. Past it most requests miss their TPOT, a cliff the goodput falls off (trace family seed 7,
+        # live-029: 34 → 68 slots took the TPOT p50 0.09 → 0.17 s, and 30 s there halved the trace's goodput)
+        median = _frontier(signals, slo, alpha, quantile="tpot_p50_s")
+        if isinstance(median, str):
+            return Estimate(None, f"{over}; but {median.replace('TPOT frontier', 'median TPOT frontier')}")
+        batch = _v(signals, "requests_running_max") or 0.0
+        m = math.floor(median + 1e-9)
+        if m < g:
+            if m < batch * (1 + settings.min_step):
+                return Estimate(None, f"{over}; but the median TPOT frontier {median:.3g} leaves no room above "
+                                      f"the batch {batch:.3g}")
+            g = m
+            over += f"; at most the median TPOT frontier {median:.3g} → {g}"
+        return Estimate(float(g), over)
     if target > frontier:
         # never below today's batch: a raise the frontier forbids is a no-op here, the lowering rule's to make
         f = max(1, math.floor(frontier + 1e-9), math.floor(_v(signals, "requests_running_max") or 1))
@@ -240,15 +266,17 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
     return Estimate(float(target), text)
 
 
-def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, alpha: float) -> float | str:
-    """The largest batch whose predicted TPOT p99 meets the SLO, or why it is not known. The TPOT was measured
-    at the batch the window's requests ran in: ``requests_running_max`` (the rules that use the frontier fire
-    only with the slots pinned, where that is the batch)."""
+def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, alpha: float, *,
+              quantile: str = "tpot_p99_s") -> float | str:
+    """The largest batch whose predicted TPOT p99 (``quantile``: another of the window's TPOT quantiles)
+    meets the SLO, or why it is not known. The TPOT was measured at the batch the window's requests ran in:
+    ``requests_running_max`` (the rules that use the frontier fire only with the slots pinned, where that is
+    the batch)."""
     if slo is None:
         return "no TPOT frontier (no SLO given)"
-    tpot, batch = _v(signals, "tpot_p99_s"), _v(signals, "requests_running_max")
+    tpot, batch = _v(signals, quantile), _v(signals, "requests_running_max")
     if tpot is None or tpot <= 0:
-        return f"no TPOT frontier ({_why(signals, 'tpot_p99_s')})"
+        return f"no TPOT frontier ({_why(signals, quantile)})"
     if batch is None or batch <= 0:
         return f"no TPOT frontier ({_why(signals, 'requests_running_max')})"
     if alpha <= 0:

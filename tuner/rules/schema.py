@@ -295,6 +295,9 @@ class Then(_Model):
     direction: Literal["up", "down"] | None = None
     """step: which neighbour to move to. model concurrency: ``down`` lowers to the TPOT SLO frontier
     (default: up, to what the traffic needs)."""
+    past_frontier: bool = False
+    """model concurrency, up: one live step (× ``decisions.model.live_raise_factor``) past the TPOT SLO
+    frontier, and only when even the frontier cannot carry the arrivals (overloaded); otherwise no change."""
     min: float | None = None
     """Never go below this."""
     max: float | None = None
@@ -352,6 +355,8 @@ class Then(_Model):
             raise ValueError("`model:` and `utilisation:` go with op model")
         if self.op == "model" and self.direction is not None and self.model != "concurrency":
             raise ValueError("`direction:` goes with op step or model concurrency")
+        if self.past_frontier and (self.model != "concurrency" or self.direction == "down"):
+            raise ValueError("`past_frontier:` goes with op model, model concurrency, upwards")
         if self.op == "model" and knob.type != "int":
             raise ValueError(f"op model computes a count; {self.flag} is {knob.type}")
         if self.op == "set" and (self.value is None) == (self.value_from is None):
