@@ -29,7 +29,8 @@ from harness.ports import free_port
 from tests.support import fake_kube as fk
 from tests.support import kube_pool as kp
 from tests.support.launcher import fake_engine_argv
-from tuner.launcher import packaging, protocol
+from tuner.launcher import packaging
+from tuner.portable import pod_protocol as protocol
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.sources import live_knobs
