@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from bench import evaluate
-from harness import live_rollout as live
+from harness import live
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "bench" / "evaluation" / "profiles" / "cpu-ci.yaml"

@@ -32,9 +32,8 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import live_rollout as live
+from harness import live, vllm
 from harness import nginx as nginx_support
-from harness import vllm
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder
 from tuner.launcher import packaging

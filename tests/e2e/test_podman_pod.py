@@ -22,8 +22,7 @@ from typing import Any
 
 import pytest
 
-from harness import live_rollout as live
-from harness import required, vllm
+from harness import live, required, vllm
 from tests.support import podman as pm
 from tuner.launcher import packaging
 

@@ -53,9 +53,8 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import live_rollout as live
+from harness import live, required, vllm
 from harness import nginx as nginx_support
-from harness import required, vllm
 from tests.support import systemd as systemd_support
 from tuner.actuators import base, systemd
 from tuner.model import secrets

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import live_rollout as live
+from harness import live
 from harness.ports import free_port
 from tests.support import fake_kube as fk
 from tests.support import kube_pool as kp
