@@ -60,6 +60,9 @@ from tuner.actuators import base, systemd
 from tuner.model import secrets
 from tuner.rollout import journal as journaling
 
+# Scheduling (tests/conftest.py): its turn on the real-engine tests' worker (lower first).
+ENGINE_WORKER_TURN = 50
+
 UNIT = vllm.REPO_ROOT / "deploy" / "systemd" / "vllm@.service"
 NAMES = ("sa", "sb")
 API_KEY = "e2e-engine-token-6f1c"

@@ -35,6 +35,10 @@ from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.sources import live_knobs
 
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 1
+
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 
 

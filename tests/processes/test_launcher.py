@@ -26,6 +26,10 @@ from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_a
 from tuner.launcher import packaging, probes
 from tuner.portable import pod_protocol as protocol
 
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 5
+
 
 @pytest.fixture
 def state(tmp_path: Path) -> Path:
