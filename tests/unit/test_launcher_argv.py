@@ -1,6 +1,7 @@
-"""The launcher's argv patcher and its protocol, pure. The launcher keeps its own copy of
-``knobs.EngineArgs.with_value`` (it may import only the standard library): the table below holds the two
-to the same answers, and a property test to the same answers on generated command lines."""
+"""The one argv writer (``tuner.portable.argv``) and the pod's protocol, pure. The launcher patches its
+engine's command line with it, and ``EngineArgs`` writes through it: the table below and a property test
+hold the two entry points to the same answers, and a structural test holds that ``EngineArgs`` has no
+writer of its own."""
 
 from __future__ import annotations
 
@@ -70,6 +71,16 @@ def test_agreement_on_generated_command_lines(base, flag, value):
 @given(st.lists(tokens, max_size=10))
 def test_the_tuner_reads_a_command_line_with_the_launchers_reader(argv):
     assert knobs.EngineArgs.parse(argv).items == tuple(argvs.parse(argv))  # one reader, not two copies
+
+
+def test_engineargs_builds_no_argv_item_of_its_own():
+    """One writer: no module of tuner/model constructs an argv ``Item`` (issue 29: ``model/knobs.py`` once
+    repeated the launcher's writer line for line)."""
+    model = Path(knobs.__file__).resolve().parent
+    makers = [f"{p.name}:{node.lineno}" for p in sorted(model.glob("*.py")) for node in ast.walk(ast.parse(p.read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute)
+              and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr) == "Item"]
+    assert not makers, makers
 
 
 def test_base_hash_is_of_the_exact_argv():
