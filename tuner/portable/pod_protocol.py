@@ -16,7 +16,7 @@
 
 The launcher relaunches the engine when the command line that ``desired.json`` asks for differs from
 the one running (or when nothing runs after a failed candidate). ``status.json`` is the launcher's
-answer (see ``launching.Launcher.status``). Both are written atomically: a temporary file in the same
+answer (see ``tuner.launcher.launching.Launcher.status``). Both are written atomically: a temporary file in the same
 directory, fsync, rename.
 
 ``allowed-flags.json`` (written by the agent at its start, from its own rules; read by the launcher,
