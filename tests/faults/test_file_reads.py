@@ -62,7 +62,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tuner/launcher/packaging.py", "p.read_bytes()"): "the package's own source files",
     ("tuner/launcher/packaging.py", "os.fdopen(fd, 'wb')"): "a file mkstemp just created",
     ("tuner/portable/pod_protocol.py", "os.fdopen(fd, 'w', encoding='utf-8')"): "a file mkstemp just created",
-    ("tuner/sources/live_knobs.py", "os.fdopen(fd, 'w', encoding='utf-8')"): "a file mkstemp just created",
     # the live-knob protocol, the plugin's byte copy (the plugin reads control.json, the tuner never calls these)
     ("tuner/portable/live_protocol.py", "os.open(path, flags)"):
         "control.json after lstat says regular and small: O_NONBLOCK | O_NOFOLLOW, read bounded",

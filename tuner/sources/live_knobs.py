@@ -28,12 +28,9 @@ the daemon), or, on Kubernetes, through the agent of the engine's pod, which alo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 import stat
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,26 +144,15 @@ def request_document(seq: int, **values: int | None) -> dict[str, Any]:
 
 
 def write_request(control_dir: str | os.PathLike[str], seq: int, **values: int | None) -> Path:
-    """Write ``control.json`` atomically (a 0600 temp file in the same directory, then rename) and
-    return its path. ``values``: ``max_num_active_seqs=16, max_num_batched_tokens=None``; a knob left
-    out means the engine's startup value."""
+    """Write ``control.json`` atomically (``live_protocol.write_json_atomically``: a 0640 temp file in the
+    same directory, then rename) and return its path. ``values``: ``max_num_active_seqs=16,
+    max_num_batched_tokens=None``; a knob left out means the engine's startup value."""
     document = request_document(seq, **values)
-    directory = Path(control_dir)
-    target = directory / CONTROL_FILE
+    target = Path(control_dir) / CONTROL_FILE
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".control.", suffix=".tmp")
+        live_protocol.write_json_atomically(str(target), document)
     except OSError as exc:
-        raise SourceError(str(directory), f"cannot write a request ({exc.strerror})") from exc
-    try:
-        os.fchmod(fd, 0o640)  # readable by an engine of another uid that shares the directory's group
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f)
-            f.write("\n")
-        os.replace(tmp, target)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise SourceError(str(target), f"cannot write the request ({exc.strerror})") from exc
+        raise SourceError(str(control_dir), f"cannot write a request ({exc.strerror})") from exc
     return target
 
 
