@@ -81,7 +81,7 @@ e2e: venv vllm-env
 
 # The whole suite, real-vLLM end-to-end tests included, in one session: three workers, a file's tests
 # together; tests/conftest.py's scheduler gives every real-engine test to one worker, one at a time (each
-# takes ~3 GB and most of two cores; in E2E_ORDER, the evaluation last), and the files without a real
+# takes ~3 GB and most of two cores; in the ENGINE_WORKER_TURN each declares, the evaluation last), and the files without a real
 # engine run on the other workers beside them (the summary says when each kind was done). The tiers one
 # after the other took 2,523 s on CI (0.3.0); in one session 1,313 s on CI and 1,143 s on a fresh clone
 # here (2 cores), 1,362 s with two busy loops beside it (0.3.1).

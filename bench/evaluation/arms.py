@@ -5,7 +5,7 @@ Three kinds of pool, all behind ``harness.nginx.NginxBalancer``:
 - ``StaticPool``: the harness starts the replicas itself (``harness.vllm.VllmServer``), with fixed
   flags; with ``plugin=True`` every replica gets its own live-knob control directory, so that one
   wide-envelope start serves the bad start, the sweep and the defaults (``set_cap``).
-- ``TunerPool``: ``vllm-tuner run`` launches the replicas itself (``harness.live_rollout.ProcessPool``:
+- ``TunerPool``: ``vllm-tuner run`` launches the replicas itself (``harness.live.ProcessPool``:
   process actuator, nginx drain), with the arm's tuner settings composed into a full configuration.
   ``live=True`` starts them with the wide envelope and the plugin, the cap at the bad start.
 
@@ -34,7 +34,7 @@ import httpx
 import yaml
 
 from bench.evaluation import analysis, profiles
-from harness import live_rollout, vllm
+from harness import live, vllm
 from harness import nginx as nginx_support
 from tuner.model import snapshots
 from tuner.sources import live_knobs
@@ -237,7 +237,7 @@ def wait_idle(replicas: Mapping[str, str], timeout: float) -> None:
                 return False
         return True
 
-    live_rollout.wait_for(idle, timeout, "every replica to be idle (nothing running or waiting)", poll=1)
+    live.wait_for(idle, timeout, "every replica to be idle (nothing running or waiting)", poll=1)
 
 
 def upstream_names(replicas: Mapping[str, int]) -> dict[str, str]:
@@ -433,7 +433,7 @@ class StaticPool:
         for s in self.servers.values():
             with contextlib.suppress(Exception):
                 s.stop()
-        live_rollout.kill_engines_on_ports(self.ports.values())
+        live.kill_engines_on_ports(self.ports.values())
         self.lb.stop()
 
     def __enter__(self) -> StaticPool:
@@ -464,7 +464,7 @@ class SharedPool(StaticPool):
         return self
 
     def alive(self, name: str) -> bool:
-        return live_rollout.healthy(self.urls[name])
+        return live.healthy(self.urls[name])
 
     def tail(self, name: str) -> str:
         return self.tuner_pool.diagnostics()
@@ -507,7 +507,7 @@ def run_static(ctx: Context, pool: StaticPool, arm: str, *, cap: int | None, mod
 # --- the tuner arms ---------------------------------------------------------------------------------
 
 
-class TunerPool(live_rollout.ProcessPool):
+class TunerPool(live.ProcessPool):
     """``vllm-tuner run`` launching the replicas itself, configured from the arm's tuner settings.
 
     ``template``: a partial vllm-tuner configuration (anything but ``targets``, ``actuator``, ``drain``
@@ -539,7 +539,7 @@ class TunerPool(live_rollout.ProcessPool):
     def configure(self, rules: Sequence[Mapping[str, Any]]) -> None:
         del rules  # the arm's template carries the rules
         config = compose(self.template, pool=self)
-        live_rollout.write_config(self.config_path, config)
+        live.write_config(self.config_path, config)
 
     def prepare_live(self) -> None:
         """Before the engines start: each replica's control directory, with the cap at the bad start."""
@@ -616,7 +616,7 @@ def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool,
                 poke(ctx, url)
             for n, d in pool.control.items():
                 assert d is not None
-                ack = live_rollout.wait_for(lambda d=d: next((a for a in live_knobs.read_acks(d) if a.answers(0)),
+                ack = live.wait_for(lambda d=d: next((a for a in live_knobs.read_acks(d) if a.answers(0)),
                                                              None), 300, f"replica {n} to acknowledge the bad start",
                                             poll=0.5, detail=pool.diagnostics)
                 if not ack.live or ack.refused:

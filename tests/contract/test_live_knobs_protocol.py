@@ -2,20 +2,24 @@
 ``tuner.sources.live_knobs`` writes requests and reads acknowledgements, the plugin's
 ``vllm_tuner_plugin`` (run on a fake 0.32-shaped scheduler) reads the requests and writes the acks.
 
-The format is defined once, in the plugin's ``protocol.py``; the tuner mirrors it. This suite is what
-keeps the mirror honest.
+The format is defined once, in ``tuner/portable/live_protocol.py``, which the plugin carries byte for byte
+as its ``protocol.py``; the tuner's reader takes its names from there. This suite keeps the copy equal and
+the two sides' readings of the same files the same.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from tests.support import fake_schedulers as fakes
-from tests.support.plugin import live, protocol, vllm_tuner_plugin
+from tests.support.plugin import PLUGIN_SRC, live, protocol, vllm_tuner_plugin
 from tuner.errors import SourceError
+from tuner.portable import live_protocol
 from tuner.sources import live_knobs
 
 
@@ -33,6 +37,12 @@ def engine(control_dir, *, dp_rank=0, version="0.32.0"):
 def step(sched):
     sched.__dict__[live.CONTROLLER_ATTR]._next_poll = 0.0
     sched.step()
+
+
+def test_the_plugin_carries_the_one_protocol_file_byte_for_byte():
+    """Edit tuner/portable/live_protocol.py, then copy it to plugin/src/vllm_tuner_plugin/protocol.py."""
+    assert filecmp.cmp(Path(live_protocol.__file__), PLUGIN_SRC / "vllm_tuner_plugin" / "protocol.py", shallow=False)
+    assert Path(protocol.__file__).resolve() == (PLUGIN_SRC / "vllm_tuner_plugin" / "protocol.py").resolve()
 
 
 def test_the_two_sides_name_the_same_things():

@@ -22,6 +22,9 @@ import pytest
 from harness import required
 from tests.support import podman as pm
 
+# Scheduling (tests/conftest.py): its turn on the real-engine tests' worker (lower first).
+ENGINE_WORKER_TURN = 60
+
 pytestmark = pytest.mark.e2e
 
 

@@ -32,12 +32,15 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import live_rollout as live
+from harness import live, vllm
 from harness import nginx as nginx_support
-from harness import vllm
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder
 from tuner.launcher import packaging
+
+# Scheduling (tests/conftest.py): its turn on the real-engine tests' worker (lower first); it waits for
+# events, so it goes early, beside the busiest part of the other tiers.
+ENGINE_WORKER_TURN = 10
 
 STUB = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"
 START_TIMEOUT = 600.0  # a real engine starting under load on two shared cores (70-300 s measured here)

@@ -40,6 +40,10 @@ from tuner.signals import engine as engine_signals
 from tuner.sources import live_knobs
 from tuner.sources.engines import EngineClient
 
+# Scheduling (tests/conftest.py): its turn on the real-engine tests' worker (lower first); it waits for
+# events, so it goes early, beside the busiest part of the other tiers.
+ENGINE_WORKER_TURN = 20
+
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
 CONCURRENCY = 32

@@ -22,10 +22,12 @@ from typing import Any
 
 import pytest
 
-from harness import live_rollout as live
-from harness import required, vllm
+from harness import live, required, vllm
 from tests.support import podman as pm
 from tuner.launcher import packaging
+
+# Scheduling (tests/conftest.py): its turn on the real-engine tests' worker (lower first).
+ENGINE_WORKER_TURN = 30
 
 START_TIMEOUT = 600.0
 ENGINE = "http://127.0.0.1:8000"

@@ -53,13 +53,15 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import live_rollout as live
+from harness import live, required, vllm
 from harness import nginx as nginx_support
-from harness import required, vllm
 from tests.support import systemd as systemd_support
 from tuner.actuators import base, systemd
 from tuner.model import secrets
 from tuner.rollout import journal as journaling
+
+# Scheduling (tests/conftest.py): its turn on the real-engine tests' worker (lower first).
+ENGINE_WORKER_TURN = 50
 
 UNIT = vllm.REPO_ROOT / "deploy" / "systemd" / "vllm@.service"
 NAMES = ("sa", "sb")

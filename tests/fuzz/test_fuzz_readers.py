@@ -1,4 +1,4 @@
-"""Fuzzing the readers of untrusted input (issue 17): the one bounded reader (``tuner.launcher.untrusted``
+"""Fuzzing the readers of untrusted input (issue 17): the one bounded reader (``tuner.portable.untrusted``
 and the plugin's byte-identical copy), the launcher's ``desired.json``, the plugin's ``control.json``,
 the tuner's acknowledgements, the engine's JSON endpoints, the YAML reader's alias bound, and the
 bounded body decoder. Inputs are random bytes, random JSON-ish text (deep, with non-finite constants),
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from tests.fuzz.support import fuzz, tried
 from tests.support.plugin import protocol as plugin_protocol
 from tuner.errors import ConfigError, SourceError
-from tuner.launcher import protocol as launcher_protocol
-from tuner.launcher import untrusted
+from tuner.portable import pod_protocol as launcher_protocol
+from tuner.portable import untrusted
 from tuner.rules import loading
 from tuner.sources import live_knobs, scraping
 from tuner.sources.engines import EngineClient

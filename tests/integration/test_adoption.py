@@ -25,7 +25,8 @@ from harness import ports, waiting
 from tests.integration.test_deploy import CHART, VERSIONS, by_kind, kubectl, validate
 from tests.support import helm_shim
 from tuner.kube import injecting as inj
-from tuner.launcher import packaging, protocol
+from tuner.launcher import packaging
+from tuner.portable import pod_protocol as protocol
 
 REPO = Path(__file__).resolve().parents[2]
 STACK = REPO / "tests" / "fixtures" / "charts" / "vllm-stack"

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# Scheduling (tests/conftest.py): one of the fast tier's longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 15
+
 ROOT = Path(__file__).resolve().parents[2]
 QUEUE = ROOT / "tests" / "fixtures" / "vllm" / "queue-bound"
 

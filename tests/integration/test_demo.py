@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 8
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -18,6 +18,10 @@ import pytest
 
 from harness import bench_client_fix, vllm
 
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 11
+
 FIX = Path(vllm.__file__).with_name("bench_client_fix.py")
 
 # Both scripts take "shipped" or "fixed" and the fix's path; "fixed" loads the fix before anything runs.

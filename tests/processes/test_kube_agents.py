@@ -24,15 +24,20 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import live_rollout as live
+from harness import live
 from harness.ports import free_port
 from tests.support import fake_kube as fk
 from tests.support import kube_pool as kp
 from tests.support.launcher import fake_engine_argv
-from tuner.launcher import packaging, protocol
+from tuner.launcher import packaging
+from tuner.portable import pod_protocol as protocol
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.sources import live_knobs
+
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 1
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,12 @@ from harness.ports import free_port
 from harness.waiting import wait_for
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
-from tuner.launcher import packaging, probes, protocol
+from tuner.launcher import packaging, probes
+from tuner.portable import pod_protocol as protocol
+
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 5
 
 
 @pytest.fixture
@@ -282,9 +288,14 @@ def _python310() -> str | None:
 
 def test_the_zipapp_runs_isolated_from_site_packages(state, tmp_path):
     """``python -I -S launcher.pyz``: nothing outside the standard library is importable, so a
-    third-party import would fail here. Under Python 3.10 when this machine has it (the oldest supported)."""
+    third-party import would fail here. Under Python 3.10 when this machine has it (the oldest supported).
+    The archive carries the launcher and the ground floor it stands on (tuner/portable), nothing else."""
     pyz = packaging.build_zipapp(tmp_path / "launcher.pyz")
     assert pyz.read_bytes() == packaging.build_zipapp(tmp_path / "again.pyz").read_bytes()  # reproducible
+    tuner_dir = Path(packaging.__file__).resolve().parents[1]
+    expected = {f"{packaging.PACKAGE}/{package}/{p.name}" for package in ("launcher", "portable")
+                for p in (tuner_dir / package).glob("*.py")}
+    assert set(zipfile.ZipFile(pyz).namelist()) == {"__main__.py", f"{packaging.PACKAGE}/__init__.py", *expected}
     python = _python310() or sys.executable
     port = free_port()
     lp = LauncherProcess(state, fake_engine_argv(port, python=python), python=python, zipapp=pyz,

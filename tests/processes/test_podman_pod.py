@@ -16,6 +16,13 @@ from harness import required
 from tests.support import podman as pm
 from tuner.launcher import packaging
 
+# Scheduling (tests/conftest.py): it runs on the real-engine tests' worker, one after the other with them,
+# in this turn (ENGINE_WORKER_WHY says why).
+ENGINE_WORKER_TURN = 40
+ENGINE_WORKER_WHY = ("it plays the example pool's pod under the name e2e/test_podman_pod.py's pod has, "
+                     "and podman 4.3 shares an emptyDir's named volume between pods: one module's "
+                     "teardown removed the other's pod")
+
 
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pm.PlayedPod, pm.ApiLeader]]:

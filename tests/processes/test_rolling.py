@@ -32,6 +32,10 @@ from tuner.rollout.machine import Outcome
 from tuner.runtime import driving
 from tuner.sources.engines import EngineClient
 
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 4
+
 STUB = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"
 LIMITS = machine.Limits(idle_timeout_seconds=10, stop_timeout_seconds=10, start_timeout_seconds=20,
                         start_margin_seconds=10, verify_seconds=2, warmup_requests=2)

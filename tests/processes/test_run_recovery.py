@@ -31,6 +31,10 @@ from harness.ports import free_port
 from tuner.cli import demo as cli_demo
 from tuner.rollout import journal
 
+# Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 7
+
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-recovery-3e9b51c7"
 

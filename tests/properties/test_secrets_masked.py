@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from tuner import config
 from tuner.errors import ConfigError
-from tuner.launcher import argv as argvs
-from tuner.launcher import secrets as launcher_secrets
 from tuner.model import secrets, snapshots
+from tuner.portable import argv as argvs
+from tuner.portable import secrets as launcher_secrets
 from tuner.runtime import collecting
 
 SETTINGS = settings(max_examples=200, deadline=None)

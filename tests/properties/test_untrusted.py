@@ -1,4 +1,4 @@
-"""Class 1 of issue 17: one bounded reader for everything untrusted (``tuner.launcher.untrusted``).
+"""Class 1 of issue 17: one bounded reader for everything untrusted (``tuner.portable.untrusted``).
 
 Generated hostile JSON — nesting past any recursion limit, ``NaN``/``Infinity``/``1e999``, integers
 longer than Python converts, every wrong shape in every field — and hostile files (FIFO, symbolic
@@ -28,11 +28,15 @@ from tests.support.plugin import protocol as plugin_protocol
 from tuner import config
 from tuner.actuators import process
 from tuner.errors import ConfigError, PermanentActuatorError
-from tuner.launcher import protocol as launcher_protocol
-from tuner.launcher import untrusted
+from tuner.portable import pod_protocol as launcher_protocol
+from tuner.portable import untrusted
 from tuner.runtime import state as state_mod
 from tuner.sources import live_knobs
 from tuner.sources.engines import EngineClient
+
+# Scheduling (tests/conftest.py): one of the fast tier's longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 14
 
 plugin_untrusted = plugin_protocol.untrusted  # the plugin's copy, as the plugin imports it
 READERS = [untrusted, plugin_untrusted]

@@ -37,7 +37,7 @@ import yaml
 from harness import waiting
 from tests.support import fake_kube as fk
 from tests.support.launcher import LauncherProcess
-from tuner.launcher import protocol
+from tuner.portable import pod_protocol as protocol
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "llm"

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 
 from harness.ports import free_port
-from tuner.launcher import argv as argvs
-from tuner.launcher import protocol
+from tuner.portable import argv as argvs
+from tuner.portable import pod_protocol as protocol
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"

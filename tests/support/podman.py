@@ -358,7 +358,7 @@ def playable_overlay(docs: list[dict[str, Any]], *, image: str, engine: Sequence
     Returns the documents and the base argv's sha256."""
     import copy
 
-    from tuner.launcher import argv as argvs
+    from tuner.portable import argv as argvs
 
     docs = copy.deepcopy(docs)
     deployment = next(d for d in docs if d["kind"] == "Deployment")

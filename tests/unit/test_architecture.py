@@ -51,6 +51,19 @@ def test_the_two_roots_share_the_runtime_not_each_other() -> None:
     assert sorted(names[names.index(["tuner.runtime"]) - 1]) == ["tuner.daemon", "tuner.kube"]
 
 
+def test_the_ground_floor_is_the_bottom_layer_and_the_launcher_stands_on_it() -> None:
+    """``tuner.portable`` (issue 29): below ``tuner.errors``, forbidden the rest of the tuner and every module
+    outside the standard library; the launcher imports it and nothing else of the tuner."""
+    (layers,) = [c for c in contracts() if c["type"] == "layers"]
+    assert layers["layers"][-2:] == ["tuner.errors", "tuner.portable"]
+    forbidden = {(tuple(c["source_modules"]), tuple(c["forbidden_modules"])) for c in contracts() if c["type"] == "forbidden"}
+    assert {(("tuner.portable",), ("tuner.*",)), (("tuner.portable",), ("*",)),
+            (("tuner.launcher",), ("tuner.*",)), (("tuner.launcher",), ("*",))} <= forbidden
+    launcher_ignores = {i for c in contracts() if c["type"] == "forbidden" and c["source_modules"] == ["tuner.launcher"]
+                        for i in c.get("ignore_imports", []) if "tuner." in i.split("->")[1]}
+    assert launcher_ignores == {"tuner.launcher.** -> tuner.launcher.**", "tuner.launcher.** -> tuner.portable.**"}
+
+
 def _grep(pattern: str) -> list[str]:
     rx = re.compile(pattern)
     hits = []

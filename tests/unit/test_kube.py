@@ -10,8 +10,8 @@ import pytest
 from tuner import config
 from tuner.errors import ConfigError
 from tuner.kube import acting, podside, store
-from tuner.launcher import argv as argvs
 from tuner.planning import guards
+from tuner.portable import argv as argvs
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rules import schema

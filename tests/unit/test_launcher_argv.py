@@ -1,6 +1,7 @@
-"""The launcher's argv patcher and its protocol, pure. The launcher keeps its own copy of
-``knobs.EngineArgs.with_value`` (it may import only the standard library): the table below holds the two
-to the same answers, and a property test to the same answers on generated command lines."""
+"""The one argv writer (``tuner.portable.argv``) and the pod's protocol, pure. The launcher patches its
+engine's command line with it, and ``EngineArgs`` writes through it: the table below and a property test
+hold the two entry points to the same answers, and a structural test holds that ``EngineArgs`` has no
+writer of its own."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tuner.launcher import argv as argvs
-from tuner.launcher import protocol
-from tuner.launcher import secrets as launcher_secrets
 from tuner.model import knobs
+from tuner.portable import argv as argvs
+from tuner.portable import pod_protocol as protocol
+from tuner.portable import secrets as launcher_secrets
 
 BASE = ["vllm", "serve", "/models/m", "--host", "0.0.0.0", "--port", "8000", "--max-num-seqs", "4",
         "--max_model_len=2048", "--enforce-eager", "--no-enable-prefix-caching", "-tp", "2"]
@@ -70,6 +71,16 @@ def test_agreement_on_generated_command_lines(base, flag, value):
 @given(st.lists(tokens, max_size=10))
 def test_the_tuner_reads_a_command_line_with_the_launchers_reader(argv):
     assert knobs.EngineArgs.parse(argv).items == tuple(argvs.parse(argv))  # one reader, not two copies
+
+
+def test_engineargs_builds_no_argv_item_of_its_own():
+    """One writer: no module of tuner/model constructs an argv ``Item`` (issue 29: ``model/knobs.py`` once
+    repeated the launcher's writer line for line)."""
+    model = Path(knobs.__file__).resolve().parent
+    makers = [f"{p.name}:{node.lineno}" for p in sorted(model.glob("*.py")) for node in ast.walk(ast.parse(p.read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute)
+              and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr) == "Item"]
+    assert not makers, makers
 
 
 def test_base_hash_is_of_the_exact_argv():
@@ -234,27 +245,36 @@ def test_the_allow_list_file_roundtrips_and_a_malformed_one_is_one_clear_line(tm
 
 # --- the launcher stays stdlib-only ------------------------------------------------------------------
 
-LAUNCHER = Path(protocol.__file__).resolve().parent
+PORTABLE = Path(protocol.__file__).resolve().parent
+LAUNCHER = PORTABLE.parent / "launcher"
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-def test_every_launcher_import_is_the_standard_library_or_itself():
-    for path in sorted(LAUNCHER.glob("*.py")):
+@pytest.mark.parametrize("package", [LAUNCHER, PORTABLE], ids=["launcher", "portable"])
+def test_every_import_is_the_standard_library_itself_or_the_ground_floor(package):
+    """The launcher imports the standard library, itself (``from . import``) and the ground floor (``from
+    ..portable import``); the ground floor the standard library and itself: relative imports, so that the
+    zipapp's ``vllm_tuner_launcher/`` holds both as ``tuner/`` does."""
+    for path in sorted(package.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:  # relative: the launcher itself
+                if node.level == 1:  # itself
                     continue
-                names = [node.module or ""]
+                assert node.level == 0 or (package == LAUNCHER and node.level == 2 and node.module == "portable"), \
+                    f"{path.name} imports {'.' * node.level}{node.module or ''}"
+                names = [node.module or ""] if node.level == 0 else []
             else:
                 continue
             for name in names:
                 assert name.split(".")[0] in sys.stdlib_module_names, f"{path.name} imports {name}"
 
 
-def test_the_import_linter_allow_list_holds_only_the_standard_library():
+@pytest.mark.parametrize("package", ["tuner.launcher", "tuner.portable"])
+def test_the_import_linter_allow_list_holds_only_the_standard_library(package):
     contracts = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
-    allow = next(c for c in contracts if c.get("source_modules") == ["tuner.launcher"] and c.get("forbidden_modules") == ["*"])
+    allow = next(c for c in contracts if c.get("source_modules") == [package] and c.get("forbidden_modules") == ["*"])
     modules = [entry.split("->")[1].strip() for entry in allow["ignore_imports"]]
-    assert modules and all(m in sys.stdlib_module_names for m in modules), modules
+    outside = [m for m in modules if m != "tuner.portable.**"]  # the launcher's ground floor, held by its own list
+    assert outside and all(m in sys.stdlib_module_names for m in outside), modules

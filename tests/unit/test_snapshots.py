@@ -7,6 +7,10 @@ from hypothesis import strategies as st
 
 from tuner.model import snapshots
 
+# Scheduling (tests/conftest.py): one of the fast tier's longest files, started first on a worker of its own;
+# its rank by measured length (--durations=0), 1 the longest.
+START_FIRST = 16
+
 TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -34,7 +34,7 @@ import httpx
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
-from tuner.launcher import untrusted
+from tuner.portable import untrusted
 
 
 def _fields(replica: base.Replica) -> dict[str, str]:

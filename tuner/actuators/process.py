@@ -36,8 +36,8 @@ from typing import Any
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
-from tuner.launcher import untrusted
 from tuner.model import secrets
+from tuner.portable import untrusted
 
 PIDFILE_MAX_BYTES = 1024 * 1024
 PID_MAX = 1 << 22  # the kernel's largest pid_max

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from tuner.actuators import base, files
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
-from tuner.launcher import untrusted
 from tuner.model import secrets
+from tuner.portable import untrusted
 
 _SHOW = ("LoadState", "ActiveState", "SubState", "Result", "MainPID", "ExecMainStatus", "ExecMainCode")
 _ARGV_MARK = "# argv: "

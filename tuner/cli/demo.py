@@ -26,11 +26,11 @@ from typing import Any
 
 from tuner import config
 from tuner.cli import arguments, deciding, inputs
-from tuner.launcher import untrusted
 from tuner.model import knobs
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
 from tuner.planning import planner, stepping
+from tuner.portable import untrusted
 from tuner.signals import reports
 
 SCENARIOS = {

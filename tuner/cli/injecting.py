@@ -22,7 +22,7 @@ MAX_WAIT_SECONDS = 3600.0
 
 def cmd_inject(args: argparse.Namespace) -> int:
     from tuner.kube import injecting
-    from tuner.launcher import untrusted
+    from tuner.portable import untrusted
     from tuner.rules import loading
 
     image = args.image or os.environ.get("VLLM_TUNER_IMAGE") or None

@@ -13,10 +13,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from tuner.errors import ConfigError
-from tuner.launcher import untrusted
 from tuner.model import dcgm, dialects, knobs, snapshots
 from tuner.model.gpus import GpuInputs, GpuReading
 from tuner.planning import planner
+from tuner.portable import untrusted
 from tuner.rules import loading
 
 DEFAULT_SPACING_SECONDS = 15.0

@@ -28,7 +28,7 @@ from tuner import config
 from tuner.actuators import base, draining, process
 from tuner.actuators import settings as actuator_settings
 from tuner.errors import ConfigError, TunerError
-from tuner.launcher import untrusted
+from tuner.portable import untrusted
 from tuner.rollout import journal as journaling
 from tuner.rollout import locks
 from tuner.rules import loading

@@ -35,8 +35,8 @@ from tuner.actuators import base
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError, KubeApi, PodView
-from tuner.launcher import argv as argvs
 from tuner.model import live
+from tuner.portable import argv as argvs
 from tuner.rollout import machine
 
 log = logging.getLogger("tuner.kube.acting")

@@ -45,9 +45,10 @@ from tuner.errors import SourceError
 from tuner.kube import acting, reporting
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError
-from tuner.launcher import packaging, protocol, untrusted
+from tuner.launcher import packaging
 from tuner.model import knobs
 from tuner.planning import guards
+from tuner.portable import pod_protocol, untrusted
 from tuner.rules.schema import Rule
 from tuner.sources import live_knobs
 
@@ -59,7 +60,7 @@ REPORTED = ("state", "ready", "ready_reason", "running_generation", "pid", "argv
 
 
 def allow_list(rules: Sequence[Rule], *, kind: knobs.EngineKind,
-               thermal: guards.ThermalSettings | None = None) -> protocol.Allowed:
+               thermal: guards.ThermalSettings | None = None) -> pod_protocol.Allowed:
     """The flags the tuner may change on this engine, each within the widest bounds any enabled rule (or
     the thermal step-down) could take it to: the rule's ``min``/``max``, else the knob's hard range (a
     dynamic bound, ``max_from``, is not known here: the hard range stands in). Every spelling vLLM
@@ -81,7 +82,7 @@ def allow_list(rules: Sequence[Rule], *, kind: knobs.EngineKind,
             widen(rule.then.knob, rule.then.min, rule.then.max)
     if thermal is not None and thermal.step_down:
         widen(knobs.KNOBS["max_num_seqs"], thermal.step_down_min, None)
-    flags: dict[str, protocol.Bound] = {}
+    flags: dict[str, pod_protocol.Bound] = {}
     sglang_chunking = kind == "sglang" and "chunked_prefill" in spans
     for name, (low, high) in spans.items():
         knob = knobs.KNOBS[name]
@@ -89,17 +90,17 @@ def allow_list(rules: Sequence[Rule], *, kind: knobs.EngineKind,
         if flag is None or (sglang_chunking and name == "chunked_prefill"):
             continue
         if knob.type == "bool":
-            bound = protocol.Bound("bool")
+            bound = pod_protocol.Bound("bool")
         else:
             low_open = knob.range is not None and knob.range.low_open and low == knob.range.low
-            bound = protocol.Bound(knob.type, low, high, low_open)
+            bound = pod_protocol.Bound(knob.type, low, high, low_open)
         for spelling in (flag, *(knob.aliases if kind == "vllm" else ())):
             flags[spelling] = bound
     if sglang_chunking:  # SGLang's chunked prefill: --chunked-prefill-size -1 (off), or the flag removed (on)
         flag = "--chunked-prefill-size"
-        budget = flags.get(flag, protocol.Bound("int"))
-        flags[flag] = protocol.Bound("int", budget.low, budget.high, also=("-1",), removable=True)
-    return protocol.Allowed(flags)
+        budget = flags.get(flag, pod_protocol.Bound("int"))
+        flags[flag] = pod_protocol.Bound("int", budget.low, budget.high, also=("-1",), removable=True)
+    return pod_protocol.Allowed(flags)
 
 
 def condensed(status: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,7 +133,7 @@ def _read(path: Path) -> bytes | None:
 def install_launcher(state_dir: Path, zipapp: Path | None) -> None:
     """``launcher.pyz`` into the shared directory, atomically (``zipapp``: the image's copy; else built
     from this package, reproducibly)."""
-    target = state_dir / protocol.ZIPAPP
+    target = state_dir / pod_protocol.ZIPAPP
     fd, tmp = tempfile.mkstemp(prefix=".launcher.", suffix=".pyz", dir=str(state_dir))
     os.close(fd)
     try:
@@ -149,10 +150,10 @@ def install_launcher(state_dir: Path, zipapp: Path | None) -> None:
             os.unlink(tmp)
 
 
-def read_desired(state_dir: Path) -> protocol.Desired | None:
+def read_desired(state_dir: Path) -> pod_protocol.Desired | None:
     try:
-        return protocol.read_desired(state_dir / protocol.DESIRED)
-    except protocol.ProtocolError as exc:
+        return pod_protocol.read_desired(state_dir / pod_protocol.DESIRED)
+    except pod_protocol.ProtocolError as exc:
         log.warning("desired.json is unreadable (%s): writing it again", exc)
         return None
 
@@ -166,17 +167,17 @@ def start_on_own_args(state_dir: Path, *, zipapp: Path | None) -> str:
     existing = read_desired(state_dir)
     if existing is not None:
         return f"desired.json generation {existing.generation} is kept"
-    protocol.write_json(state_dir / protocol.DESIRED, {**protocol.Desired(1).document(), "serial": 0})
+    pod_protocol.write_json(state_dir / pod_protocol.DESIRED, {**pod_protocol.Desired(1).document(), "serial": 0})
     return "desired.json written with no overrides: the engine starts on its own command line"
 
 
 class PodAgent:
     def __init__(self, store: store_mod.PoolStore, *, pod: str, state_dir: Path, zipapp: Path | None = None,
-                 allowed: protocol.Allowed | None = None, live: bool = False) -> None:
+                 allowed: pod_protocol.Allowed | None = None, live: bool = False) -> None:
         self.store, self.pod, self.state_dir, self.zipapp = store, pod, Path(state_dir), zipapp
         self.allowed = allowed  # written at start-up, before desired.json
         # live knobs: the plugin's control directory in the shared emptyDir, and the last request carried there
-        self.control = live_knobs.Files(self.state_dir / protocol.CONTROL_DIR) if live else None
+        self.control = live_knobs.Files(self.state_dir / pod_protocol.CONTROL_DIR) if live else None
         self.live_seq: int | None = None
         self.serial = 0  # the last desired serial carried out
         self.generation = 0  # the last desired.json generation written
@@ -191,7 +192,7 @@ class PodAgent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         install_launcher(self.state_dir, self.zipapp)
         if self.allowed is not None:  # before desired.json: the launcher reads it before its first start
-            protocol.write_allowed(self.state_dir, self.allowed)
+            pod_protocol.write_allowed(self.state_dir, self.allowed)
         if self.control is not None:  # before desired.json too: the engine finds it when it starts
             try:
                 live_knobs.prepare_control_dir(self.control.control_dir,
@@ -230,16 +231,16 @@ class PodAgent:
         log.info("the engine starts on the pool's verified arguments: %s", pool.get("overrides") or "its own")
         return None
 
-    def _read_desired(self) -> protocol.Desired | None:
+    def _read_desired(self) -> pod_protocol.Desired | None:
         return read_desired(self.state_dir)
 
     def _write(self, entry: Mapping[str, Any]) -> None:
         overrides = [tuple(o) for o in entry.get("overrides") or []]
         base = entry.get("base_sha256") if overrides else None
         generation = self.generation + 1
-        desired = protocol.parse_desired(json.dumps(protocol.Desired(
+        desired = pod_protocol.parse_desired(json.dumps(pod_protocol.Desired(
             generation, tuple((str(f), v) for f, v in overrides), base, bool(entry.get("drain"))).document()))
-        protocol.write_json(self.state_dir / protocol.DESIRED, {**desired.document(), "serial": int(entry.get("serial") or 0)})
+        pod_protocol.write_json(self.state_dir / pod_protocol.DESIRED, {**desired.document(), "serial": int(entry.get("serial") or 0)})
         self.generation, self.serial = generation, int(entry.get("serial") or 0)
         log.info("desired.json generation %d (request %d): %d override(s), drain=%s", generation, self.serial,
                  len(overrides), desired.drain)
@@ -253,7 +254,7 @@ class PodAgent:
             self._write(entry)
         if entry is not None and self.control is not None:
             self._carry_live(entry.get("live"))
-        status = protocol.read_status(self.state_dir)
+        status = pod_protocol.read_status(self.state_dir)
         if status is None:
             return
         report = {**condensed(status), "serial": self.serial, "generation": self.generation}

@@ -42,7 +42,7 @@ from tuner.errors import ConfigError, TunerError
 from tuner.kube import electing, leading, podside, reporting
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
-from tuner.launcher import untrusted
+from tuner.portable import untrusted
 from tuner.rules import loading
 from tuner.rules.schema import Rule
 from tuner.runtime import clocks, collecting, selfmetrics

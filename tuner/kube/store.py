@@ -30,7 +30,7 @@ write whose epoch is older than the ``epoch`` stored — or the same, written by
 whose copy is stale gets 409, re-reads, and is refused then. **Agent reports** are JSON merge patches of
 their own key only (atomic on the server, no CAS: they touch nothing else).
 
-**Every key is read through the bounded reader** (``tuner.launcher.untrusted``): a human can edit the
+**Every key is read through the bounded reader** (``tuner.portable.untrusted``): a human can edit the
 ConfigMap. The leader's keys are read strictly (``inspect``): one that does not read is a ``Problem``
 naming the key and its fix, and no leader writes at all until it reads (``PoolUnreadableError``) —
 neither fencing switched off by an unreadable epoch nor a history replaced by an empty one. A journal
@@ -56,8 +56,8 @@ from typing import Any
 
 from tuner.errors import TunerError
 from tuner.kube.api import ApiError, ConfigMapRecord, KubeApi, dumps
-from tuner.launcher import untrusted
 from tuner.planning import history as history_mod
+from tuner.portable import untrusted
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.runtime import selfmetrics

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import launching, packaging, protocol
+from ..portable import pod_protocol as protocol
+from . import launching, packaging
 
 DEFAULT_STATE_DIR = "/var/run/vllm-tuner"
 

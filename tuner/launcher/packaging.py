@@ -2,7 +2,8 @@
 
 The agent sidecar copies it into the pod's shared ``emptyDir``; the engine container runs
 ``python3 /var/run/vllm-tuner/launcher.pyz -- vllm serve ...`` with the engine image's own Python.
-Inside, the package is ``vllm_tuner_launcher`` (relative imports only), so it cannot collide with an
+Inside, the package is ``vllm_tuner_launcher``, holding this package (``launcher/``) and the ground floor it
+imports (``portable/``) as ``tuner/`` holds them (relative imports only), so it cannot collide with an
 installed ``tuner``. The archive is reproducible: fixed timestamps, sorted names.
 """
 
@@ -15,15 +16,18 @@ from pathlib import Path
 
 PACKAGE = "vllm_tuner_launcher"
 SHEBANG = b"#!/usr/bin/env python3\n"
-MAIN = f"import sys\nfrom {PACKAGE}.__main__ import main\nsys.exit(main())\n"
+MAIN = f"import sys\nfrom {PACKAGE}.launcher.__main__ import main\nsys.exit(main())\n"
+TOP = b'"""vllm-tuner\'s in-pod launcher and its ground floor (tuner/launcher, tuner/portable), as one zipapp."""\n'
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
 def sources() -> dict[str, bytes]:
-    """The archive's members: this package's modules under ``vllm_tuner_launcher/`` and a ``__main__.py``."""
+    """The archive's members: this package's modules under ``vllm_tuner_launcher/launcher/``, the
+    ``portable`` package's under ``vllm_tuner_launcher/portable/``, and a ``__main__.py``."""
     here = Path(__file__).resolve().parent
-    members = {f"{PACKAGE}/{p.name}": p.read_bytes() for p in sorted(here.glob("*.py"))}
-    members["__main__.py"] = MAIN.encode()
+    members = {f"{PACKAGE}/__init__.py": TOP, "__main__.py": MAIN.encode()}
+    for package in (here, here.parent / "portable"):
+        members.update({f"{PACKAGE}/{package.name}/{p.name}": p.read_bytes() for p in sorted(package.glob("*.py"))})
     return members
 
 

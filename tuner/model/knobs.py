@@ -1,9 +1,8 @@
-"""Engine command lines as values: parse, read, change and validate the flags the tuner turns.
+"""The flags the tuner turns: read, change and validate them on an engine's command line.
 
-``EngineArgs`` is an immutable, ordered list of argv items. It keeps what it does not understand
-(positionals, unknown flags, their spelling: ``--flag value`` vs ``--flag=value``) so that
-``EngineArgs.parse(argv).argv() == list(argv)`` and a change touches exactly one item. Nothing here
-runs a shell: ``from_string`` only splits the CLI's ``--args`` text the way a shell would.
+The command line is an ``EngineArgs`` (``tuner.model.engine_args``: an immutable, ordered list of argv
+items that keeps what it does not understand, read and written through the one reader and writer of
+command lines, ``tuner.portable.argv``); this module knows which of its flags are knobs and what they mean.
 
 The knobs (``KNOBS``) are engine-agnostic names with one flag per engine kind (``FLAGS``):
 
@@ -36,20 +35,19 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from tuner.launcher import argv as syntax
-from tuner.launcher.argv import Item
-
-# One reader of command lines for the tuner and the in-pod launcher (stdlib only, so it lives there).
-normalize_flag = syntax.normalize
+# The command line itself (parse, read, change: ``engine_args``); the knobs below are read from it and
+# written to it. Its names are this module's too, where the tuner has always looked for them.
+from tuner.model.engine_args import EngineArgs as EngineArgs
+from tuner.model.engine_args import Value as Value
+from tuner.model.engine_args import format_value as format_value
+from tuner.model.engine_args import normalize_flag as normalize_flag
 
 EngineKind = Literal["vllm", "sglang"]
-Value = int | float | bool
 ValueType = Literal["int", "float", "bool"]
 
 
@@ -223,17 +221,6 @@ def parse_int(text: str) -> int:
     return int(value)
 
 
-def format_value(value: Value) -> str:
-    """The argv text for a value: ``True``/``False`` → ``true``/``false``, 0.90 → ``0.9``, 512 → ``512``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if value.is_integer():
-        return str(int(value))
-    return f"{value:.6g}"
-
-
 def parse_value(knob: Knob | str, text: str) -> Value:
     """``text`` (argv spelling) as the knob's value type; ``knob`` by name or either engine's flag."""
     return _parse_value(_knob(knob), text)
@@ -253,107 +240,6 @@ def _parse_value(knob: Knob, text: str) -> Value:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {text!r}")
-
-
-# --- EngineArgs ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EngineArgs:
-    """An engine command line. Immutable: every change returns a new value."""
-
-    items: tuple[Item, ...] = ()
-
-    # -- construction ----------------------------------------------------------------------------
-    @classmethod
-    def parse(cls, argv: Sequence[str]) -> EngineArgs:
-        """Read like argparse (the launcher's reader: one for both)."""
-        return cls(tuple(syntax.parse(argv)))
-
-    @classmethod
-    def from_string(cls, text: str) -> EngineArgs:
-        """Split like a POSIX shell (quotes, escapes) — nothing is ever run through one."""
-        return cls.parse(shlex.split(text))
-
-    def argv(self) -> list[str]:
-        return [t for item in self.items for t in item.tokens()]
-
-    def __str__(self) -> str:
-        return shlex.join(self.argv())
-
-    def fingerprint(self) -> tuple[tuple[str, str], ...]:
-        """Order- and spelling-independent identity (crash memory keys on it)."""
-        out = []
-        for item in self.items:
-            if item.form == "positional":
-                out.append(("", item.value or ""))
-            else:
-                out.append((item.key or "", "" if item.value is None else item.value))
-        return tuple(sorted(out))
-
-    # -- reading ---------------------------------------------------------------------------------
-    def _find(self, flag: str) -> int | None:
-        """Index of the last item for ``flag`` (argparse: the last one wins), incl. ``--no-`` forms."""
-        key = normalize_flag(flag)
-        negative = "--no-" + key[2:] if key.startswith("--") else None
-        found = None
-        for i, item in enumerate(self.items):
-            if item.key == key or (negative is not None and item.key == negative):
-                found = i
-        return found
-
-    def has(self, flag: str) -> bool:
-        return self._find(flag) is not None
-
-    def get(self, flag: str) -> str | bool | None:
-        """The flag's text value; ``True``/``False`` for a bare ``--flag``/``--no-flag``; None if absent."""
-        i = self._find(flag)
-        if i is None:
-            return None
-        item = self.items[i]
-        if item.form == "bare":
-            return not (item.key or "").startswith("--no-") or normalize_flag(flag).startswith("--no-")
-        return item.value
-
-    def flags(self) -> list[str]:
-        return [item.key for item in self.items if item.key is not None]
-
-    # -- changing --------------------------------------------------------------------------------
-    def with_value(self, flag: str, value: Value | str | None) -> EngineArgs:
-        """Set ``flag`` (replacing every occurrence in place, keeping its spelling) or append it.
-
-        ``True``/``False`` on a boolean flag writes ``--flag`` / ``--no-flag``; ``None`` removes it.
-        """
-        if value is None:
-            return self.without(flag)
-        key = normalize_flag(flag)
-        boolean = isinstance(value, bool) and (syntax.is_boolean(key) or key.startswith("--enable-"))
-        if boolean:
-            new = Item(key if value else "--no-" + key[2:], None, "bare")
-        else:
-            text = value if isinstance(value, str) else format_value(value)
-            new = Item(key, text, "space")
-        items = list(self.items)
-        at = self._find(flag)
-        if at is None:
-            return EngineArgs((*items, new))
-        old = items[at]
-        if not boolean and old.form == "equals":
-            new = Item(old.flag, new.value, "equals")
-        elif not boolean and old.flag is not None and old.form == "space":
-            new = Item(old.flag, new.value, "space")
-        items[at] = new
-        # drop earlier duplicates so the value is unambiguous
-        kept = [it for i, it in enumerate(items) if i == at or not self._same(it, key)]
-        return EngineArgs(tuple(kept))
-
-    @staticmethod
-    def _same(item: Item, key: str) -> bool:
-        return item.key is not None and (item.key == key or item.key == "--no-" + key[2:])
-
-    def without(self, flag: str) -> EngineArgs:
-        key = normalize_flag(flag)
-        return EngineArgs(tuple(it for it in self.items if not self._same(it, key)))
 
 
 # --- knob values on a command line --------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""The tuner's name for the one secrets module, ``tuner.launcher.secrets`` (standard library only, so
+"""The tuner's name for the one secrets module, ``tuner.portable.secrets`` (standard library only, so
 that the launcher masks with the same list, mask and digest): see there."""
 
-from tuner.launcher.secrets import (
+from tuner.portable.secrets import (
     DEFAULT,
     ENV_NAMES,
     ENV_WORDS,

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any, Protocol, Self
 
 from tuner.errors import ConfigError, TunerError
-from tuner.launcher import untrusted
 from tuner.model import secrets
+from tuner.portable import untrusted
 from tuner.rollout import locks, machine
 
 VERSION = 1

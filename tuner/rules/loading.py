@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from tuner.errors import ConfigError
-from tuner.launcher import untrusted
+from tuner.portable import untrusted
 from tuner.rules.schema import Rule, RuleFile
 
 _TAGS = frozenset({"compare", "all", "any"})

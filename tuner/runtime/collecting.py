@@ -13,10 +13,10 @@ from typing import Protocol
 
 from tuner import config
 from tuner.errors import ConfigError
-from tuner.launcher import untrusted
 from tuner.model import dcgm, dialects, live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
+from tuner.portable import untrusted
 from tuner.sources import engines, live_knobs, scraping
 
 

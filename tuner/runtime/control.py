@@ -31,9 +31,9 @@ from typing import Any
 from tuner import config
 from tuner.actuators import files
 from tuner.errors import TunerError
-from tuner.launcher import untrusted
 from tuner.model import knobs
 from tuner.planning.planner import DecisionSettings
+from tuner.portable import untrusted
 from tuner.runtime.selfmetrics import TunerMetrics
 from tuner.runtime.state import TunerState
 

@@ -33,10 +33,10 @@ from typing import Any
 from tuner import config
 from tuner.actuators.files import write_atomically
 from tuner.errors import ConfigError
-from tuner.launcher import untrusted
 from tuner.model import knobs, secrets
 from tuner.planning import history as history_mod
 from tuner.planning import pooling, stepping
+from tuner.portable import untrusted
 from tuner.runtime.results import CycleResult
 
 STATE_MAX_BYTES = 64 * 1024 * 1024  # the tuner's own state: histories of every target

@@ -44,9 +44,9 @@ from typing import Any
 import httpx
 
 from tuner.errors import SourceError
-from tuner.launcher import untrusted
 from tuner.model import dialects, live, snapshots
 from tuner.model.engines import EngineInfo
+from tuner.portable import untrusted
 from tuner.signals import engine as engine_signals
 from tuner.sources import live_knobs, live_paths, scraping
 from tuner.sources.transport import DeadlineTransport, deadline

@@ -13,9 +13,10 @@ docstring); ``current`` keeps the newest launch's and sets the others aside, ``s
 ``Files.read`` removes the stale files (the plugin does too when it starts) — the same code whether the
 directory is on this host or in a pod, read by its agent.
 
-The format is defined in ``plugin/src/vllm_tuner_plugin/protocol.py``; this module mirrors it (the
-tuner never imports the plugin, which lives in vLLM's environment), and
-``tests/contract/test_live_knobs_protocol.py`` runs both sides against the same files.
+The format is defined once, in ``tuner/portable/live_protocol.py``, which the plugin carries byte for byte
+as its ``protocol.py`` (the tuner never imports the plugin, which lives in vLLM's environment); the names,
+knobs, fields and the request document come from there, and ``tests/contract/test_live_knobs_protocol.py``
+runs both sides against the same files.
 
 Requests are the whole desired state: a knob left out or ``None`` means "the engine's startup value".
 Stdlib only, no HTTP.
@@ -27,33 +28,26 @@ the daemon), or, on Kubernetes, through the agent of the engine's pod, which alo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 import stat
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from tuner.errors import SourceError
-from tuner.launcher import protocol as launcher_protocol
-from tuner.launcher import untrusted
 from tuner.model import live
+from tuner.portable import live_protocol, untrusted
 
-PROTOCOL = 1
-CONTROL_FILE = "control.json"
-ACK_GLOB = "ack-*.json"
-ENV_CONTROL_DIR = launcher_protocol.ENV_CONTROL_DIR  # "VLLM_TUNER_CONTROL_DIR"; the launcher sets it in pods
-KNOBS = ("max_num_active_seqs", "max_num_batched_tokens")
-REQUEST_FIELDS = ("protocol", "seq", *KNOBS)
-ACK_FIELDS = (
-    "protocol", "live", "seq", "applied", "refused", "effective", "envelope", "not_live", "at", "pid",
-    "dp_rank", "engine_version", "engine_known", "mode", "plugin_version", "launch", "launched_at", "ranks",
-)
-MAX_ACK_BYTES = 64 * 1024
+PROTOCOL = live_protocol.PROTOCOL
+CONTROL_FILE = live_protocol.CONTROL_FILE
+ACK_GLOB = f"{live_protocol.ACK_PREFIX}*{live_protocol.ACK_SUFFIX}"
+ENV_CONTROL_DIR = live_protocol.ENV_CONTROL_DIR  # "VLLM_TUNER_CONTROL_DIR"; the launcher sets it in pods
+KNOBS = live_protocol.KNOBS
+REQUEST_FIELDS = live_protocol.REQUEST_FIELDS
+ACK_FIELDS = live_protocol.ACK_FIELDS
+MAX_ACK_BYTES = live_protocol.MAX_CONTROL_BYTES
 
 
 @dataclass(frozen=True)
@@ -146,30 +140,19 @@ def request_document(seq: int, **values: int | None) -> dict[str, Any]:
             raise ValueError(f"unknown live knob {name!r} (known: {', '.join(KNOBS)})")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-    return {"protocol": PROTOCOL, "seq": seq, **{k: values.get(k) for k in KNOBS}}
+    return live_protocol.request_document(seq, **values)
 
 
 def write_request(control_dir: str | os.PathLike[str], seq: int, **values: int | None) -> Path:
-    """Write ``control.json`` atomically (a 0600 temp file in the same directory, then rename) and
-    return its path. ``values``: ``max_num_active_seqs=16, max_num_batched_tokens=None``; a knob left
-    out means the engine's startup value."""
+    """Write ``control.json`` atomically (``live_protocol.write_json_atomically``: a 0640 temp file in the
+    same directory, then rename) and return its path. ``values``: ``max_num_active_seqs=16,
+    max_num_batched_tokens=None``; a knob left out means the engine's startup value."""
     document = request_document(seq, **values)
-    directory = Path(control_dir)
-    target = directory / CONTROL_FILE
+    target = Path(control_dir) / CONTROL_FILE
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".control.", suffix=".tmp")
+        live_protocol.write_json_atomically(str(target), document)
     except OSError as exc:
-        raise SourceError(str(directory), f"cannot write a request ({exc.strerror})") from exc
-    try:
-        os.fchmod(fd, 0o640)  # readable by an engine of another uid that shares the directory's group
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f)
-            f.write("\n")
-        os.replace(tmp, target)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise SourceError(str(target), f"cannot write the request ({exc.strerror})") from exc
+        raise SourceError(str(control_dir), f"cannot write a request ({exc.strerror})") from exc
     return target
 
 

@@ -2,7 +2,7 @@
 values and what the engine's answers mean. No HTTP here: the engine client (``sources.engines``) sends and
 reads, probes which path an engine offers and keeps what it found; this module only says what to send and
 how to read what comes back. Every answer is the engine's and is read like any untrusted body
-(``launcher.untrusted``): a number out of its range, a field of the wrong type, is not believed.
+(``portable.untrusted``): a number out of its range, a field of the wrong type, is not believed.
 
 The paths, in the order the client tries them (docs/engine-contract.md §8 has the shapes and their sources):
 
@@ -59,8 +59,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.launcher import untrusted
 from tuner.model import live
+from tuner.portable import untrusted
 
 TRIMTAB, RUNTIME_CONFIG, SET_INTERNAL_STATE, PLUGIN = "trimtab", "runtime_config", "set_internal_state", "plugin"
 ORDER: Mapping[str, tuple[str, ...]] = {"vllm": (TRIMTAB, RUNTIME_CONFIG, PLUGIN), "sglang": (SET_INTERNAL_STATE,)}

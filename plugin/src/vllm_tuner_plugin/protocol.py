@@ -1,4 +1,8 @@
-"""The file protocol between the tuner and this plugin: the one definition of it.
+"""The live-knob file protocol between the tuner and the engine-side plugin: the one definition of it.
+
+One file in two places, byte for byte: ``tuner/portable/live_protocol.py`` (the tuner's) and the plugin's
+``vllm_tuner_plugin/protocol.py`` (tests/contract/test_live_knobs_protocol.py holds them equal; edit the
+tuner's and copy it over). Standard library and ``untrusted`` only: the plugin runs in vLLM's environment.
 
 The control directory (``$VLLM_TUNER_CONTROL_DIR``) holds:
 
@@ -25,8 +29,8 @@ process starts inherits it) — ``launched_at`` (that start, unix time) and ``ra
 rank count, where the plugin can tell). Readers take only the newest launch's acks; the plugin removes the
 files of older launches when it starts (``remove_stale``), and the tuner does too, whatever the actuator.
 
-The tuner-side reader (``tuner/sources/live_knobs.py``) mirrors this module; a contract test runs both
-against the same files.
+The tuner's side (``tuner/sources/live_knobs.py``) names the files, knobs and fields from here, and reads
+the acks more strictly (every field checked for shape); a contract test runs both sides against the same files.
 """
 
 from __future__ import annotations
@@ -111,8 +115,8 @@ def parse_request(raw: bytes) -> Request:
                                  what=CONTROL_FILE)
     except untrusted.Untrusted as exc:
         raise ProtocolError(exc.reason) from None
-    seq = data.get("seq")
-    seq = seq if _is_int(seq) and seq >= 0 else None
+    raw_seq = data.get("seq")
+    seq = raw_seq if isinstance(raw_seq, int) and not isinstance(raw_seq, bool) and raw_seq >= 0 else None
     if seq is None:
         raise ProtocolError(f'{CONTROL_FILE} needs "seq", an integer >= 0, e.g. {{"seq": 7, '
                             '"max_num_active_seqs": 16}}')

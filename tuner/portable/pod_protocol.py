@@ -16,7 +16,7 @@
 
 The launcher relaunches the engine when the command line that ``desired.json`` asks for differs from
 the one running (or when nothing runs after a failed candidate). ``status.json`` is the launcher's
-answer (see ``launching.Launcher.status``). Both are written atomically: a temporary file in the same
+answer (see ``tuner.launcher.launching.Launcher.status``). Both are written atomically: a temporary file in the same
 directory, fsync, rename.
 
 ``allowed-flags.json`` (written by the agent at its start, from its own rules; read by the launcher,
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from . import argv as argvs
-from . import untrusted
+from . import live_protocol, untrusted
 
 VERSION = 1
 DESIRED = "desired.json"
@@ -53,7 +53,7 @@ STATUS = "status.json"
 ZIPAPP = "launcher.pyz"
 ALLOWED = "allowed-flags.json"
 CONTROL_DIR = "control"  # the live knobs' control directory (the agent creates it 02770, group-shared, when live.enabled)
-ENV_CONTROL_DIR = "VLLM_TUNER_CONTROL_DIR"  # the engine-side plugin's variable (plugin/README.md)
+ENV_CONTROL_DIR = live_protocol.ENV_CONTROL_DIR  # the engine-side plugin's variable (plugin/README.md)
 MAX_BYTES = 1 << 20  # a desired.json larger than 1 MiB is refused unread
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _INT = re.compile(r"^[0-9]{1,18}$")  # no sign, no space, no exponent: what the tuner writes

@@ -1,10 +1,9 @@
-"""The engine's command line, patched by flag: the launcher's own copy of ``knobs.EngineArgs.with_value``.
+"""The engine's command line, read and patched by flag: the one reader and the one writer of command lines.
 
-Stdlib only, like the whole launcher (it runs under the engine image's Python). An override replaces
-the flag's value in place, keeping its spelling and form (``--flag v`` or ``--flag=v``), or is appended
-when the flag is absent; ``True``/``False`` on a boolean flag writes ``--flag``/``--no-flag``; ``None``
-removes the flag. Nothing here ever goes through a shell. ``tests/unit/test_launcher_argv.py`` holds
-this module and ``tuner.model.knobs.EngineArgs`` to the same answers on a table of cases.
+Stdlib only (the in-pod launcher runs it under the engine image's Python); ``tuner.model.engine_args.EngineArgs``
+reads and writes through it too. An override replaces the flag's value in place, keeping its spelling and
+form (``--flag v`` or ``--flag=v``), or is appended when the flag is absent; ``True``/``False`` on a boolean
+flag writes ``--flag``/``--no-flag``; ``None`` removes the flag. Nothing here ever goes through a shell.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from typing import Literal, NamedTuple
 
 Value = str | bool | None
 
-# vLLM's flags that take no value — the one table, which tuner.model.knobs reads too (the launcher imports
-# nothing of the tuner): a bare boolean flag followed by a non-flag token is a flag and a positional, not a
-# flag and its value.
+# vLLM's flags that take no value — the one table, for the tuner and the launcher: a bare boolean flag
+# followed by a non-flag token is a flag and a positional, not a flag and its value.
 BOOLEAN_FLAGS: frozenset[str] = frozenset({
     "--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager", "--trust-remote-code",
     "--allow-credentials", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--enable-sleep-mode",
@@ -111,8 +109,10 @@ def _same(item: Item, key: str) -> bool:
     return item.key is not None and (item.key == key or item.key == "--no-" + key[2:])
 
 
-def _find(items: Sequence[Item], key: str) -> int | None:
-    """The last item for ``key`` (argparse: the last one wins), ``--no-`` forms included."""
+def find(items: Sequence[Item], flag: str) -> int | None:
+    """The index of the last item for ``flag`` (argparse: the last one wins), ``--no-`` forms and either
+    spelling included; None when absent."""
+    key = normalize(flag)
     found = None
     for i, item in enumerate(items):
         if _same(item, key):
@@ -133,7 +133,7 @@ def with_value(items: Sequence[Item], flag: str, value: Value) -> list[Item]:
     boolean = isinstance(value, bool) and (is_boolean(key) or key.startswith("--enable-"))
     new = Item(key if value else "--no-" + key[2:], None, "bare") if boolean else Item(key, _text(value), "space")
     out = list(items)
-    at = _find(out, key)
+    at = find(out, key)
     if at is None:
         return [*out, new]
     old = out[at]
@@ -154,7 +154,7 @@ def apply(base: Sequence[str], overrides: Sequence[tuple[str, Value]]) -> list[s
 def value_of(argv: Sequence[str], flag: str) -> str | None:
     """The text value of ``flag`` in ``argv`` (the last one), or None (absent or bare)."""
     items = parse(argv)
-    at = _find(items, normalize(flag))
+    at = find(items, flag)
     return None if at is None else items[at].value
 
 
