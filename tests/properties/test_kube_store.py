@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.support import fake_kube as fk
 from tuner import config
-from tuner.kube import acting, electing, leading, store
+from tuner.kube import acting, documents, electing, leading, poolview, store
 from tuner.kube import api as kapi
 from tuner.model import knobs
 from tuner.rollout import journal as journaling
@@ -671,35 +671,68 @@ def a_term(api: kapi.KubeApi, tuner_settings: config.TunerSettings, who: str,
     return leader, journal
 
 
-def test_a_rollout_a_killed_leader_finished_but_did_not_save_is_booked_by_the_next_leader(
-        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
-    """The kill point between a rollout's last journal record and the leader's save of the pool's history: the
-    rollout's booking (the value that rolled back is held bad, its cooldown runs) was in that leader's memory
-    only. The next leader books it at the start of its term, as a restarted daemon does
-    (``Dispatcher.book_unbooked``), and saves what it booked with the history, so no later leader books it again
-    — and the value is not proposed again."""
-    a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
-    a.book_unbooked(journal_a)  # a fresh pool: nothing to book, and the state says so from now on
-    a._save_history(journal_a)
-    assert json.loads(data(kube)["state"])["booked_rollout"] == ""
-    journal_a.append("decision", at=10.0, rollout="r1", target="pod-x", changes=[{
+def save(leader: leading.Leader, journal: store.ConfigMapJournal) -> None:
+    """The end of a leader's cycle: its one write (the history saved with the rest)."""
+    pool = poolview.view(documents.inspect(leader.store.refresh()), leader.api.list_pods(), now=20.0)
+    leader.settle(journal, pool)
+
+
+def finish_a_rolled_back_rollout(journal: store.ConfigMapJournal, rid: str = "r1") -> machine.Rollout:
+    """A rollout of ``NEW_ARGS`` on pod-x whose candidate crashed (rolled back), journaled as the driver does."""
+    journal.append("decision", at=10.0, rollout=rid, target="pod-x", changes=[{
         "flag": "--max-num-seqs", "knob": "max_num_seqs", "from": "8", "to": "16", "rule": "more-seqs",
         "reason": "why", "direction": 1}])
-    r = machine.new("r1", replicas=["pod-x"], changes={"pod-x": (OLD_ARGS, NEW_ARGS)}, limits=machine.Limits(),
+    r = machine.new(rid, replicas=["pod-x"], changes={"pod-x": (OLD_ARGS, NEW_ARGS)}, limits=machine.Limits(),
                     now=10.0)
-    journal_a.append("rollout", at=10.0, **journaling.rollout_fields(r))
+    journal.append("rollout", at=10.0, **journaling.rollout_fields(r))
     for e in ROLLED_BACK_AT_START:
         why = "engine exited: status 1" if e is machine.Event.CRASHED else ""
         after = machine.handle(r, "pod-x", e, now=11.0, reason=why)
-        journal_a.append("event", at=11.0, **journaling.event_fields(r, after, "pod-x", e))
+        journal.append("event", at=11.0, **journaling.event_fields(r, after, "pod-x", e))
         r = after
     assert machine.outcome(r) is machine.Outcome.ROLLED_BACK
-    # ... leader a is killed here: its cycle never saved the booking
+    return r
+
+
+def test_a_rollout_is_booked_in_the_write_that_finishes_it(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """The kill point between a rollout's last journal record and the leader's next save of the pool's
+    history: there is none. The write of the record that finishes the rollout carries its booking (the value
+    that rolled back is held bad, its cooldown runs), so a leader killed right after loses nothing and the
+    next leader has nothing to book — and does not propose the value again."""
+    a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
+    a.book_unbooked(journal_a)  # a fresh pool: nothing to book, and the state says so from now on
+    save(a, journal_a)
+    assert json.loads(data(kube)["state"])["booked_rollout"] == ""
+    writes = a.store.writes
+    finish_a_rolled_back_rollout(journal_a)
+    assert a.store.writes - writes == 2 + len(ROLLED_BACK_AT_START)  # one write a record, the booking in the last
+    saved = json.loads(data(kube)["state"])
+    assert saved["booked_rollout"] == "r1" and "pod-x" in saved["histories"]
+    # ... leader a is killed here: its cycle never booked the rollout in memory, nor saved
+
+    b, journal_b = a_term(api, tuner_settings, "pod-b_2", 2)
+    assert b.book_unbooked(journal_b) is None  # booked already
+    assert b.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))  # never proposed again
+
+
+def test_a_finished_rollout_an_older_leader_did_not_book_is_booked_by_the_next_leader(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """A rollout finished by a leader that did not book it with its last record (an older version's, or one
+    whose booking failed): the next leader books it at the start of its term, as a restarted daemon does
+    (``Dispatcher.book_unbooked``), and saves what it booked with the history, so no later leader books it
+    again — and the value is not proposed again."""
+    a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
+    a.book_unbooked(journal_a)
+    save(a, journal_a)
+    journal_a.booking = None  # an older leader's journal
+    finish_a_rolled_back_rollout(journal_a)
+    assert json.loads(data(kube)["state"])["booked_rollout"] == ""
 
     b, journal_b = a_term(api, tuner_settings, "pod-b_2", 2)
     assert b.book_unbooked(journal_b) is not None  # what the term's first cycle does first
     assert b.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))  # never proposed again
-    b._save_history(journal_b)
+    save(b, journal_b)
     saved = json.loads(data(kube)["state"])
     assert saved["booked_rollout"] == "r1" and "pod-x" in saved["histories"]
 
