@@ -10,82 +10,33 @@ import contextlib
 import datetime as dt
 import json
 import re
-import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from tests.support import fake_kube as fk
+from tests.support.kube_harness import (  # the pool's helpers (its fixtures: this folder's conftest.py)
+    CM,
+    LEASE,
+    a_term,
+    cycle_ready_pool,
+    data,
+    engine_client,
+    lead_in_thread,
+    save,
+    until,
+)
 from tuner import config
-from tuner.kube import acting, documents, electing, leading, poolview, store
+from tuner.kube import acting, electing, leading, store
 from tuner.kube import api as kapi
 from tuner.model import knobs
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.runtime import selfmetrics
-from tuner.sources import engines
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
-
-NS = "llm"
-LEASE = "vllm-tuner-vllm"
-CM = "vllm-tuner-journal-vllm"
-LABELS = {"vllm-tuner.io/pool": "vllm"}
-
-
-@pytest.fixture(scope="module")
-def chart() -> list[dict[str, Any]]:
-    return fk.chart_objects(namespace=NS)
-
-
-@pytest.fixture(scope="module")
-def server(chart: list[dict[str, Any]]) -> Iterator[fk.FakeKube]:
-    (role,) = [d for d in chart if d["kind"] == "Role"]
-    k = fk.FakeKube(role_rules=role["rules"], namespace=NS).start()
-    try:
-        yield k
-    finally:
-        k.stop()
-
-
-@pytest.fixture
-def kube(server: fk.FakeKube, chart: list[dict[str, Any]]) -> fk.FakeKube:
-    """The server with the chart freshly installed: its Lease and journal ConfigMap as Helm creates them."""
-    with server.cond:
-        server.objects.clear()
-    fk.load_objects(server, [d for d in chart if d["kind"] in ("Lease", "ConfigMap")])
-    return server
-
-
-def settings_of(kube: fk.FakeKube, tmp_path: Path) -> config.TunerSettings:
-    (tmp_path / "token").write_text(fk.AGENT_TOKEN)
-    return config.parse({"mode": "apply", "scrape": {"interval_seconds": 0.1},
-                         "kubernetes": {"pool": "vllm", "selector": {"matchLabels": LABELS}, "lease": LEASE,
-                                        "journal_configmap": CM, "api_server": kube.url,
-                                        "token_file": str(tmp_path / "token"), "ca_file": None,
-                                        "lease_duration_seconds": 15, "renew_deadline_seconds": 10,
-                                        "retry_period_seconds": 2}})
-
-
-@pytest.fixture
-def tuner_settings(kube: fk.FakeKube, tmp_path: Path) -> config.TunerSettings:
-    return settings_of(kube, tmp_path)
-
-
-@pytest.fixture
-def api(tuner_settings: config.TunerSettings) -> Iterator[kapi.KubeApi]:
-    assert tuner_settings.kubernetes is not None
-    a = kapi.KubeApi(tuner_settings.kubernetes, namespace=NS)
-    try:
-        yield a
-    finally:
-        a.close()
-
 
 class Clock:
     def __init__(self) -> None:
@@ -107,17 +58,6 @@ def elector(api: kapi.KubeApi, who: str, clock: Clock,
                             wall=now, metrics=metrics)
 
 
-def engine_client() -> engines.EngineClient:
-    body = 'vllm:num_requests_running{model_name="m",engine="0"} 0\n'
-    return engines.EngineClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=body)))
-
-
-def data(kube: fk.FakeKube) -> dict[str, str]:
-    cm = kube.get("ConfigMap", CM)
-    assert cm is not None
-    return dict(cm.get("data") or {})
-
-
 def edit(kube: fk.FakeKube, **keys: str | None) -> None:
     """A human's ``kubectl edit`` of the pool's ConfigMap (None removes the key)."""
     def change(cm: dict[str, Any]) -> None:
@@ -135,25 +75,6 @@ def recreate_lease(kube: fk.FakeKube, chart: list[dict[str, Any]]) -> None:
     """``helm uninstall`` + ``helm install`` (or an Argo CD replace): the Lease comes back with ``spec: {}``."""
     kube.delete("Lease", LEASE)
     fk.load_objects(kube, [d for d in chart if d["kind"] == "Lease"])
-
-
-def lead_in_thread(leader: leading.Leader, leadership: electing.Leadership,
-                   **kwargs: Any) -> tuple[threading.Event, threading.Thread]:
-    stop = threading.Event()
-    thread = threading.Thread(target=leader.lead, args=(leadership, stop), kwargs=kwargs, daemon=True)
-    thread.start()
-    return stop, thread
-
-
-def until(condition: Any, timeout: float = 10.0) -> None:
-    """Until ``condition()`` holds: a wait on something happening, not on time passing."""
-    done = threading.Event()
-    deadline = 0.0
-    while not condition():
-        if deadline > timeout:
-            raise AssertionError(f"not within {timeout}s")
-        done.wait(0.02)
-        deadline += 0.02
 
 
 # --- the reproductions: each failed on main before issue 17's class 7 ------------------------------------
@@ -203,15 +124,6 @@ def test_a_hand_edited_epoch_does_not_switch_fencing_off(kube: fk.FakeKube, api:
         deposed.append("note", at=2.0, note="from a deposed leader")
     assert f"ConfigMap {CM}" in str(info.value) and "'epoch'" in str(info.value)
     assert "above every epoch used so far" in str(info.value)
-
-
-def cycle_ready_pool(kube: fk.FakeKube, api: kapi.KubeApi) -> None:
-    """One pod that runs and has reported: the leader's cycle reaches the end (the history saved)."""
-    kube.add_pod("vllm-a", ip="127.0.0.1", labels=LABELS, ready=True)
-    argv = ["vllm", "serve", "m", "--port", "8000"]
-    store.PoolStore(api).report("vllm-a", {"state": "serving", "ready": True, "argv": argv, "base_argv": argv,
-                                           "base_sha256": "b" * 64, "overrides": [], "serial": 0, "generation": 1,
-                                           "launcher_generation": 1})
 
 
 @pytest.mark.parametrize("state", ['{"histories": {"vllm-a": ', "[]", '{"histories": []}', "17",
@@ -657,24 +569,6 @@ ROLLED_BACK_AT_START = (machine.Event.GO, machine.Event.DRAINED, machine.Event.I
                         machine.Event.STARTED, machine.Event.CRASHED, machine.Event.DRAINED, machine.Event.IDLE,
                         machine.Event.STOPPED, machine.Event.STARTED, machine.Event.HEALTHY,
                         machine.Event.CONFIRMED, machine.Event.WARMED, machine.Event.UNDRAINED)
-
-
-def a_term(api: kapi.KubeApi, tuner_settings: config.TunerSettings, who: str,
-           epoch: int) -> tuple[leading.Leader, store.ConfigMapJournal]:
-    """A leadership term's start, as ``Leader.lead`` makes it: the claim, the pool's history, the dispatcher."""
-    pool = store.PoolStore(api)
-    leader = leading.Leader(tuner_settings, api=api, store=pool, identity=who, rules=(), client=engine_client())
-    epoch = leading.claim(pool, epoch, identity=who, advance=None)
-    leader._load_history()
-    journal = store.ConfigMapJournal(pool, epoch=epoch, leader=who)
-    leader._build(journal, threading.Event())
-    return leader, journal
-
-
-def save(leader: leading.Leader, journal: store.ConfigMapJournal) -> None:
-    """The end of a leader's cycle: its one write (the history saved with the rest)."""
-    pool = poolview.view(documents.inspect(leader.store.refresh()), leader.api.list_pods(), now=20.0)
-    leader.settle(journal, pool)
 
 
 def finish_a_rolled_back_rollout(journal: store.ConfigMapJournal, rid: str = "r1") -> machine.Rollout:
