@@ -10,6 +10,7 @@ import contextlib
 import datetime as dt
 import json
 import re
+import threading
 from typing import Any
 
 import pytest
@@ -633,3 +634,37 @@ def test_a_finished_rollout_an_older_leader_did_not_book_is_booked_by_the_next_l
     c, journal_c = a_term(api, tuner_settings, "pod-c_3", 3)
     assert c.book_unbooked(journal_c) is None  # once
     assert c.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))
+
+
+def test_a_cycle_writes_the_pool_once_with_every_change(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """Issue 29: a cycle with a journal line to set aside, a gone pod's report and desired state, the user's
+    win (the pods run another base than the pool's overrides) and a history to save makes one ConfigMap
+    write (it made four: the quarantine, the gone pod, the pool and its note, the history)."""
+    cycle_ready_pool(kube, api)
+    journal = store.ConfigMapJournal(store.PoolStore(api), epoch=1, leader="pod-a_1")
+    journal.append("note", at=1.0, note="first")
+    journal.append("note", at=3.0, note="third")
+    first, third = data(kube)["journal"].splitlines()
+    bad = '{"v":1,"seq":2,"kind":"note","note":"cut off by a bad ed'
+    store.PoolStore(api).report("vllm-gone", {"state": "serving", "argv": ["vllm"], "base_sha256": "b" * 64})
+    edit(kube, journal="\n".join([first, bad, third]) + "\n",
+         pool=json.dumps({"overrides": [["--max-num-seqs", "16"]], "base_sha256": "a" * 64, "rollout": "r0"}),
+         desired=json.dumps({"vllm-gone": {"serial": 3, "overrides": [], "drain": False}}))
+    leader, journal = a_term(api, tuner_settings, "pod-a_2", 2)
+    before = leader.store.writes
+    leader.cycle(journal, threading.Event(), recover=True)
+    assert leader.store.writes - before == 1
+    after = data(kube)
+    assert "report.vllm-gone" not in after and json.loads(after["desired"]) == {}
+    assert after["journal.quarantine"].splitlines() == [bad]
+    pool = json.loads(after["pool"])
+    assert pool["overrides"] == [] and pool["base_sha256"] == "b" * 64 and "the user wins" in pool["reason"]
+    notes = [r["note"] for r in store.parse_journal(after["journal"]).records]
+    assert notes[:2] == ["first", "third"] and "the user wins" in notes[2]
+    assert json.loads(after["state"])["booked_rollout"] == "" and "vllm-a" in json.loads(after["state"])["histories"]
+    was = data(kube)
+    leader.cycle(journal, threading.Event())
+    assert leader.store.writes - before == 2  # the next cycle: its history (the cycle count), once
+    now = data(kube)
+    assert {k for k in set(was) | set(now) if was.get(k) != now.get(k)} == {"state"}
