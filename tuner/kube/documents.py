@@ -127,10 +127,10 @@ def loads(data: Mapping[str, str], key: str, default: Any) -> Any:
         return default
 
 
-ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "ABSENT"})()  # a key not there (JSON null is a value)
+ABSENT: object = type("Absent", (), {"__repr__": lambda self: "ABSENT"})()  # a key not there (JSON null is a value)
 
 
-def _strict(data: Mapping[str, str], key: str) -> Any:
+def _strict(data: Mapping[str, str], key: str) -> object:
     """A leader key's document, ``ABSENT`` when absent; ``Untrusted`` when present but unreadable."""
     text = data.get(key)
     if text is None:

@@ -281,13 +281,18 @@ class ConfigMapJournal:
         none, or there is no booking to write."""
         if self.booking is None or record.get("kind") not in ("event", "abort"):
             return None
-        after = [*before, record]
         rid = record.get("rollout_id")
-        was, now = journaling.replay(before).get(str(rid)), journaling.replay(after).get(str(rid))
+        mine = [r for r in before if r.get("rollout_id") == rid
+                or (r["kind"] == "rollout" and r["rollout"].get("id") == rid)]  # its records only: replayed twice
+        try:
+            was, now = journaling.replay(mine).get(str(rid)), journaling.replay([*mine, record]).get(str(rid))
+        except Exception:  # never the reason a record is not written: booked in memory, saved at the cycle's write
+            log.exception("replaying rollout %s to book it with its last record failed", rid)
+            return None
         if was is None or now is None or machine.outcome(was) is not machine.Outcome.RUNNING \
                 or machine.outcome(now) is machine.Outcome.RUNNING:
             return None
-        return self.booking(now, after)
+        return self.booking(now, [*before, record])
 
     def said_set_aside(self, bad: Sequence[BadLine]) -> int:
         """One line for the lines just set aside, and the counter."""
