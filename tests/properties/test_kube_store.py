@@ -668,3 +668,18 @@ def test_a_cycle_writes_the_pool_once_with_every_change(
     assert leader.store.writes - before == 2  # the next cycle: its history (the cycle count), once
     now = data(kube)
     assert {k for k in set(was) | set(now) if was.get(k) != now.get(k)} == {"state"}
+
+
+def test_a_cycle_with_no_pod_reporting_keeps_the_pool_s_history(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """Every pod restarting at once (none reports): the cycle's write forgets the gone pods' keys but keeps the
+    pool's decision history for the pods to come (the state follows no pod then)."""
+    cycle_ready_pool(kube, api)
+    leader, journal = a_term(api, tuner_settings, "pod-a_1", 1)
+    leader.cycle(journal, threading.Event(), recover=True)
+    saved = data(kube)["state"]
+    assert "vllm-a" in json.loads(saved)["histories"]
+    kube.delete("Pod", "vllm-a")
+    leader.cycle(journal, threading.Event())
+    after = data(kube)
+    assert after["state"] == saved and "report.vllm-a" not in after

@@ -290,7 +290,7 @@ class Leader:
                     self._track(targets)
         if not targets:
             log.info("cycle: no pod of the pool %s reports yet", self.k.pool)
-            self.settle(journal, pool)
+            self.settle(journal, pool, history=False)  # no pod: the saved history stays as it is
             return
         settings = self.settings.model_copy(update={"targets": targets, "decisions": decisions})
         rolling = dispatcher if pool.hold is None or (dispatcher is not None and dispatcher.busy) else None
@@ -304,10 +304,12 @@ class Leader:
             self.state.left_drained = self.left_drained.check(journal.records, now=now)
         self.settle(journal, pool)
 
-    def settle(self, journal: store_mod.ConfigMapJournal, pool: poolview.PoolView) -> poolview.Settled | None:
+    def settle(self, journal: store_mod.ConfigMapJournal, pool: poolview.PoolView, *,
+               history: bool = True) -> poolview.Settled | None:
         """The cycle's one write (``poolview.settle``), a compare-and-swap: what it changed, None when it
-        changed nothing."""
-        state = documents.state_text(self.state.histories(), self.state.booked_rollout)
+        changed nothing. ``history``: the decision history saved with it (not while no pod reports: the
+        state then follows no pod, and the pool's history is kept for the pods to come)."""
+        state = documents.state_text(self.state.histories(), self.state.booked_rollout) if history else None
         out: dict[str, poolview.Settled] = {}
 
         def change(data: dict[str, str]) -> dict[str, str] | None:

@@ -139,11 +139,11 @@ class Settled:
     compactions: int = 0
 
 
-def settle(data: Mapping[str, str], pool_view: PoolView, *, state: str, epoch: int,
+def settle(data: Mapping[str, str], pool_view: PoolView, *, state: str | None, epoch: int,
            budget: int = JOURNAL_BUDGET) -> Settled:
     """The cycle's one write over ``data`` (the ConfigMap as it is now; its leader keys read, or the write
     is refused before this): the journal's bad lines set aside, the keys of gone pods removed, the user's
-    win, the verified arguments and the decision history (``state``, its text)."""
+    win, the verified arguments and the decision history (``state``, its text; None: the key as it is)."""
     docs = inspect(data)
     new = dict(data)
     records: Sequence[journaling.Record] = docs.journal.records
@@ -171,5 +171,6 @@ def settle(data: Mapping[str, str], pool_view: PoolView, *, state: str, epoch: i
     args = verified(records, pool, docs.reports, pool_view.members)
     if args is not None:
         new["pool"] = dumps(args.as_dict())
-    new["state"] = state
+    if state is not None:
+        new["state"] = state
     return Settled(new if new != dict(data) else None, bad, tuple(notes), args, compactions)
