@@ -2,9 +2,9 @@
 Role enforced on the agents) with the chart's Lease and journal ConfigMap, the agent's settings and API
 client, and the helpers the store's, the switches' and the kill points' tests share.
 
-The fixtures are imported by the modules that use them (``from tests.support.kube_harness import api,
-chart, kube, server, tuner_settings``). A module that sets ``ANONYMOUS = "admin"`` gets a server whose
-requests without a token act as the cluster's admin (``kubectl`` over plain HTTP sends none: an operator).
+The fixtures are taken by the conftest.py of each folder whose modules use them (tests/properties/,
+tests/integration/). A module that sets ``ANONYMOUS = "admin"`` gets a server whose requests without a
+token act as the cluster's admin (``kubectl`` over plain HTTP sends none: an operator).
 """
 
 from __future__ import annotations
