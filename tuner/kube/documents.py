@@ -18,7 +18,6 @@ quarantine``         each): for a human to read, then delete
 ``report.<pod>``     that pod's agent's report: its launcher's status.json, condensed           its agent
 ===================  ===========================================================================  =========
 
-
 The leader's keys are read strictly (``inspect``): one that does not read is a ``Problem`` naming the key
 and its fix, and no leader write is made until it reads (``PoolUnreadableError``). A journal line that
 does not read is moved to ``journal.quarantine`` where it cannot hide a record of the unfinished rollout,
