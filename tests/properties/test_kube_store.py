@@ -640,7 +640,7 @@ def test_a_cycle_writes_the_pool_once_with_every_change(
         kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
     """Issue 29: a cycle with a journal line to set aside, a gone pod's report and desired state, the user's
     win (the pods run another base than the pool's overrides) and a history to save makes one ConfigMap
-    write (it made four: the quarantine, the gone pod, the pool and its note, the history)."""
+    write (main made five: the quarantine, the gone pod, the pool, its note, the history)."""
     cycle_ready_pool(kube, api)
     journal = store.ConfigMapJournal(store.PoolStore(api), epoch=1, leader="pod-a_1")
     journal.append("note", at=1.0, note="first")
