@@ -18,15 +18,21 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.properties import test_kube_store as kube_store
 from tests.support import fake_kube as fk
+from tests.support.kube_harness import (  # the pool's helpers (its fixtures: this folder's conftest.py)
+    CM,
+    NS,
+    cycle_ready_pool,
+    engine_client,
+    lead_in_thread,
+    until,
+)
 from tuner import config
 from tuner.cli import operating
 from tuner.kube import api as kapi
@@ -37,54 +43,11 @@ from tuner.runtime.httpserver import TunerHttpServer
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
 
-NS, CM = kube_store.NS, kube_store.CM
-# the pool of tests/properties/test_kube_store.py: one pod that runs and reports, a leader in a thread
-cycle_ready_pool, engine_client, lead_in_thread = kube_store.cycle_ready_pool, kube_store.engine_client, kube_store.lead_in_thread
-settings_of, until = kube_store.settings_of, kube_store.until
+# kubectl sends no token over plain HTTP: its requests act as the cluster's admin (an operator)
+ANONYMOUS = "admin"
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
-
-
-@pytest.fixture(scope="module")
-def chart() -> list[dict[str, Any]]:
-    return fk.chart_objects(namespace=NS)
-
-
-@pytest.fixture(scope="module")
-def server(chart: list[dict[str, Any]]) -> Iterator[fk.FakeKube]:
-    (role,) = [d for d in chart if d["kind"] == "Role"]
-    # kubectl sends no token over plain HTTP: its requests act as the cluster's admin (an operator)
-    k = fk.FakeKube(role_rules=role["rules"], namespace=NS, anonymous="admin").start()
-    try:
-        yield k
-    finally:
-        k.stop()
-
-
-@pytest.fixture
-def kube(server: fk.FakeKube, chart: list[dict[str, Any]]) -> fk.FakeKube:
-    """The chart freshly installed: its Lease and ConfigMaps as Helm creates them."""
-    with server.cond:
-        server.objects.clear()
-        server.requests.clear()
-    fk.load_objects(server, [d for d in chart if d["kind"] in ("Lease", "ConfigMap")])
-    return server
-
-
-@pytest.fixture
-def tuner_settings(kube: fk.FakeKube, tmp_path: Path) -> config.TunerSettings:
-    return settings_of(kube, tmp_path)
-
-
-@pytest.fixture
-def api(tuner_settings: config.TunerSettings) -> Iterator[kapi.KubeApi]:
-    assert tuner_settings.kubernetes is not None
-    a = kapi.KubeApi(tuner_settings.kubernetes, namespace=NS)
-    try:
-        yield a
-    finally:
-        a.close()
 
 
 @pytest.fixture

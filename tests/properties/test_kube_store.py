@@ -11,16 +11,24 @@ import datetime as dt
 import json
 import re
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from tests.support import fake_kube as fk
+from tests.support.kube_harness import (  # the pool's helpers (its fixtures: this folder's conftest.py)
+    CM,
+    LEASE,
+    a_term,
+    cycle_ready_pool,
+    data,
+    engine_client,
+    lead_in_thread,
+    save,
+    until,
+)
 from tuner import config
 from tuner.kube import acting, electing, leading, store
 from tuner.kube import api as kapi
@@ -28,64 +36,8 @@ from tuner.model import knobs
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.runtime import selfmetrics
-from tuner.sources import engines
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart's Role")
-
-NS = "llm"
-LEASE = "vllm-tuner-vllm"
-CM = "vllm-tuner-journal-vllm"
-LABELS = {"vllm-tuner.io/pool": "vllm"}
-
-
-@pytest.fixture(scope="module")
-def chart() -> list[dict[str, Any]]:
-    return fk.chart_objects(namespace=NS)
-
-
-@pytest.fixture(scope="module")
-def server(chart: list[dict[str, Any]]) -> Iterator[fk.FakeKube]:
-    (role,) = [d for d in chart if d["kind"] == "Role"]
-    k = fk.FakeKube(role_rules=role["rules"], namespace=NS).start()
-    try:
-        yield k
-    finally:
-        k.stop()
-
-
-@pytest.fixture
-def kube(server: fk.FakeKube, chart: list[dict[str, Any]]) -> fk.FakeKube:
-    """The server with the chart freshly installed: its Lease and journal ConfigMap as Helm creates them."""
-    with server.cond:
-        server.objects.clear()
-    fk.load_objects(server, [d for d in chart if d["kind"] in ("Lease", "ConfigMap")])
-    return server
-
-
-def settings_of(kube: fk.FakeKube, tmp_path: Path) -> config.TunerSettings:
-    (tmp_path / "token").write_text(fk.AGENT_TOKEN)
-    return config.parse({"mode": "apply", "scrape": {"interval_seconds": 0.1},
-                         "kubernetes": {"pool": "vllm", "selector": {"matchLabels": LABELS}, "lease": LEASE,
-                                        "journal_configmap": CM, "api_server": kube.url,
-                                        "token_file": str(tmp_path / "token"), "ca_file": None,
-                                        "lease_duration_seconds": 15, "renew_deadline_seconds": 10,
-                                        "retry_period_seconds": 2}})
-
-
-@pytest.fixture
-def tuner_settings(kube: fk.FakeKube, tmp_path: Path) -> config.TunerSettings:
-    return settings_of(kube, tmp_path)
-
-
-@pytest.fixture
-def api(tuner_settings: config.TunerSettings) -> Iterator[kapi.KubeApi]:
-    assert tuner_settings.kubernetes is not None
-    a = kapi.KubeApi(tuner_settings.kubernetes, namespace=NS)
-    try:
-        yield a
-    finally:
-        a.close()
-
 
 class Clock:
     def __init__(self) -> None:
@@ -107,17 +59,6 @@ def elector(api: kapi.KubeApi, who: str, clock: Clock,
                             wall=now, metrics=metrics)
 
 
-def engine_client() -> engines.EngineClient:
-    body = 'vllm:num_requests_running{model_name="m",engine="0"} 0\n'
-    return engines.EngineClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=body)))
-
-
-def data(kube: fk.FakeKube) -> dict[str, str]:
-    cm = kube.get("ConfigMap", CM)
-    assert cm is not None
-    return dict(cm.get("data") or {})
-
-
 def edit(kube: fk.FakeKube, **keys: str | None) -> None:
     """A human's ``kubectl edit`` of the pool's ConfigMap (None removes the key)."""
     def change(cm: dict[str, Any]) -> None:
@@ -135,25 +76,6 @@ def recreate_lease(kube: fk.FakeKube, chart: list[dict[str, Any]]) -> None:
     """``helm uninstall`` + ``helm install`` (or an Argo CD replace): the Lease comes back with ``spec: {}``."""
     kube.delete("Lease", LEASE)
     fk.load_objects(kube, [d for d in chart if d["kind"] == "Lease"])
-
-
-def lead_in_thread(leader: leading.Leader, leadership: electing.Leadership,
-                   **kwargs: Any) -> tuple[threading.Event, threading.Thread]:
-    stop = threading.Event()
-    thread = threading.Thread(target=leader.lead, args=(leadership, stop), kwargs=kwargs, daemon=True)
-    thread.start()
-    return stop, thread
-
-
-def until(condition: Any, timeout: float = 10.0) -> None:
-    """Until ``condition()`` holds: a wait on something happening, not on time passing."""
-    done = threading.Event()
-    deadline = 0.0
-    while not condition():
-        if deadline > timeout:
-            raise AssertionError(f"not within {timeout}s")
-        done.wait(0.02)
-        deadline += 0.02
 
 
 # --- the reproductions: each failed on main before issue 17's class 7 ------------------------------------
@@ -203,15 +125,6 @@ def test_a_hand_edited_epoch_does_not_switch_fencing_off(kube: fk.FakeKube, api:
         deposed.append("note", at=2.0, note="from a deposed leader")
     assert f"ConfigMap {CM}" in str(info.value) and "'epoch'" in str(info.value)
     assert "above every epoch used so far" in str(info.value)
-
-
-def cycle_ready_pool(kube: fk.FakeKube, api: kapi.KubeApi) -> None:
-    """One pod that runs and has reported: the leader's cycle reaches the end (the history saved)."""
-    kube.add_pod("vllm-a", ip="127.0.0.1", labels=LABELS, ready=True)
-    argv = ["vllm", "serve", "m", "--port", "8000"]
-    store.PoolStore(api).report("vllm-a", {"state": "serving", "ready": True, "argv": argv, "base_argv": argv,
-                                           "base_sha256": "b" * 64, "overrides": [], "serial": 0, "generation": 1,
-                                           "launcher_generation": 1})
 
 
 @pytest.mark.parametrize("state", ['{"histories": {"vllm-a": ', "[]", '{"histories": []}', "17",
@@ -659,50 +572,114 @@ ROLLED_BACK_AT_START = (machine.Event.GO, machine.Event.DRAINED, machine.Event.I
                         machine.Event.CONFIRMED, machine.Event.WARMED, machine.Event.UNDRAINED)
 
 
-def a_term(api: kapi.KubeApi, tuner_settings: config.TunerSettings, who: str,
-           epoch: int) -> tuple[leading.Leader, store.ConfigMapJournal]:
-    """A leadership term's start, as ``Leader.lead`` makes it: the claim, the pool's history, the dispatcher."""
-    pool = store.PoolStore(api)
-    leader = leading.Leader(tuner_settings, api=api, store=pool, identity=who, rules=(), client=engine_client())
-    epoch = leading.claim(pool, epoch, identity=who, advance=None)
-    leader._load_history()
-    journal = store.ConfigMapJournal(pool, epoch=epoch, leader=who)
-    leader._build(journal, threading.Event())
-    return leader, journal
-
-
-def test_a_rollout_a_killed_leader_finished_but_did_not_save_is_booked_by_the_next_leader(
-        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
-    """The kill point between a rollout's last journal record and the leader's save of the pool's history: the
-    rollout's booking (the value that rolled back is held bad, its cooldown runs) was in that leader's memory
-    only. The next leader books it at the start of its term, as a restarted daemon does
-    (``Dispatcher.book_unbooked``), and saves what it booked with the history, so no later leader books it again
-    — and the value is not proposed again."""
-    a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
-    a.book_unbooked(journal_a)  # a fresh pool: nothing to book, and the state says so from now on
-    a._save_history(journal_a)
-    assert json.loads(data(kube)["state"])["booked_rollout"] == ""
-    journal_a.append("decision", at=10.0, rollout="r1", target="pod-x", changes=[{
+def finish_a_rolled_back_rollout(journal: store.ConfigMapJournal, rid: str = "r1") -> machine.Rollout:
+    """A rollout of ``NEW_ARGS`` on pod-x whose candidate crashed (rolled back), journaled as the driver does."""
+    journal.append("decision", at=10.0, rollout=rid, target="pod-x", changes=[{
         "flag": "--max-num-seqs", "knob": "max_num_seqs", "from": "8", "to": "16", "rule": "more-seqs",
         "reason": "why", "direction": 1}])
-    r = machine.new("r1", replicas=["pod-x"], changes={"pod-x": (OLD_ARGS, NEW_ARGS)}, limits=machine.Limits(),
+    r = machine.new(rid, replicas=["pod-x"], changes={"pod-x": (OLD_ARGS, NEW_ARGS)}, limits=machine.Limits(),
                     now=10.0)
-    journal_a.append("rollout", at=10.0, **journaling.rollout_fields(r))
+    journal.append("rollout", at=10.0, **journaling.rollout_fields(r))
     for e in ROLLED_BACK_AT_START:
         why = "engine exited: status 1" if e is machine.Event.CRASHED else ""
         after = machine.handle(r, "pod-x", e, now=11.0, reason=why)
-        journal_a.append("event", at=11.0, **journaling.event_fields(r, after, "pod-x", e))
+        journal.append("event", at=11.0, **journaling.event_fields(r, after, "pod-x", e))
         r = after
     assert machine.outcome(r) is machine.Outcome.ROLLED_BACK
-    # ... leader a is killed here: its cycle never saved the booking
+    return r
+
+
+def test_a_rollout_is_booked_in_the_write_that_finishes_it(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """The kill point between a rollout's last journal record and the leader's next save of the pool's
+    history: there is none. The write of the record that finishes the rollout carries its booking (the value
+    that rolled back is held bad, its cooldown runs), so a leader killed right after loses nothing and the
+    next leader has nothing to book — and does not propose the value again."""
+    a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
+    a.book_unbooked(journal_a)  # a fresh pool: nothing to book, and the state says so from now on
+    save(a, journal_a)
+    assert json.loads(data(kube)["state"])["booked_rollout"] == ""
+    writes = a.store.writes
+    finish_a_rolled_back_rollout(journal_a)
+    assert a.store.writes - writes == 2 + len(ROLLED_BACK_AT_START)  # one write a record, the booking in the last
+    saved = json.loads(data(kube)["state"])
+    assert saved["booked_rollout"] == "r1" and "pod-x" in saved["histories"]
+    # ... leader a is killed here: its cycle never booked the rollout in memory, nor saved
+
+    b, journal_b = a_term(api, tuner_settings, "pod-b_2", 2)
+    assert b.book_unbooked(journal_b) is None  # booked already
+    assert b.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))  # never proposed again
+
+
+def test_a_finished_rollout_an_older_leader_did_not_book_is_booked_by_the_next_leader(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """A rollout finished by a leader that did not book it with its last record (an older version's, or one
+    whose booking failed): the next leader books it at the start of its term, as a restarted daemon does
+    (``Dispatcher.book_unbooked``), and saves what it booked with the history, so no later leader books it
+    again — and the value is not proposed again."""
+    a, journal_a = a_term(api, tuner_settings, "pod-a_1", 1)
+    a.book_unbooked(journal_a)
+    save(a, journal_a)
+    journal_a.booking = None  # an older leader's journal
+    finish_a_rolled_back_rollout(journal_a)
+    assert json.loads(data(kube)["state"])["booked_rollout"] == ""
 
     b, journal_b = a_term(api, tuner_settings, "pod-b_2", 2)
     assert b.book_unbooked(journal_b) is not None  # what the term's first cycle does first
     assert b.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))  # never proposed again
-    b._save_history(journal_b)
+    save(b, journal_b)
     saved = json.loads(data(kube)["state"])
     assert saved["booked_rollout"] == "r1" and "pod-x" in saved["histories"]
 
     c, journal_c = a_term(api, tuner_settings, "pod-c_3", 3)
     assert c.book_unbooked(journal_c) is None  # once
     assert c.state.history("pod-x").is_bad(knobs.EngineArgs.parse(NEW_ARGS))
+
+
+def test_a_cycle_writes_the_pool_once_with_every_change(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """Issue 29: a cycle with a journal line to set aside, a gone pod's report and desired state, the user's
+    win (the pods run another base than the pool's overrides) and a history to save makes one ConfigMap
+    write (main made five: the quarantine, the gone pod, the pool, its note, the history)."""
+    cycle_ready_pool(kube, api)
+    journal = store.ConfigMapJournal(store.PoolStore(api), epoch=1, leader="pod-a_1")
+    journal.append("note", at=1.0, note="first")
+    journal.append("note", at=3.0, note="third")
+    first, third = data(kube)["journal"].splitlines()
+    bad = '{"v":1,"seq":2,"kind":"note","note":"cut off by a bad ed'
+    store.PoolStore(api).report("vllm-gone", {"state": "serving", "argv": ["vllm"], "base_sha256": "b" * 64})
+    edit(kube, journal="\n".join([first, bad, third]) + "\n",
+         pool=json.dumps({"overrides": [["--max-num-seqs", "16"]], "base_sha256": "a" * 64, "rollout": "r0"}),
+         desired=json.dumps({"vllm-gone": {"serial": 3, "overrides": [], "drain": False}}))
+    leader, journal = a_term(api, tuner_settings, "pod-a_2", 2)
+    before = leader.store.writes
+    leader.cycle(journal, threading.Event(), recover=True)
+    assert leader.store.writes - before == 1
+    after = data(kube)
+    assert "report.vllm-gone" not in after and json.loads(after["desired"]) == {}
+    assert after["journal.quarantine"].splitlines() == [bad]
+    pool = json.loads(after["pool"])
+    assert pool["overrides"] == [] and pool["base_sha256"] == "b" * 64 and "the user wins" in pool["reason"]
+    notes = [r["note"] for r in store.parse_journal(after["journal"]).records]
+    assert notes[:2] == ["first", "third"] and "the user wins" in notes[2]
+    assert json.loads(after["state"])["booked_rollout"] == "" and "vllm-a" in json.loads(after["state"])["histories"]
+    was = data(kube)
+    leader.cycle(journal, threading.Event())
+    assert leader.store.writes - before == 2  # the next cycle: its history (the cycle count), once
+    now = data(kube)
+    assert {k for k in set(was) | set(now) if was.get(k) != now.get(k)} == {"state"}
+
+
+def test_a_cycle_with_no_pod_reporting_keeps_the_pool_s_history(
+        kube: fk.FakeKube, api: kapi.KubeApi, tuner_settings: config.TunerSettings) -> None:
+    """Every pod restarting at once (none reports): the cycle's write forgets the gone pods' keys but keeps the
+    pool's decision history for the pods to come (the state follows no pod then)."""
+    cycle_ready_pool(kube, api)
+    leader, journal = a_term(api, tuner_settings, "pod-a_1", 1)
+    leader.cycle(journal, threading.Event(), recover=True)
+    saved = data(kube)["state"]
+    assert "vllm-a" in json.loads(saved)["histories"]
+    kube.delete("Pod", "vllm-a")
+    leader.cycle(journal, threading.Event())
+    after = data(kube)
+    assert after["state"] == saved and "report.vllm-a" not in after

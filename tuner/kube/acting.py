@@ -33,6 +33,7 @@ from typing import Any
 from tuner import config
 from tuner.actuators import base
 from tuner.errors import PermanentActuatorError, TemporaryActuatorError
+from tuner.kube import documents
 from tuner.kube import store as store_mod
 from tuner.kube.api import ApiError, KubeApi, PodView
 from tuner.model import live
@@ -41,7 +42,7 @@ from tuner.rollout import machine
 
 log = logging.getLogger("tuner.kube.acting")
 
-RUNNING_STATES = frozenset({"starting", "serving", "draining", "stopping"})
+RUNNING_STATES = documents.RUNNING_STATES
 
 
 def overrides_for(base_argv: Sequence[str], argv: Sequence[str]) -> list[tuple[str, argvs.Value]]:
@@ -75,9 +76,7 @@ def report_of(data: Mapping[str, str], pod: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def desired_of(data: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    doc = store_mod.loads(data, "desired", {})
-    return {k: v for k, v in doc.items() if isinstance(v, dict)} if isinstance(doc, dict) else {}
+desired_of = documents.desired_of
 
 
 def carried_out(report: Mapping[str, Any], serial: int) -> bool:

@@ -5,24 +5,28 @@ pool's ConfigMap (``store.ConfigMapJournal``, fenced by the leader's epoch).
 
 Per cycle:
 
-1. **pods**: the pool's pods (label selector) that run, have an IP and are not being deleted; those whose
-   agent has reported are the targets (name = pod name, URL = pod IP + engine port, args = what its
-   launcher runs).
-2. **the user wins**: when every pod runs a base command line other than the one the pool's verified
-   overrides were computed for (``helm upgrade`` changed the Deployment's args), the overrides are dropped
-   from the pool (the launchers already dropped them) and a journal note says so. While pods run different
-   bases (the Deployment is rolling), nothing is rolled out: the leader does not fight the Deployment.
-3. **the cycle**: collect → step → pool → act → report, as ``vllm-tuner run`` does, with the operator's
-   switches — the pause and pins annotated on the pool's ConfigMap (``switches``) — taken as the daemon
-   takes ``vllm-tuner pause``/``pin`` (``runtime.control.take``: the decisions' guards, ``/status``,
-   ``tuner_paused`` and ``tuner_pinned``); read at every cycle, before anything else, so a pool with no pod
-   reporting yet shows them too.
-4. **verified arguments**: a rollout that finished *done* makes its overrides the pool's (``pool``): what a
-   new pod starts on. The decision history is saved in the ConfigMap (``state``).
+1. **read once**: the pool's pods (label selector), and the pool's ConfigMap parsed once into typed
+   documents (``documents.inspect``), with the operator's switches — the pause and pins annotated on it
+   (``switches``) — taken as the daemon takes ``vllm-tuner pause``/``pin`` (``runtime.control.take``: the
+   decisions' guards, ``/status``, ``tuner_paused`` and ``tuner_pinned``); read before anything else, so a
+   pool with no pod reporting yet shows them too.
+2. **the pool's view** (``poolview.view``, pure): the members (the pods that run, have an IP, are not being
+   deleted and whose agent reports a running launcher: name = pod name, URL = pod IP + engine port, args =
+   what its launcher runs), the hold (the pods run different base command lines: the Deployment is rolling,
+   and the leader does not fight it: no rollout begins), and **the user wins** (every pod runs a base
+   command line other than the one the pool's verified overrides were computed for: ``helm upgrade``
+   changed the Deployment's args; the overrides are dropped from the pool, the launchers dropped them
+   already, and a journal note says so).
+3. **the cycle**: collect → step → pool → act → report, as ``vllm-tuner run`` does.
+4. **one write** (``poolview.settle``, a compare-and-swap): bad journal lines set aside, the keys of gone
+   pods removed, the user's win, the **verified arguments** (a rollout that finished *done* makes its
+   overrides the pool's ``pool``: what a new pod starts on) and the decision history (``state``). The rollout
+   driver writes the journal at each of its steps (``store.ConfigMapJournal``); the record that finishes a
+   rollout is written with its booking (``Leader.booking``), so no leader's end between the two loses it.
 
 A new leader first books the journal's last finished rollout if the pool's saved history does not include it
-(``booked_rollout``: a leader that finished it died or was deposed before its save), as a restarted daemon
-does, then resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or deposed
+(``booked_rollout``: a leader of an older version finished it and died or was deposed before its save), as a
+restarted daemon does, then resumes the rollout the journal holds unfinished (machine Rule 3) — the one a dead or deposed
 leader left — with every pod in flight put back on a step that is safe to repeat.
 
 The cycles run on the runtime's loop (``scheduling.Loop``, the daemon's), one per term. The dispatcher
@@ -39,11 +43,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from tuner import config
-from tuner.kube import acting, switches
+from tuner.kube import acting, documents, poolview, switches
 from tuner.kube import store as store_mod
 from tuner.kube.api import KubeApi
 from tuner.kube.electing import Leadership
@@ -112,7 +115,7 @@ class Leader:
                                                           timezone=settings.daemon.maintenance_timezone)
                             if settings.daemon.maintenance_windows else None)
         self.state = TunerState(targets={}, args={}, config_args={})
-        self.last: Any = None
+        self.last: results.CycleResult | None = None  # the last cycle's result
         self.cycles = 0
         self.pool: acting.PoolActions | None = None  # this term's actions on the pods
         self.dispatcher: dispatching.Dispatcher | None = None  # this term's dispatcher (apply mode)
@@ -249,39 +252,29 @@ class Leader:
             log.exception("advancing the rollout failed")
 
     def cycle(self, journal: store_mod.ConfigMapJournal, stop: threading.Event, *, recover: bool = False) -> None:
+        """One cycle: the pool's ConfigMap read once into typed documents, the pool's view (``poolview.view``),
+        the runtime's cycle over the members, then one write with everything the cycle settled
+        (``poolview.settle``: bad journal lines set aside, gone pods forgotten, the user's win, the
+        verified arguments, the decision history)."""
         now = self.clock()
         listed = self.api.list_pods()
-        pods = [p for p in listed if not p.deleting and p.ip and p.phase == "Running"]
         data = self.store.refresh()
         decisions = control.take(self.settings.decisions, switches.read(self.store.annotations,
                                                                         configmap=self.store.name),
                                  state=self.state, metrics=self.metrics)
-        found = store_mod.inspect(data)
+        found = documents.inspect(data)
         if found.problems:
             raise store_mod.PoolUnreadableError(self.store.name, found.problems)
-        if found.journal.bad:
-            journal.quarantine()
         if recover:
             self.book_unbooked(journal)
-        unfinished = journaling.unfinished(journal.records)
-        self._forget_gone({p.name for p in listed} | set(unfinished.replicas if unfinished is not None else ()),
-                          journal)
-        reports = {p.name: acting.report_of(data, p.name) for p in pods}
-        members = [p for p in pods if (r := reports[p.name]) is not None and isinstance(r.get("argv"), list)
-                   and r.get("state") in acting.RUNNING_STATES]
-        bases = {str(reports[p.name]["base_sha256"]) for p in members if reports[p.name]}  # type: ignore[index]
-        hold = None
-        if len(bases) > 1:
-            hold = "the pool's pods run different base command lines (the Deployment is rolling out new args)"
-        elif bases:
-            self._user_wins(next(iter(bases)), journal, now=now)
+        pool = poolview.view(found, listed, now=now)
         # The actuator knows every pod with an IP (one being deleted too: a rollout may still name it and
         # leaves it, machine Rule 4); the targets are the pods that run and report.
         replicas = {p.name: acting.replica_of(p, self.k) for p in listed if p.ip}
-        targets = [config.Target(name=p.name, kind=self.k.engine_kind, metrics_url=replicas[p.name].base_url + "/metrics",
-                                 base_url=replicas[p.name].base_url, args=list(reports[p.name]["argv"]))  # type: ignore[index]
-                   for p in members]
-        self._track(targets, keep=unfinished.replicas if unfinished is not None else ())
+        targets = [config.Target(name=name, kind=self.k.engine_kind, metrics_url=replicas[name].base_url + "/metrics",
+                                 base_url=replicas[name].base_url, args=list(argv))
+                   for name, argv in pool.members.items()]
+        self._track(targets, keep=pool.unfinished)
         if self.pool is not None:
             self.pool.replicas = dict(replicas)
         kind = self.k.engine_kind
@@ -297,18 +290,62 @@ class Leader:
                     self._track(targets)
         if not targets:
             log.info("cycle: no pod of the pool %s reports yet", self.k.pool)
+            self.settle(journal, pool, history=False)  # no pod: the saved history stays as it is
             return
         settings = self.settings.model_copy(update={"targets": targets, "decisions": decisions})
+        rolling = dispatcher if pool.hold is None or (dispatcher is not None and dispatcher.busy) else None
         result = cycle.run_cycle(self.state, settings=settings, collectors=self._collectors(targets),
-            rules=self.rules, dispatcher=dispatcher if hold is None or (dispatcher is not None and dispatcher.busy) else None, maintenance=self.maintenance, metrics=self.metrics,
+            rules=self.rules, dispatcher=rolling, maintenance=self.maintenance, metrics=self.metrics,
             gatherer=self.gatherer, now=now, should_stop=stop.is_set, clock=self.loop_clock)
-        if hold is not None:
-            log.info("no rollout: %s", hold)
+        if pool.hold is not None:
+            log.info("no rollout: %s", pool.hold)
         self.last, self.cycles = result, self.cycles + 1
         if self.dispatcher is not None:
             self.state.left_drained = self.left_drained.check(journal.records, now=now)
-        self._verified(journal, members={p.name for p in members})
-        self._save_history(journal)
+        self.settle(journal, pool)
+
+    def settle(self, journal: store_mod.ConfigMapJournal, pool: poolview.PoolView, *,
+               history: bool = True) -> poolview.Settled | None:
+        """The cycle's one write (``poolview.settle``), a compare-and-swap: what it changed, None when it
+        changed nothing. ``history``: the decision history saved with it (not while no pod reports: the
+        state then follows no pod, and the pool's history is kept for the pods to come)."""
+        state = documents.state_text(self.state.histories(), self.state.booked_rollout) if history else None
+        out: dict[str, poolview.Settled] = {}
+
+        def change(data: dict[str, str]) -> dict[str, str] | None:
+            out["settled"] = poolview.settle(data, pool, state=state, epoch=journal.epoch, budget=journal.budget)
+            return out["settled"].data
+
+        self.store.update(change, epoch=journal.epoch, leader=self.identity)
+        settled = out.get("settled")
+        if settled is None or settled.data is None:
+            return None
+        journal.compactions += settled.compactions
+        journal.said_set_aside(settled.bad)
+        for note in settled.notes:
+            log.warning("%s", note)
+        if settled.verified is not None:
+            log.info("the pool's verified arguments: %s (rollout %s)", list(settled.verified.overrides) or "the base",
+                     settled.verified.rollout)
+        return settled
+
+    def booking(self, rollout: machine.Rollout, records: Sequence[journaling.Record]) -> str | None:
+        """The pool's ``state`` with ``rollout`` booked (``Dispatcher.booking``, the state left as it is),
+        written with the journal record that finishes it (``ConfigMapJournal.booking``): a leader deposed
+        or killed right after does not lose its cooldowns and rejected values. The term books it in memory
+        just after, as the daemon does, and saves the same at the cycle's write."""
+        if self.dispatcher is None:
+            return None
+        try:
+            before = self.state.histories()
+            seed = next((before[n] for n in sorted(before)), history_mod.History())
+            before = {**dict.fromkeys(rollout.order, seed), **before}  # as ``book_unbooked`` tracks them
+            _, booked, _ = self.dispatcher.booking(rollout, dispatching.changes_of(records, rollout.id),
+                                                   histories=before)
+            return documents.state_text({**before, **booked}, rollout.id)
+        except Exception:  # never the reason a rollout's record is not written: booked in memory, saved later
+            log.exception("booking %s with its last record failed", rollout.id)
+            return None
 
     # --- pieces --------------------------------------------------------------------------------------
 
@@ -353,6 +390,7 @@ class Leader:
         self.collectors = {}  # their live channel goes through this term's pool actions
         if self.settings.mode != "apply":
             self.dispatcher = None
+            journal.booking = None
             return
         r = self.settings.rollout
         self.dispatcher = dispatching.build(
@@ -362,6 +400,7 @@ class Leader:
             plugin=self._plugin if self.settings.live.enabled else lambda name: None,
             admission=acting.DisruptionCheck(self.api, self.k, allow_downtime=r.allow_downtime),
             departed=acting.departed(self.api), clock=self.clock)
+        journal.booking = self.booking
 
     def _track(self, targets: Sequence[config.Target], keep: Sequence[str] = ()) -> None:
         """The state follows the pods: a new pod inherits the pool's history (cooldowns, rejected and bad
@@ -383,63 +422,10 @@ class Leader:
         for name in keep:
             self.state.targets.setdefault(name, stepping.TargetState(history=seed))
 
-    def _forget_gone(self, pods: set[str], journal: store_mod.ConfigMapJournal) -> None:
-        """The reports and desired states of pods that no longer exist leave the ConfigMap."""
-        def change(data: dict[str, str]) -> dict[str, str] | None:
-            gone = [k for k in data if k.startswith(store_mod.REPORT_PREFIX) and k[len(store_mod.REPORT_PREFIX):] not in pods]
-            desired = acting.desired_of(data)
-            kept = {n: d for n, d in desired.items() if n in pods}
-            if not gone and kept == desired:
-                return None
-            out = {k: v for k, v in data.items() if k not in gone}
-            out["desired"] = store_mod.dumps(kept)
-            return out
-
-        self.store.update(change, epoch=journal.epoch, leader=self.identity)
-
-    def _user_wins(self, base: str, journal: store_mod.ConfigMapJournal, *, now: float) -> None:
-        pool = store_mod.loads(self.store.data, "pool", {})
-        if not isinstance(pool, dict) or not pool.get("overrides") or pool.get("base_sha256") in (None, base):
-            return
-        old = str(pool.get("base_sha256"))
-        note = (f"the Deployment's base command line changed ({old[:12]} → {base[:12]}): the user wins, the pool's "
-                f"overrides {pool['overrides']} are dropped")
-        finished = [rid for rid, r in journaling.replay(journal.records).items()
-                    if machine.outcome(r) is not machine.Outcome.RUNNING]
-        # the rollouts finished so far are set aside: none of them makes the pool's arguments again
-        self._set_pool({"overrides": [], "base_sha256": base, "reason": note,
-                        "rollout": finished[-1] if finished else pool.get("rollout")}, journal)
-        journal.append("note", at=now, note=note)
-        log.warning("%s", note)
-
-    def _verified(self, journal: store_mod.ConfigMapJournal, *, members: set[str]) -> None:
-        """A rollout that finished done: its overrides (as a pod it moved runs them now) become the pool's
-        verified arguments. Once per rollout: the pool remembers which one it took (or set aside)."""
-        done = [r for r in journaling.replay(journal.records).values() if machine.outcome(r) is machine.Outcome.DONE]
-        if not done:
-            return
-        last = done[-1]
-        pool = store_mod.loads(self.store.data, "pool", {})
-        if isinstance(pool, dict) and pool.get("rollout") == last.id:
-            return
-        for p in last.progress:
-            report = acting.report_of(self.store.data, p.name)
-            if p.state is machine.State.DONE and p.name in members and report is not None \
-                    and not report.get("overrides_dropped"):
-                doc = {"overrides": report.get("overrides") or [], "base_sha256": report.get("base_sha256"),
-                       "rollout": last.id}
-                self._set_pool(doc, journal)
-                log.info("the pool's verified arguments: %s (rollout %s)", doc["overrides"] or "the base", last.id)
-                return
-
-    def _set_pool(self, doc: Mapping[str, Any], journal: store_mod.ConfigMapJournal) -> None:
-        text = store_mod.dumps(doc)
-        self.store.update(lambda d: {**d, "pool": text}, epoch=journal.epoch, leader=self.identity)
-
     def _load_history(self) -> None:
         """The pool's decision history from the ConfigMap (``PoolUnreadableError`` where it does not read:
         never replaced by an empty one)."""
-        found = store_mod.inspect(self.store.data)
+        found = documents.inspect(self.store.data)
         state = [p for p in found.problems if p.key == "state"]
         if state:
             raise store_mod.PoolUnreadableError(self.store.name, state)
@@ -447,11 +433,3 @@ class Leader:
             self.state.targets[name] = stepping.TargetState(history=history)
         self.state.booked_rollout = found.booked_rollout
 
-    def _save_history(self, journal: store_mod.ConfigMapJournal) -> None:
-        doc: dict[str, Any] = {"histories": {n: history_mod.to_dict(t.history)
-                                             for n, t in sorted(self.state.targets.items())}}
-        if self.state.booked_rollout is not None:  # with the histories that include it: one write
-            doc["booked_rollout"] = self.state.booked_rollout
-        text = store_mod.dumps(doc)
-        self.store.update(lambda d: None if d.get("state") == text else {**d, "state": text},
-                          epoch=journal.epoch, leader=self.identity)

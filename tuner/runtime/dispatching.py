@@ -116,8 +116,7 @@ class Dispatcher:
         return outcome
 
     def _decision_of(self, rollout_id: str) -> journaling.Record | None:
-        return next((r for r in reversed(journaling.decisions(self.journal.records))
-                     if r.get("rollout") == rollout_id), None)
+        return decision_of(self.journal.records, rollout_id)
 
     def __call__(self, actions: Sequence[tuple[str, guards.Action]], change: pooling.PoolChange | None, *,
                  now: float, signals: Mapping[str, Mapping[str, Signal]],
@@ -206,15 +205,13 @@ class Dispatcher:
             self.journal.append("decision", at=now, target=name, action=action.as_dict(), error=error)
         return f"{name}: {action.label()}" + (f" failed: {error}" if error else "")
 
-    def book(self, rollout: machine.Rollout, changes: Sequence[history_mod.Change],
-             notes: Sequence[str] = ()) -> results.RolloutOutcome:
-        """Record a finished rollout (``pooling.book``) and persist it. An interrupted one (the tuner is
-        stopping) is left to the journal: the next start resumes it and books it then, once."""
+    def booking(self, rollout: machine.Rollout, changes: Sequence[history_mod.Change], *,
+                histories: Mapping[str, history_mod.History] | None = None) -> tuple[
+            dict[str, pooling.ReplicaOutcome], dict[str, history_mod.History], dict[str, knobs.EngineArgs]]:
+        """What booking a finished rollout makes of the state (``pooling.book``; ``histories``: the state's
+        unless given), the state left as it is: each replica's outcome, and the histories and arguments it
+        books."""
         result = machine.outcome(rollout)
-        if result is machine.Outcome.RUNNING:
-            return results.RolloutOutcome(
-                summary="; ".join([*notes, machine.describe(rollout) + " (interrupted: resumed at the next start)"]),
-                state=rollout_state(rollout))
         outcomes: dict[str, pooling.ReplicaOutcome] = {}
         for p in rollout.progress:
             tried = knobs.EngineArgs.parse(rollout.new_argv[p.name])
@@ -225,14 +222,37 @@ class Dispatcher:
                     "rolled_back" if p.state is machine.State.ROLLED_BACK else "failed", tried,
                     reason=p.reason or rollout.aborted or "rolled back", bad_args=p.bad_args)
         histories, args = pooling.book(
-            self.state.histories(), self.state.args, changes=changes, outcomes=outcomes,
+            self.state.histories() if histories is None else histories, self.state.args, changes=changes, outcomes=outcomes,
             pool_new_args={n: knobs.EngineArgs.parse(a) for n, a in rollout.new_argv.items()},
             rolled_back=result is machine.Outcome.ROLLED_BACK, now=self.clock(),
             reject_seconds=self.settings.decisions.safety.reject_seconds)
+        return outcomes, dict(histories), dict(args)
+
+    def book(self, rollout: machine.Rollout, changes: Sequence[history_mod.Change],
+             notes: Sequence[str] = ()) -> results.RolloutOutcome:
+        """Record a finished rollout (``pooling.book``) and persist it. An interrupted one (the tuner is
+        stopping) is left to the journal: the next start resumes it and books it then, once."""
+        result = machine.outcome(rollout)
+        if result is machine.Outcome.RUNNING:
+            return results.RolloutOutcome(
+                summary="; ".join([*notes, machine.describe(rollout) + " (interrupted: resumed at the next start)"]),
+                state=rollout_state(rollout))
+        outcomes, histories, args = self.booking(rollout, changes)
         self.state.booked_rollout = rollout.id  # saved with the booking, in one atomic write
         self.state.book(histories, args)
         return results.RolloutOutcome(summary="; ".join([*notes, machine.describe(rollout)]),
                                       results={n: o.result for n, o in outcomes.items()}, state=rollout_state(rollout))
+
+
+def decision_of(records: Sequence[journaling.Record], rollout_id: str) -> journaling.Record | None:
+    """The decision record that began rollout ``rollout_id`` (None: not in ``records``)."""
+    return next((r for r in reversed(journaling.decisions(records)) if r.get("rollout") == rollout_id), None)
+
+
+def changes_of(records: Sequence[journaling.Record], rollout_id: str) -> list[history_mod.Change]:
+    """The changes rollout ``rollout_id`` books, from its decision record."""
+    record = decision_of(records, rollout_id)
+    return [_change_from(c) for c in record.get("changes", [])] if record is not None else []
 
 
 def change_record(change: history_mod.Change) -> dict[str, Any]:
