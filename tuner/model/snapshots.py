@@ -175,11 +175,53 @@ def _labels(text: str) -> Labels | None:
     return labels
 
 
+# A series' text repeats verbatim from one scrape to the next (only its value moves): the part of a sample line
+# before its value, ``name{labels} `` up to and including the last space, maps to what the line regex and
+# ``_labels`` made of it, so a known series costs a slice, a dict lookup and a float() instead of the regex
+# (most of a parse: ``python -m bench.cycle_cost``, docs/performance.md). Only lines that matched the regex
+# without a timestamp are entered; a line read through an entry is one the regex reads the same way (the value
+# after the last space holds no whitespace, else the line takes the regex path: see ``_fast_parse``).
+_SERIES_CACHE: dict[str, tuple[str, Labels]] = {}
+
+
+# What a comment line says (the same HELP and TYPE lines come in every scrape): _REFUSED (not exposition),
+# _OTHER (a comment the format ignores), or (family, its TYPE or None for a HELP line).
+_REFUSED: tuple[str, str | None] = ("", "refused")
+_OTHER: tuple[str, str | None] = ("", None)
+_COMMENTS: dict[str, tuple[str, str | None]] = {}
+_ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
+
+
+def _comment(line: str) -> tuple[str, str | None]:
+    if not line.startswith("# "):
+        return _REFUSED
+    parts = line.split(None, 3)
+    if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+        if parts[1] == "TYPE" and (len(parts) != 4 or parts[3] not in PROMETHEUS_TYPES):
+            return _REFUSED
+        return (parts[2], parts[3] if parts[1] == "TYPE" else None)
+    return _OTHER
+
+
+def _allowed(family: str, family_type: str) -> tuple[str, ...]:
+    """The sample names a family of this type may hold (a histogram's ``_bucket``, ``_sum``, ``_count``)."""
+    key = (family, family_type)
+    found = _ALLOWED.get(key)
+    if found is None:
+        found = _ALLOWED[key] = tuple(family + x for x in _ALLOWED_SUFFIXES.get(family_type, ("",)))
+    return found
+
+
 def _trim_label_caches() -> None:
     """Called between parses only, so that identities stay comparable within one body."""
-    if len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX:
+    if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
+            or len(_SERIES_CACHE) >= _LABELS_CACHE_MAX or len(_COMMENTS) >= _LABELS_CACHE_MAX
+            or len(_ALLOWED) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
+        _SERIES_CACHE.clear()
+        _COMMENTS.clear()
+        _ALLOWED.clear()
 
 
 MAX_TIMESTAMP_SKEW_SECONDS = 600.0
@@ -204,6 +246,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
     allowed: tuple[str, ...] = ()
+    series_cache, comments = _SERIES_CACHE, _COMMENTS
     lines = text.split("\n")
     if keep_prefixes is not None:  # cheap C-level prefix tests drop what the tuner never reads
         lines = [ln for ln in lines if ln.startswith(keep_prefixes)
@@ -212,35 +255,55 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         if not line or line[0] == "#":
             if not line:
                 continue
-            if not line.startswith("# "):
+            comment = comments.get(line)
+            if comment is None:
+                comment = comments[line] = _comment(line)
+            if comment is _REFUSED:
                 return None
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                if parts[1] == "TYPE" and (len(parts) != 4 or parts[3] not in PROMETHEUS_TYPES):
-                    return None
-                if parts[2] != family:
-                    family, family_type = parts[2], "untyped"
-                if parts[1] == "TYPE":
-                    family_type = parts[3]
-                allowed = tuple(family + x for x in _ALLOWED_SUFFIXES.get(family_type, ("",)))
+            if comment is not _OTHER:
+                named, typed = comment
+                if named != family:
+                    family, family_type = named, "untyped"
+                if typed is not None:
+                    family_type = typed
+                allowed = _allowed(family, family_type)
             continue
-        if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
-            continue
-        m = _LINE.fullmatch(line)
-        if m is None:
-            return None
-        name, label_text, value_text, stamp = m.groups()
-        if stamp is not None:
-            return None  # a sample with its own timestamp: the reference parser reads it, and parse checks it
-        try:
-            value = float(value_text)
-        except ValueError:
-            return None
-        if "_" in value_text:
-            return None  # float() accepts 1_000; leave such oddities to the reference parser
-        labels = _NO_LABELS if not label_text else _labels(label_text)
-        if labels is None:
-            return None
+        cut = line.rfind(" ") + 1
+        known = series_cache.get(line[:cut]) if cut > 1 else None
+        value_text = line[cut:]
+        if (known is not None and value_text and "_" not in value_text and not value_text[0].isspace()
+                and not value_text[-1].isspace()):
+            # a series seen before, its value one word: float() reads a word as the regex's \S+ does, and
+            # refuses any whitespace inside it (then the line takes the regex path below, which decides)
+            try:
+                value = float(value_text)
+            except ValueError:
+                known = None
+        else:
+            known = None
+        if known is not None:
+            name, labels = known
+            if keep_prefixes is not None and "_created" in name:
+                continue
+        else:
+            if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
+                continue
+            m = _LINE.fullmatch(line)
+            if m is None:
+                return None
+            name, label_text, value_text, stamp = m.groups()
+            if stamp is not None:
+                return None  # a sample with its own timestamp: the reference parser reads it, and parse checks it
+            try:
+                value = float(value_text)
+            except ValueError:
+                return None
+            if "_" in value_text:
+                return None  # float() accepts 1_000; leave such oddities to the reference parser
+            labels = _NO_LABELS if not label_text else _labels(label_text)
+            if labels is None:
+                return None
+            series_cache[line[:m.start(3)]] = (name, labels)
         if name not in allowed:
             family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
         elif family_type == "counter" and not family.endswith("_total"):

@@ -52,8 +52,9 @@ def arrivals(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect
     for s in snaps:
         if not s.ok:
             return None
-        done = engine.counter(s, dialect, "request_success")
-        running, waiting = engine.gauge(s, dialect, "running"), engine.gauge(s, dialect, "waiting")
+        read = engine.reading(s, dialect)  # counter() and gauge() of the snapshot, read once (engine.Reading)
+        done = read.counters["request_success"][0]
+        running, waiting = read.gauges["running"], read.gauges["waiting"]
         if done is None or running is None or waiting is None:
             return None
         points.append((s.scraped_at, done, done + running + waiting))

@@ -149,6 +149,49 @@ def _number(text: str | None) -> float | None:
     return None if math.isnan(value) or math.isinf(value) else value
 
 
+# --- one snapshot's reading, taken once --------------------------------------------------------
+
+_GAUGES = (("running", "sum"), ("waiting", "sum"), ("kv_usage", "max"))
+_COUNTERS = ("request_success", "prompt_tokens", "generation_tokens", "preemptions", "prefix_hits", "prefix_queries")
+_HISTOGRAMS = ("inference_time", "prompt_len", "generation_len", "queue_time", "ttft", "itl", "tpot", "e2e",
+               "max_tokens")
+_REJECTED = "http_requests 4xx"  # the key of the rejected completions' counter in ``Reading.counters``
+
+
+class Reading:
+    """What the window signals read of one snapshot, read once when the snapshot first enters a window and
+    kept in its ``memo``: a window of 40 snapshots is folded again at every cycle (twice: the long and the
+    decision window), and re-reading its samples was most of a cycle's signal time (docs/performance.md).
+    Each field is what the per-snapshot function named beside it returns, so a window folded from readings
+    is the window recomputed from the samples (tests/properties/test_incremental_window.py)."""
+
+    __slots__ = ("broken", "counters", "gauges", "hist_counts", "start")
+
+    def __init__(self, snap: Snapshot, d: dialects.Dialect) -> None:
+        self.gauges = {c: gauge(snap, d, c, how=how) for c, how in _GAUGES}  # gauge()
+        # ``_why_absent`` where a NaN/±Inf sample, not absence, emptied the gauge
+        self.broken = {c: (why if snap.nonfinite and (why := _why_absent(snap, d, c)) != _absent(d, c) else None)
+                       for c, _ in _GAUGES}
+        self.counters = {c: _counter(snap, d, c) for c in _COUNTERS}  # _counter()
+        handlers = d.completion_handlers
+        if handlers:
+            self.counters[_REJECTED] = _counter(
+                snap, d, "http_requests", lambda lb: lb.get("handler") in handlers and lb.get("status") == "4xx")
+        self.hist_counts = {c: (b[2] if isinstance(b, tuple) else None)  # _buckets()' _count
+                            for c in _HISTOGRAMS for b in (_buckets(snap, d, c),)}
+        self.start = gauge(snap, d, "process_start")
+
+
+def reading(snap: Snapshot, d: dialects.Dialect) -> Reading:
+    """``snap``'s ``Reading`` for dialect ``d``, taken at the first call and kept in ``snap.memo``."""
+    key = ("reading", id(d))
+    found = snap.memo.get(key)
+    if found is None:
+        found = snap.memo[key] = Reading(snap, d)
+    read: Reading = found
+    return read
+
+
 # --- the window ------------------------------------------------------------------------------
 
 def compute(
@@ -160,15 +203,19 @@ def compute(
     stale_after_seconds: float | None = None,
     min_snapshots: int = 2,
     max_running: float | None = None,
+    only: frozenset[str] | None = None,
 ) -> dict[str, Signal]:
     """All engine signals for one target. Every name in ``ALL_SIGNALS`` is present in the result, every
     value inside its domain (``signals.DOMAINS``) or ``None`` with a reason.
 
     ``max_running``: the engine's ``--max-num-seqs`` (its scheduler never runs more). A snapshot that
-    breaks what one engine guarantees (``impossible``) counts as a failed scrape."""
+    breaks what one engine guarantees (``impossible``) counts as a failed scrape. ``only``: the window
+    signals the caller reads (``planning.stepping`` reads a long window's slow signals only); the window
+    signals outside it are left uncomputed (``NOT_COMPUTED``), in their places, and every other value is as
+    without ``only``."""
     window = [_checked_snapshot(s, dialect, max_running) for s in window]
     out = _compute(window, dialect=dialect, info=info, now=now, stale_after_seconds=stale_after_seconds,
-                   min_snapshots=min_snapshots)
+                   min_snapshots=min_snapshots, only=only)
     return {name: checked(name, signal) for name, signal in out.items()}
 
 
@@ -180,6 +227,7 @@ def _compute(
     now: float | None,
     stale_after_seconds: float | None,
     min_snapshots: int,
+    only: frozenset[str] | None,
 ) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
     snaps = sorted(window, key=lambda s: s.scraped_at)
@@ -223,7 +271,7 @@ def _compute(
         out.update({name: missing(why) for name in WINDOW_SIGNALS})
         return out
 
-    out.update(_window_signals(snaps, dialect, span))
+    out.update(_window_signals(snaps, dialect, span, only))
     out["kv_concurrency_observed"] = _kv_concurrency(out)
     return out
 
@@ -238,9 +286,11 @@ def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | N
     one body (a proxy merging engines: their sums would be believed as one engine's), or more requests
     running than the engine's ``--max-num-seqs`` lets its scheduler run."""
     prefixes = dialect.parse_prefixes()
+    # each distinct label set once (the parser shares one mapping per set between samples)
+    label_sets = {id(s.labels): s.labels for name, samples in snap.series.items() if name.startswith(prefixes)
+                  for s in samples}.values()
     for label in IDENTITY_LABELS:
-        values = {s.labels[label] for name, samples in snap.series.items() if name.startswith(prefixes)
-                  for s in samples if label in s.labels}
+        values = {labels[label] for labels in label_sets if label in labels}
         if len(values) > 1:
             shown = ", ".join(sorted(v[:40] for v in values)[:3])
             return (f"one engine per scrape: the body holds {len(values)} values of {label} ({shown}"
@@ -376,20 +426,105 @@ def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo
     return out
 
 
-def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float) -> dict[str, Signal]:
+_GAUGE_SIGNALS = ("requests_running_max", "requests_waiting_max", "kv_cache_usage_max", "requests_running_mean",
+                  "requests_waiting_mean", "in_system_growth_per_s")
+_RATE_SIGNALS = ("request_rate", "prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_per_s",
+                 "requests_rejected_per_s", "arrival_rate_per_s", "prefix_cache_hit_rate")
+NOT_COMPUTED = missing("not computed (compute(only=...) was not asked for it)")
+
+
+def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
+                    only: frozenset[str] | None = None) -> dict[str, Signal]:
     out: dict[str, Signal] = {"window_seconds": Signal(span)}
 
+    def wanted(*names: str) -> bool:
+        return only is None or not only.isdisjoint(names)
+
+    def skip(*names: str) -> None:  # in the places they would have held, so the result keeps its order
+        out.update(dict.fromkeys(names, NOT_COMPUTED))
+
+    reads = [reading(s, d) for s in snaps]
+    if wanted(*_GAUGE_SIGNALS, "arrival_rate_per_s"):
+        _gauges(out, snaps, reads, d, span)
+    else:
+        skip(*_GAUGE_SIGNALS)
+
+    restarted = _restart_between(snaps, reads)
+
+    def rate(concept: str) -> Signal:
+        read = [r.counters[concept] for r in reads]
+        unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
+        if unusable is not None:
+            return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
+        series = [v for v, _ in read]
+        if any(v is None for v in series):
+            absent = _absent(d, "http_requests" if concept == _REJECTED else concept)
+            return missing(absent if series[-1] is None else "series missing in part of the window")
+        if restarted:
+            return missing(restarted)
+        values = [v for v in series if v is not None]
+        for a, b, sa, sb in zip(values, values[1:], snaps, snaps[1:], strict=False):
+            if b < a:
+                return missing(f"counter reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
+                               "(engine restarted?)")
+        return Signal((values[-1] - values[0]) / span)
+
+    if not wanted(*_RATE_SIGNALS):
+        skip(*_RATE_SIGNALS)
+    else:
+        _rates(out, d, rate)
+
+    for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
+                            ("generation_tokens_mean", "generation_len")):
+        if not wanted(signal):
+            skip(signal)
+            continue
+        window = _histogram_window(snaps, reads, d, concept, restarted)
+        if isinstance(window, Signal):
+            out[signal] = window
+        else:
+            out[signal] = Signal(window[1] / window[2]) if window[2] > 0 else missing("no requests finished in the window")
+
+    for prefix in ("queue_time", "ttft", "itl", "tpot", "e2e"):  # the concept of the same name
+        names = tuple(f"{prefix}_{suffix}" for suffix in ("mean_s", "p50_s", "p95_s", "p99_s"))
+        if not wanted(*names):
+            skip(*names)
+            continue
+        window = _histogram_window(snaps, reads, d, prefix, restarted)
+        if isinstance(window, Signal):
+            out.update(dict.fromkeys(names, window))
+            continue
+        deltas, dsum, dcount = window
+        out[names[0]] = Signal(dsum / dcount) if dcount > 0 else missing("no observations in the window")
+        out[names[1]] = hist.quantile(0.50, deltas)
+        out[names[2]] = hist.quantile(0.95, deltas)
+        out[names[3]] = hist.quantile(0.99, deltas)
+
+    for signal, concept in (("prompt_tokens_p99", "prompt_len"), ("max_tokens_p99", "max_tokens")):
+        if not wanted(signal):
+            skip(signal)
+            continue
+        window = _histogram_window(snaps, reads, d, concept, restarted)
+        out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
+
+    out["idle_seconds"] = _idle(snaps, reads, d) if wanted("idle_seconds") else NOT_COMPUTED
+    return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
+
+
+def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], reads: Sequence[Reading], d: dialects.Dialect,
+            span: float) -> None:
+    """The gauges' maxima and means over the window, and the growth of what is inside the engine."""
     series: dict[str, list[float] | None] = {}
-    for signal, concept, how in (
-        ("requests_running_max", "running", "sum"),
-        ("requests_waiting_max", "waiting", "sum"),
-        ("kv_cache_usage_max", "kv_usage", "max"),
+    for signal, concept in (
+        ("requests_running_max", "running"),
+        ("requests_waiting_max", "waiting"),
+        ("kv_cache_usage_max", "kv_usage"),
     ):
-        values = [gauge(s, d, concept, how=how) for s in snaps]
+        values = [r.gauges[concept] for r in reads]
         known = [v for v in values if v is not None]
-        broken = next((s for s in snaps if s.nonfinite and _why_absent(s, d, concept) != _absent(d, concept)), None)
+        broken = next(((r.broken[concept], s) for r, s in zip(reads, snaps, strict=True) if r.broken[concept]), None)
         if broken is not None:  # a maximum that skips a NaN sample is not the window's maximum
-            out[signal] = missing(f"{_why_absent(broken, d, concept)} at {broken.scraped_at:.0f}")
+            out[signal] = missing(f"{broken[0]} at {broken[1].scraped_at:.0f}")
             series[concept] = None
         else:
             out[signal] = Signal(max(known)) if known else missing(_absent(d, concept))
@@ -405,33 +540,16 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     else:
         out["in_system_growth_per_s"] = missing("running or waiting not read in every snapshot of the window")
 
-    restarted = _restart_between(snaps, d)
 
-    def rate(concept: str, where: Callable[[Labels], bool] | None = None) -> Signal:
-        read = [_counter(s, d, concept, where) for s in snaps]
-        unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
-        if unusable is not None:
-            return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
-        series = [v for v, _ in read]
-        if any(v is None for v in series):
-            return missing(_absent(d, concept) if series[-1] is None else "series missing in part of the window")
-        if restarted:
-            return missing(restarted)
-        values = [v for v in series if v is not None]
-        for a, b, sa, sb in zip(values, values[1:], snaps, snaps[1:], strict=False):
-            if b < a:
-                return missing(f"counter reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
-                               "(engine restarted?)")
-        return Signal((values[-1] - values[0]) / span)
-
+def _rates(out: dict[str, Signal], d: dialects.Dialect, rate: Callable[[str], Signal]) -> None:
+    """The counters' rates over the window (``rate`` of a counter's concept), and what is derived from them."""
     out["request_rate"] = rate("request_success")
     out["prompt_tokens_per_s"] = rate("prompt_tokens")
     out["generation_tokens_per_s"] = rate("generation_tokens")
     out["preemptions_per_s"] = rate("preemptions")
     handlers = d.completion_handlers
     if handlers:
-        out["requests_rejected_per_s"] = rate(
-            "http_requests", lambda lb: lb.get("handler") in handlers and lb.get("status") == "4xx")
+        out["requests_rejected_per_s"] = rate(_REJECTED)
     else:
         out["requests_rejected_per_s"] = missing(f"{d.kind} does not expose per-handler HTTP status counts")
 
@@ -451,35 +569,8 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     else:
         out["prefix_cache_hit_rate"] = Signal(hits.value / queries.value)
 
-    for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
-                            ("generation_tokens_mean", "generation_len")):
-        window = _histogram_window(snaps, d, concept, restarted)
-        if isinstance(window, Signal):
-            out[signal] = window
-        else:
-            out[signal] = Signal(window[1] / window[2]) if window[2] > 0 else missing("no requests finished in the window")
 
-    for prefix in ("queue_time", "ttft", "itl", "tpot", "e2e"):  # the concept of the same name
-        window = _histogram_window(snaps, d, prefix, restarted)
-        if isinstance(window, Signal):
-            for suffix in ("mean_s", "p50_s", "p95_s", "p99_s"):
-                out[f"{prefix}_{suffix}"] = window
-            continue
-        deltas, dsum, dcount = window
-        out[f"{prefix}_mean_s"] = Signal(dsum / dcount) if dcount > 0 else missing("no observations in the window")
-        out[f"{prefix}_p50_s"] = hist.quantile(0.50, deltas)
-        out[f"{prefix}_p95_s"] = hist.quantile(0.95, deltas)
-        out[f"{prefix}_p99_s"] = hist.quantile(0.99, deltas)
-
-    for signal, concept in (("prompt_tokens_p99", "prompt_len"), ("max_tokens_p99", "max_tokens")):
-        window = _histogram_window(snaps, d, concept, restarted)
-        out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
-
-    out["idle_seconds"] = _idle(snaps, d)
-    return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
-
-
-def _histogram_window(snaps: Sequence[Snapshot], d: dialects.Dialect, concept: str,
+def _histogram_window(snaps: Sequence[Snapshot], reads: Sequence[Reading], d: dialects.Dialect, concept: str,
                       restarted: str | None) -> Signal | tuple[list[tuple[float, float]], float, float]:
     """The histogram's change over the window (last minus first), read as a counter is: a count that
     went down anywhere inside the window (a reset that came back above the first value by the end)
@@ -502,7 +593,7 @@ def _histogram_window(snaps: Sequence[Snapshot], d: dialects.Dialect, concept: s
     dsum, dcount = new[1] - old[1], new[2] - old[2]
     if dcount < 0 or dsum < 0:
         return missing("histogram count went down (engine restarted?)")
-    counts = [b[2] if isinstance(b, tuple) else None for b in (_buckets(s, d, concept) for s in snaps)]
+    counts = [r.hist_counts[concept] for r in reads]
     for a, b, sa, sb in zip(counts, counts[1:], snaps, snaps[1:], strict=False):
         if a is not None and b is not None and b < a:
             return missing(f"histogram reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
@@ -510,25 +601,25 @@ def _histogram_window(snaps: Sequence[Snapshot], d: dialects.Dialect, concept: s
     return deltas, dsum, dcount
 
 
-def _restart_between(snaps: Sequence[Snapshot], d: dialects.Dialect) -> str | None:
-    starts = [gauge(s, d, "process_start") for s in snaps]
+def _restart_between(snaps: Sequence[Snapshot], reads: Sequence[Reading]) -> str | None:
+    starts = [r.start for r in reads]
     for a, b, sb in zip(starts, starts[1:], snaps[1:], strict=False):
         if a is not None and b is not None and a != b:
             return f"engine restarted inside the window (process start time changed by {sb.scraped_at:.0f})"
     return None
 
 
-def _idle(snaps: Sequence[Snapshot], d: dialects.Dialect) -> Signal:
+def _idle(snaps: Sequence[Snapshot], reads: Sequence[Reading], d: dialects.Dialect) -> Signal:
     """Seconds since the last snapshot that showed activity; the window span if none did."""
-    finished = [counter(s, d, "request_success") for s in snaps]
+    finished = [r.counters["request_success"][0] for r in reads]
     last_active: float | None = None
-    for i, snap in enumerate(snaps):
-        running = gauge(snap, d, "running") or 0.0
-        waiting = gauge(snap, d, "waiting") or 0.0
+    for i, (snap, r) in enumerate(zip(snaps, reads, strict=True)):
+        running = r.gauges["running"] or 0.0
+        waiting = r.gauges["waiting"] or 0.0
         moved = i > 0 and finished[i] is not None and finished[i - 1] is not None and finished[i] != finished[i - 1]
         if running > 0 or waiting > 0 or moved:
             last_active = snap.scraped_at
-    if gauge(snaps[-1], d, "running") is None:
+    if reads[-1].gauges["running"] is None:
         return missing(_absent(d, "running"))
     end = snaps[-1].scraped_at
     if last_active is None:
