@@ -300,9 +300,10 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
                 return None
             if "_" in value_text:
                 return None  # float() accepts 1_000; leave such oddities to the reference parser
-            labels = _NO_LABELS if not label_text else _labels(label_text)
-            if labels is None:
+            parsed = _NO_LABELS if not label_text else _labels(label_text)
+            if parsed is None:
                 return None
+            labels = parsed
             series_cache[line[:m.start(3)]] = (name, labels)
         if name not in allowed:
             family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
