@@ -157,6 +157,25 @@ def bent(rnd: random.Random, body: str, twins: frozenset[str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def typed(rnd: random.Random, body: str) -> str:
+    """``body`` with HELP and TYPE lines before each run of a family's samples (a counter's written without
+    ``_total``, which the TYPE line then restores), and now and then a comment or junk that starts with #."""
+    out, family = [], ""
+    for line in body.splitlines():
+        name = line.partition("{")[0].partition(" ")[0]
+        base = name.removesuffix("_total")
+        for suffix in ("_bucket", "_sum", "_count"):
+            base = base.removesuffix(suffix)
+        kind = "counter" if name.endswith("_total") else "histogram" if base != name else "gauge"
+        if base != family:
+            family = base
+            out += [f"# HELP {base} what {base} counts", f"# TYPE {base} {kind}"]
+        if rnd.random() < 0.01:
+            out.append(rnd.choice(["# a comment", "#junk", "# TYPE", "# HELP vllm:x", "# TYPE vllm:y bogus"]))
+        out.append(line.replace(name, base, 1) if kind == "counter" else line)
+    return "\n".join(out) + "\n"
+
+
 def clear_parser_caches() -> None:
     for cache in (snapshots._LABELS_CACHE, snapshots._CANONICAL, snapshots._SERIES_CACHE, snapshots._COMMENTS,
                   snapshots._ALLOWED):
@@ -164,7 +183,7 @@ def clear_parser_caches() -> None:
 
 
 @SETTINGS
-@given(st.integers(0, 2**32), st.lists(st.sampled_from(["clean", "bent", "sglang"]), min_size=2, max_size=8),
+@given(st.integers(0, 2**32), st.lists(st.sampled_from(["clean", "bent", "sglang", "typed"]), min_size=2, max_size=8),
        st.lists(st.booleans(), min_size=8, max_size=8))
 def test_a_body_parsed_after_others_equals_it_parsed_with_nothing_remembered(seed, kinds, filtered):
     rnd = random.Random(seed)
@@ -173,7 +192,8 @@ def test_a_body_parsed_after_others_equals_it_parsed_with_nothing_remembered(see
     bodies = []
     for i, kind in enumerate(kinds):
         body = vllm_body(rnd, i + 1, 0.02)
-        bodies.append(bent(rnd, body, twins) if kind == "bent" else sglang(body) if kind == "sglang" else body)
+        bodies.append(bent(rnd, body, twins) if kind == "bent" else sglang(body) if kind == "sglang"
+                      else typed(rnd, body) if kind == "typed" else body)
     keeps = [dialects.VLLM.parse_prefixes() if f else None for f in filtered]
     warm = [snapshots.parse(b, 1.0, keep_prefixes=k) for b, k in zip(bodies, keeps, strict=False)]
     for body, keep, snap in zip(bodies, keeps, warm, strict=False):

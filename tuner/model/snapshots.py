@@ -181,18 +181,25 @@ def _labels(text: str) -> Labels | None:
 # (most of a parse: ``python -m bench.cycle_cost``, docs/performance.md). Only lines that matched the regex
 # without a timestamp are entered; a line read through an entry is one the regex reads the same way (the value
 # after the last space holds no whitespace, else the line takes the regex path: see ``_fast_parse``).
-_SERIES_CACHE: dict[str, tuple[str, Labels]] = {}
+# Kept per ``keep_prefixes``: under a filter, the text of a series that is not read maps to _SKIP, so the
+# filter costs a lookup too (a filter holding whitespace caches nothing: see ``_fast_parse``).
+_SERIES_CACHE: dict[tuple[str, ...] | None, dict[str, tuple[str, Labels]]] = {}
+_SKIP: tuple[str, Labels] = ("", MappingProxyType({}))
 
 
-# What a comment line says (the same HELP and TYPE lines come in every scrape): _REFUSED (not exposition),
-# _OTHER (a comment the format ignores), or (family, its TYPE or None for a HELP line).
+# What a comment line says (the same HELP and TYPE lines come in every scrape), per ``keep_prefixes``:
+# _REFUSED (not exposition), _OTHER (a comment the format ignores, or one of a family not read), or
+# (family, its TYPE or None for a HELP line).
 _REFUSED: tuple[str, str | None] = ("", "refused")
 _OTHER: tuple[str, str | None] = ("", None)
-_COMMENTS: dict[str, tuple[str, str | None]] = {}
+_COMMENTS: dict[tuple[str, ...] | None, dict[str, tuple[str, str | None]]] = {}
 _ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
-def _comment(line: str) -> tuple[str, str | None]:
+def _comment(line: str, keep_prefixes: tuple[str, ...] | None) -> tuple[str, str | None]:
+    if keep_prefixes is not None and not (line.startswith(("# HELP ", "# TYPE ")) and
+                                          line[7:].startswith(keep_prefixes)):
+        return _OTHER  # dropped unread, whatever it holds
     if not line.startswith("# "):
         return _REFUSED
     parts = line.split(None, 3)
@@ -215,8 +222,8 @@ def _allowed(family: str, family_type: str) -> tuple[str, ...]:
 def _trim_label_caches() -> None:
     """Called between parses only, so that identities stay comparable within one body."""
     if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
-            or len(_SERIES_CACHE) >= _LABELS_CACHE_MAX or len(_COMMENTS) >= _LABELS_CACHE_MAX
-            or len(_ALLOWED) >= _LABELS_CACHE_MAX):
+            or sum(map(len, _SERIES_CACHE.values())) >= _LABELS_CACHE_MAX
+            or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
         _SERIES_CACHE.clear()
@@ -246,18 +253,19 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
     allowed: tuple[str, ...] = ()
-    series_cache, comments = _SERIES_CACHE, _COMMENTS
-    lines = text.split("\n")
-    if keep_prefixes is not None:  # cheap C-level prefix tests drop what the tuner never reads
-        lines = [ln for ln in lines if ln.startswith(keep_prefixes)
-                 or (ln.startswith(("# HELP ", "# TYPE ")) and ln[7:].startswith(keep_prefixes))]
-    for line in lines:
+    # A line is read when it starts with one of ``keep_prefixes`` (a HELP or TYPE line: its family does), and
+    # that is decided once per series text: a series text ends with the space before the value, so a prefix
+    # without whitespace that starts one line with that text starts every such line, or none of them.
+    cacheable = keep_prefixes is None or not any(c.isspace() for p in keep_prefixes for c in p)
+    series_cache = _SERIES_CACHE.setdefault(keep_prefixes, {}) if cacheable else {}
+    comments = _COMMENTS.setdefault(keep_prefixes, {})
+    for line in text.split("\n"):
         if not line or line[0] == "#":
             if not line:
                 continue
             comment = comments.get(line)
             if comment is None:
-                comment = comments[line] = _comment(line)
+                comment = comments[line] = _comment(line, keep_prefixes)
             if comment is _REFUSED:
                 return None
             if comment is not _OTHER:
@@ -270,6 +278,8 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
             continue
         cut = line.rfind(" ") + 1
         known = series_cache.get(line[:cut]) if cut > 1 else None
+        if known is _SKIP:
+            continue
         value_text = line[cut:]
         if (known is not None and value_text and "_" not in value_text and not value_text[0].isspace()
                 and not value_text[-1].isspace()):
@@ -286,6 +296,10 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
             if keep_prefixes is not None and "_created" in name:
                 continue
         else:
+            if keep_prefixes is not None and not line.startswith(keep_prefixes):
+                if cut > 1 and cacheable:
+                    series_cache[line[:cut]] = _SKIP
+                continue
             if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
                 continue
             m = _LINE.fullmatch(line)
