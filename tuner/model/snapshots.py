@@ -256,8 +256,11 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     # A line is read when it starts with one of ``keep_prefixes`` (a HELP or TYPE line: its family does), and
     # that is decided once per series text: a series text ends with the space before the value, so a prefix
     # without whitespace that starts one line with that text starts every such line, or none of them.
-    cacheable = keep_prefixes is None or not any(c.isspace() for p in keep_prefixes for c in p)
-    series_cache = _SERIES_CACHE.setdefault(keep_prefixes, {}) if cacheable else {}
+    series_cache = _SERIES_CACHE.get(keep_prefixes)
+    cacheable = (series_cache is not None or keep_prefixes is None
+                 or not any(c.isspace() for p in keep_prefixes for c in p))
+    if series_cache is None:
+        series_cache = _SERIES_CACHE.setdefault(keep_prefixes, {}) if cacheable else {}
     comments = _COMMENTS.setdefault(keep_prefixes, {})
     for line in text.split("\n"):
         if not line or line[0] == "#":
