@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tuner.model import dialects, snapshots
-from tuner.signals import engine
+from tuner.signals import reads
 
 MIN_LLR = 10.0
 MIN_RATIO = 1.5
@@ -52,7 +52,7 @@ def arrivals(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect
     for s in snaps:
         if not s.ok:
             return None
-        read = engine.reading(s, dialect)  # counter() and gauge() of the snapshot, read once (engine.Reading)
+        read = reads.reading(s, dialect)  # counter() and gauge() of the snapshot, read once (reads.Reading)
         done = read.counters["request_success"][0]
         running, waiting = read.gauges["running"], read.gauges["waiting"]
         if done is None or running is None or waiting is None:

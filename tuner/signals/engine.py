@@ -8,13 +8,16 @@ voids what is computed from it. Outputs are checked by ``signals.checked`` (each
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
-from tuner.signals import EXACT, Signal, checked, missing
+from tuner.signals import Signal, checked, missing, reads
 from tuner.signals import histograms as hist
+from tuner.signals.reads import Histogram, Reading, buckets, counter, gauge, reading
+
+__all__ = ["ALL_SIGNALS", "CONFIG_SIGNALS", "IDENTITY_LABELS", "INFO_SIGNALS", "LATEST_SIGNALS", "NOT_COMPUTED",
+           "WINDOW_SIGNALS", "Histogram", "Reading", "buckets", "compute", "counter", "gauge", "impossible", "reading"]
 
 Snapshot = snapshots.Snapshot
 Labels = Mapping[str, str]
@@ -38,160 +41,6 @@ CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_ca
 ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
 
 
-# --- reading one snapshot ---------------------------------------------------------------------
-
-def _first_present(snap: Snapshot, names: Sequence[str]) -> str | None:
-    for name in names:
-        if name in snap.series or name in snap.nonfinite:
-            return name
-    return None
-
-
-def gauge(snap: Snapshot, dialect: dialects.Dialect, concept: str, *, how: str = "sum") -> float | None:
-    """The concept's gauge (summed, or the max, over label sets); None when absent or any sample is
-    NaN/±Inf."""
-    name = _first_present(snap, dialect.candidates(concept))
-    if name is None or name in snap.nonfinite:
-        return None
-    values = [s.value for s in snap.samples(name)]
-    if not values:
-        return None
-    return max(values) if how == "max" else sum(values)
-
-
-def _counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
-             where: Callable[[Labels], bool] | None = None) -> tuple[float | None, str | None]:
-    """(the counter summed over label sets, why it is unusable); (None, None) when absent."""
-    for family in dialect.candidates(concept):
-        for name in (family + "_total", family):
-            if name in snap.nonfinite:
-                return None, f"counter {name} holds NaN or ±Inf"
-            samples = snap.series.get(name)
-            if samples is not None:
-                values = [s.value for s in samples] if where is None else \
-                    [s.value for s in samples if where(s.labels)]
-                total = sum(values)
-                # all samples ≥ 0 and their sum ≤ 2^53 ⇔ every sample in [0, 2^53] (and the sum too)
-                if total > EXACT or (values and min(values) < 0):
-                    bad = min(values) if min(values) < 0 else max(values)
-                    return None, f"counter {name} = {bad:g} is outside [0, 2^53]"
-                return total, None
-    return None, None
-
-
-def counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
-            where: Callable[[Labels], bool] | None = None) -> float | None:
-    """The counter summed over label sets (those ``where`` accepts); None when absent or unusable."""
-    return _counter(snap, dialect, concept, where)[0]
-
-
-Histogram = tuple[list[tuple[float, float]], float, float]
-
-
-def _buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
-    """Cumulative buckets summed over label sets, plus _sum and _count; a string says why they are
-    unusable (NaN, not cumulative, +Inf ≠ _count); None when absent. Computed once per snapshot."""
-    key = ("buckets", id(dialect), concept)
-    if key not in snap.memo:
-        snap.memo[key] = _merged_buckets(snap, dialect, concept)
-    found: Histogram | str | None = snap.memo[key]
-    return found
-
-
-def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
-    for family in dialect.candidates(concept):
-        samples = snap.samples(family + "_bucket")
-        if snap.nonfinite:
-            bad = [n for n in (family + "_bucket", family + "_sum", family + "_count") if n in snap.nonfinite]
-            if bad:
-                return f"histogram series {bad[0]} holds NaN or ±Inf"
-        if not samples:
-            continue
-        merged: dict[float, float] = {}
-        for s in samples:
-            try:
-                bound = float(s.labels["le"])
-            except (KeyError, ValueError):
-                continue
-            merged[bound] = merged.get(bound, 0.0) + s.value
-        total_sum = sum(s.value for s in snap.samples(family + "_sum"))
-        counts = snap.samples(family + "_count")
-        total_count = sum(s.value for s in counts)
-        cumulative = sorted(merged.items())
-        why = hist.problem(cumulative, total_count if counts else None)
-        if why is None and total_sum < 0:
-            why = f"_sum {total_sum:g} is negative"
-        return f"histogram {family}: {why}" if why else (cumulative, total_sum, total_count)
-    return None
-
-
-def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | None:
-    """Cumulative buckets summed over label sets, plus _sum and _count. None when absent or unusable."""
-    found = _buckets(snap, dialect, concept)
-    return None if isinstance(found, str) else found
-
-
-def _cache_info(snap: Snapshot, dialect: dialects.Dialect) -> Mapping[str, str] | None:
-    name = _first_present(snap, dialect.candidates("cache_info"))
-    if name is None:
-        return None
-    samples = snap.samples(name)
-    return samples[0].labels if samples else None
-
-
-def _number(text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return None if math.isnan(value) or math.isinf(value) else value
-
-
-# --- one snapshot's reading, taken once --------------------------------------------------------
-
-_GAUGES = (("running", "sum"), ("waiting", "sum"), ("kv_usage", "max"))
-_COUNTERS = ("request_success", "prompt_tokens", "generation_tokens", "preemptions", "prefix_hits", "prefix_queries")
-_HISTOGRAMS = ("inference_time", "prompt_len", "generation_len", "queue_time", "ttft", "itl", "tpot", "e2e",
-               "max_tokens")
-_REJECTED = "http_requests 4xx"  # the key of the rejected completions' counter in ``Reading.counters``
-
-
-class Reading:
-    """What the window signals read of one snapshot, read once when the snapshot first enters a window and
-    kept in its ``memo``: a window of 40 snapshots is folded again at every cycle (twice: the long and the
-    decision window), and re-reading its samples was most of a cycle's signal time (docs/performance.md).
-    Each field is what the per-snapshot function named beside it returns, so a window folded from readings
-    is the window recomputed from the samples (tests/properties/test_incremental_window.py)."""
-
-    __slots__ = ("broken", "counters", "gauges", "hist_counts", "start")
-
-    def __init__(self, snap: Snapshot, d: dialects.Dialect) -> None:
-        self.gauges = {c: gauge(snap, d, c, how=how) for c, how in _GAUGES}  # gauge()
-        # ``_why_absent`` where a NaN/±Inf sample, not absence, emptied the gauge
-        self.broken = {c: (why if snap.nonfinite and (why := _why_absent(snap, d, c)) != _absent(d, c) else None)
-                       for c, _ in _GAUGES}
-        self.counters = {c: _counter(snap, d, c) for c in _COUNTERS}  # _counter()
-        handlers = d.completion_handlers
-        if handlers:
-            self.counters[_REJECTED] = _counter(
-                snap, d, "http_requests", lambda lb: lb.get("handler") in handlers and lb.get("status") == "4xx")
-        self.hist_counts = {c: (b[2] if isinstance(b, tuple) else None)  # _buckets()' _count
-                            for c in _HISTOGRAMS for b in (_buckets(snap, d, c),)}
-        self.start = gauge(snap, d, "process_start")
-
-
-def reading(snap: Snapshot, d: dialects.Dialect) -> Reading:
-    """``snap``'s ``Reading`` for dialect ``d``, taken at the first call and kept in ``snap.memo``."""
-    key = ("reading", id(d))
-    found = snap.memo.get(key)
-    if found is None:
-        found = snap.memo[key] = Reading(snap, d)
-    read: Reading = found
-    return read
-
-
 # --- the window ------------------------------------------------------------------------------
 
 def compute(
@@ -210,7 +59,7 @@ def compute(
 
     ``max_running``: the engine's ``--max-num-seqs`` (its scheduler never runs more). A snapshot that
     breaks what one engine guarantees (``impossible``) counts as a failed scrape. ``only``: the window
-    signals the caller reads (``planning.stepping`` reads a long window's slow signals only); the window
+    signals the caller readings (``planning.stepping`` readings a long window's slow signals only); the window
     signals outside it are left uncomputed (``NOT_COMPUTED``), in their places, and every other value is as
     without ``only``."""
     window = [_checked_snapshot(s, dialect, max_running) for s in window]
@@ -240,7 +89,7 @@ def _compute(
         out["server_load"] = Signal(float(info.server_load))
     else:
         why = f": {info.error}" if info is not None and info.error else ""
-        out["server_load"] = missing(f"GET /load not read (sleep mode reads it) or unreadable{why}")
+        out["server_load"] = missing(f"GET /load not read (sleep mode readings it) or unreadable{why}")
 
     latest = snaps[-1]
     if not latest.ok:
@@ -337,24 +186,24 @@ def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
         ("kv_cache_usage", "kv_usage", "max"),
     ):
         value = gauge(snap, d, concept, how=how)
-        out[signal] = Signal(value) if value is not None else missing(_why_absent(snap, d, concept))
+        out[signal] = Signal(value) if value is not None else missing(reads.why_absent(snap, d, concept))
     for signal, concept in (("prompt_tokens_max", "prompt_len"), ("max_tokens_max", "max_tokens")):
-        b = _buckets(snap, d, concept)
+        b = reads.histogram(snap, d, concept)
         if isinstance(b, str):
             out[signal] = missing(b)
         else:
-            out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(_absent(d, concept))
+            out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(reads.absent(d, concept))
     out["sleep_level"] = _sleep_level(snap, d)
     return out
 
 
 def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
     """0 awake, 1 weights offloaded, 2 weights and KV cache discarded: the deepest data-parallel engine."""
-    name = _first_present(snap, d.candidates("sleep_state"))
+    name = reads.first_present(snap, d.candidates("sleep_state"))
     if name is None:
-        return missing(_absent(d, "sleep_state"))
+        return missing(reads.absent(d, "sleep_state"))
     if name in snap.nonfinite:
-        return missing(_why_absent(snap, d, "sleep_state"))
+        return missing(reads.why_absent(snap, d, "sleep_state"))
     flags: dict[str, dict[str, float]] = {}
     for s in snap.samples(name):
         flags.setdefault(s.labels.get("engine", ""), {})[s.labels.get("sleep_state", "")] = s.value
@@ -369,31 +218,16 @@ def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
     return Signal(float(max(levels))) if levels else missing(f"{name} has no samples")
 
 
-def _absent(d: dialects.Dialect, concept: str) -> str:
-    names = d.candidates(concept)
-    if not names:
-        return f"{d.kind} does not expose this"
-    return f"series {' / '.join(names)} absent"
-
-
-def _why_absent(snap: Snapshot, d: dialects.Dialect, concept: str) -> str:
-    """Why a gauge read nothing: a NaN/±Inf sample, or the series is not there."""
-    if snap.nonfinite:
-        for name in d.candidates(concept):
-            if name in snap.nonfinite:
-                return f"series {name} holds NaN or ±Inf"
-    return _absent(d, concept)
-
 
 def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None
                     ) -> dict[str, Signal]:
-    labels = _cache_info(snap, d) if snap is not None else None
+    labels = reads.cache_info(snap, d) if snap is not None else None
     where = " / ".join(d.candidates("cache_info"))
 
     def label(key: str) -> Signal:
         if labels is None:
             return missing(f"{where} absent" if where else f"{d.kind} does not expose cache_config_info")
-        value = _number(labels.get(key))
+        value = reads.number(labels.get(key))
         return Signal(value) if value is not None else missing(f"{where} has no numeric {key!r}")
 
     out = {
@@ -443,22 +277,22 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     def skip(*names: str) -> None:  # in the places they would have held, so the result keeps its order
         out.update(dict.fromkeys(names, NOT_COMPUTED))
 
-    reads = [reading(s, d) for s in snaps]
+    readings = [reading(s, d) for s in snaps]
     if wanted(*_GAUGE_SIGNALS, "arrival_rate_per_s"):
-        _gauges(out, snaps, reads, d, span)
+        _gauges(out, snaps, readings, d, span)
     else:
         skip(*_GAUGE_SIGNALS)
 
-    restarted = _restart_between(snaps, reads)
+    restarted = _restart_between(snaps, readings)
 
     def rate(concept: str) -> Signal:
-        read = [r.counters[concept] for r in reads]
+        read = [r.counters[concept] for r in readings]
         unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
         if unusable is not None:
             return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
         series = [v for v, _ in read]
         if any(v is None for v in series):
-            absent = _absent(d, "http_requests" if concept == _REJECTED else concept)
+            absent = reads.absent(d, "http_requests" if concept == reads.REJECTED else concept)
             return missing(absent if series[-1] is None else "series missing in part of the window")
         if restarted:
             return missing(restarted)
@@ -479,7 +313,7 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if not wanted(signal):
             skip(signal)
             continue
-        window = _histogram_window(snaps, reads, d, concept, restarted)
+        window = _histogram_window(snaps, readings, d, concept, restarted)
         if isinstance(window, Signal):
             out[signal] = window
         else:
@@ -490,7 +324,7 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if not wanted(*names):
             skip(*names)
             continue
-        window = _histogram_window(snaps, reads, d, prefix, restarted)
+        window = _histogram_window(snaps, readings, d, prefix, restarted)
         if isinstance(window, Signal):
             out.update(dict.fromkeys(names, window))
             continue
@@ -504,14 +338,14 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if not wanted(signal):
             skip(signal)
             continue
-        window = _histogram_window(snaps, reads, d, concept, restarted)
+        window = _histogram_window(snaps, readings, d, concept, restarted)
         out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
 
-    out["idle_seconds"] = _idle(snaps, reads, d) if wanted("idle_seconds") else NOT_COMPUTED
+    out["idle_seconds"] = _idle(snaps, readings, d) if wanted("idle_seconds") else NOT_COMPUTED
     return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
 
 
-def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], reads: Sequence[Reading], d: dialects.Dialect,
+def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect,
             span: float) -> None:
     """The gauges' maxima and means over the window, and the growth of what is inside the engine."""
     series: dict[str, list[float] | None] = {}
@@ -520,14 +354,14 @@ def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], reads: Sequence[R
         ("requests_waiting_max", "waiting"),
         ("kv_cache_usage_max", "kv_usage"),
     ):
-        values = [r.gauges[concept] for r in reads]
+        values = [r.gauges[concept] for r in readings]
         known = [v for v in values if v is not None]
-        broken = next(((r.broken[concept], s) for r, s in zip(reads, snaps, strict=True) if r.broken[concept]), None)
+        broken = next(((r.broken[concept], s) for r, s in zip(readings, snaps, strict=True) if r.broken[concept]), None)
         if broken is not None:  # a maximum that skips a NaN sample is not the window's maximum
             out[signal] = missing(f"{broken[0]} at {broken[1].scraped_at:.0f}")
             series[concept] = None
         else:
-            out[signal] = Signal(max(known)) if known else missing(_absent(d, concept))
+            out[signal] = Signal(max(known)) if known else missing(reads.absent(d, concept))
             series[concept] = [v for v in values if v is not None] if len(known) == len(values) else None
     for signal, concept in (("requests_running_mean", "running"), ("requests_waiting_mean", "waiting")):
         vals = series.get(concept)
@@ -549,7 +383,7 @@ def _rates(out: dict[str, Signal], d: dialects.Dialect, rate: Callable[[str], Si
     out["preemptions_per_s"] = rate("preemptions")
     handlers = d.completion_handlers
     if handlers:
-        out["requests_rejected_per_s"] = rate(_REJECTED)
+        out["requests_rejected_per_s"] = rate(reads.REJECTED)
     else:
         out["requests_rejected_per_s"] = missing(f"{d.kind} does not expose per-handler HTTP status counts")
 
@@ -570,19 +404,19 @@ def _rates(out: dict[str, Signal], d: dialects.Dialect, rate: Callable[[str], Si
         out["prefix_cache_hit_rate"] = Signal(hits.value / queries.value)
 
 
-def _histogram_window(snaps: Sequence[Snapshot], reads: Sequence[Reading], d: dialects.Dialect, concept: str,
+def _histogram_window(snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect, concept: str,
                       restarted: str | None) -> Signal | tuple[list[tuple[float, float]], float, float]:
     """The histogram's change over the window (last minus first), read as a counter is: a count that
     went down anywhere inside the window (a reset that came back above the first value by the end)
     voids it, not only one that ends lower."""
     first, last = snaps[0], snaps[-1]
-    new, old = _buckets(last, d, concept), _buckets(first, d, concept)
+    new, old = reads.histogram(last, d, concept), reads.histogram(first, d, concept)
     for found, at in ((new, last), (old, first)):
         if isinstance(found, str):
             return missing(f"{found} at {at.scraped_at:.0f}")
     assert not isinstance(new, str) and not isinstance(old, str)
     if new is None:
-        return missing(_absent(d, concept))
+        return missing(reads.absent(d, concept))
     if restarted:
         return missing(restarted)
     if old is None:
@@ -593,7 +427,7 @@ def _histogram_window(snaps: Sequence[Snapshot], reads: Sequence[Reading], d: di
     dsum, dcount = new[1] - old[1], new[2] - old[2]
     if dcount < 0 or dsum < 0:
         return missing("histogram count went down (engine restarted?)")
-    counts = [r.hist_counts[concept] for r in reads]
+    counts = [r.hist_counts[concept] for r in readings]
     for a, b, sa, sb in zip(counts, counts[1:], snaps, snaps[1:], strict=False):
         if a is not None and b is not None and b < a:
             return missing(f"histogram reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
@@ -601,26 +435,26 @@ def _histogram_window(snaps: Sequence[Snapshot], reads: Sequence[Reading], d: di
     return deltas, dsum, dcount
 
 
-def _restart_between(snaps: Sequence[Snapshot], reads: Sequence[Reading]) -> str | None:
-    starts = [r.start for r in reads]
+def _restart_between(snaps: Sequence[Snapshot], readings: Sequence[Reading]) -> str | None:
+    starts = [r.start for r in readings]
     for a, b, sb in zip(starts, starts[1:], snaps[1:], strict=False):
         if a is not None and b is not None and a != b:
             return f"engine restarted inside the window (process start time changed by {sb.scraped_at:.0f})"
     return None
 
 
-def _idle(snaps: Sequence[Snapshot], reads: Sequence[Reading], d: dialects.Dialect) -> Signal:
+def _idle(snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect) -> Signal:
     """Seconds since the last snapshot that showed activity; the window span if none did."""
-    finished = [r.counters["request_success"][0] for r in reads]
+    finished = [r.counters["request_success"][0] for r in readings]
     last_active: float | None = None
-    for i, (snap, r) in enumerate(zip(snaps, reads, strict=True)):
+    for i, (snap, r) in enumerate(zip(snaps, readings, strict=True)):
         running = r.gauges["running"] or 0.0
         waiting = r.gauges["waiting"] or 0.0
         moved = i > 0 and finished[i] is not None and finished[i - 1] is not None and finished[i] != finished[i - 1]
         if running > 0 or waiting > 0 or moved:
             last_active = snap.scraped_at
-    if reads[-1].gauges["running"] is None:
-        return missing(_absent(d, "running"))
+    if readings[-1].gauges["running"] is None:
+        return missing(reads.absent(d, "running"))
     end = snaps[-1].scraped_at
     if last_active is None:
         return Signal(end - snaps[0].scraped_at, "no activity in the whole window: at least this long")
