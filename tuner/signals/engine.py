@@ -59,7 +59,7 @@ def compute(
 
     ``max_running``: the engine's ``--max-num-seqs`` (its scheduler never runs more). A snapshot that
     breaks what one engine guarantees (``impossible``) counts as a failed scrape. ``only``: the window
-    signals the caller readings (``planning.stepping`` readings a long window's slow signals only); the window
+    signals the caller reads (``planning.stepping`` reads a long window's slow signals only); the window
     signals outside it are left uncomputed (``NOT_COMPUTED``), in their places, and every other value is as
     without ``only``."""
     window = [_checked_snapshot(s, dialect, max_running) for s in window]
@@ -89,7 +89,7 @@ def _compute(
         out["server_load"] = Signal(float(info.server_load))
     else:
         why = f": {info.error}" if info is not None and info.error else ""
-        out["server_load"] = missing(f"GET /load not read (sleep mode readings it) or unreadable{why}")
+        out["server_load"] = missing(f"GET /load not read (sleep mode reads it) or unreadable{why}")
 
     latest = snaps[-1]
     if not latest.ok:
