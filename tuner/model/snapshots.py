@@ -304,6 +304,8 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
                     series_cache[line[:cut]] = _SKIP
                 continue
             if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
+                if cut > 1 and cacheable and "_created" in line[:cut].split("{", 1)[0]:
+                    series_cache[line[:cut]] = _SKIP  # the name holds it: so does every line with this text
                 continue
             m = _LINE.fullmatch(line)
             if m is None:

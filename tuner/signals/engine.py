@@ -179,6 +179,16 @@ def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
 
 
 def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
+    """The signals of the window's newest snapshot, computed once per snapshot (a step reads two windows that
+    end in the same one); the caller copies them out and never changes the dict."""
+    key = ("latest", id(d))
+    found: dict[str, Signal] | None = snap.memo.get(key)
+    if found is None:
+        found = snap.memo[key] = _latest(snap, d)
+    return found
+
+
+def _latest(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
     for signal, concept, how in (
         ("requests_running", "running", "sum"),

@@ -77,6 +77,9 @@ def histogram(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histog
     return found
 
 
+_BOUNDS: dict[str, float] = {}  # an ``le`` label's text → its bound (the same few dozen texts in every scrape)
+
+
 def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
     for family in dialect.candidates(concept):
         samples = snap.samples(family + "_bucket")
@@ -88,10 +91,17 @@ def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> 
             continue
         merged: dict[float, float] = {}
         for s in samples:
-            try:
-                bound = float(s.labels["le"])
-            except (KeyError, ValueError):
+            le = s.labels.get("le")
+            if le is None:
                 continue
+            bound = _BOUNDS.get(le)
+            if bound is None:
+                try:
+                    bound = float(le)
+                except ValueError:
+                    continue
+                if bound == bound and len(_BOUNDS) < 10_000:  # NaN is no bound to share (NaN ≠ NaN)
+                    _BOUNDS[le] = bound
             merged[bound] = merged.get(bound, 0.0) + s.value
         total_sum = sum(s.value for s in snap.samples(family + "_sum"))
         counts = snap.samples(family + "_count")
