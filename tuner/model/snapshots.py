@@ -295,9 +295,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         else:
             known = None
         if known is not None:
-            name, labels = known
-            if keep_prefixes is not None and "_created" in name:
-                continue
+            name, labels = known  # under a filter, never a _created series (those are _SKIP, below)
         else:
             if keep_prefixes is not None and not line.startswith(keep_prefixes):
                 if cut > 1 and cacheable:
@@ -334,7 +332,11 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
             if nonfinite is not None:
                 nonfinite.add(name)
             continue
-        index.setdefault(name, []).append(Sample(name, labels, value))
+        samples = index.get(name)
+        if samples is None:
+            index[name] = [Sample(name, labels, value)]
+        else:
+            samples.append(Sample(name, labels, value))
     return index
 
 
