@@ -5,22 +5,28 @@ exposition from the queue-bound scenario and a full dcgm-exporter scrape replica
 `gpu`/`UUID` labels changed per copy). Each engine copy gets its own `model_name`, so label sets are
 not shared between targets more than they would be in a real fleet of distinct models.
 
-    python -m bench.cycle_cost [--cycles 15] [--targets 512] [--window 10] [--cadence-targets 64]
+    python -m bench.cycle_cost [--cycles 15] [--targets 512] [--window 10] [--cadence-targets 64] [--split]
 
 The last figure is the daemon's own decision path at the shipped cadence (``scrape.interval_seconds`` 2 s,
-the 20 s decision window, the thinned 300 s window, the shipped rules): ``stepping.step`` per target per
-cycle, as the cycle calls it, its CPU per cycle as a share of one core, and the snapshots it keeps.
+the 20 s decision window, the thinned 300 s window, the shipped rules): the parse and ``stepping.step`` per
+target per cycle, as the cycle calls them, its CPU per cycle as a share of one core (target ≤ 5 %), and the
+snapshots it keeps. ``--split`` also says where that time goes, per target per cycle: the parse, the engine
+signals (the long window and the decision window), the decision window's search, the planner (the rules),
+and the rest of the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import re
 import resource
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tuner import config
 from tuner.model import dcgm, dialects, knobs, snapshots
@@ -113,9 +119,36 @@ def looped(texts: list[str], c: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def cadence_cycle(texts: list[str], targets: int, cycles: int) -> tuple[list[float], float, int]:
-    """``stepping.step`` for every target every ``interval_seconds`` (the shipped cadence), after a warm-up long
-    enough to fill the thinned long window: CPU seconds per cycle, the interval, snapshots kept per target."""
+def _timer(f: Callable[..., Any], name: str, parts: dict[str, float]) -> Callable[..., Any]:
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t0 = time.process_time()
+        try:
+            return f(*a, **k)
+        finally:
+            parts[name] = parts.get(name, 0.0) + time.process_time() - t0
+    return wrapper
+
+
+@contextlib.contextmanager
+def timed(parts: dict[str, float]) -> Iterator[None]:
+    """While inside: the CPU seconds spent in the step's parts, added up in ``parts``."""
+    patched: list[tuple[Any, str, Callable[..., Any]]] = []
+    for name, owner, attr in (("engine signals", engine_signals, "compute"), ("planner", planner, "plan"),
+                              ("decision window", stepping, "decision_window")):
+        patched.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, _timer(getattr(owner, attr), name, parts))
+    try:
+        yield
+    finally:
+        for owner, attr, f in patched:
+            setattr(owner, attr, f)
+
+
+def cadence_cycle(texts: list[str], targets: int, cycles: int, split: dict[str, list[float]] | None = None
+                  ) -> tuple[list[float], float, int]:
+    """The parse and ``stepping.step`` for every target every ``interval_seconds`` (the shipped cadence), after a
+    warm-up long enough to fill the thinned long window: CPU seconds per cycle, the interval, snapshots kept per
+    target. ``split``: filled with each part's CPU seconds per cycle (``timed``)."""
     scrape = config.ScrapeSettings()
     window = scrape.window_settings()
     interval = scrape.interval_seconds
@@ -131,14 +164,23 @@ def cadence_cycle(texts: list[str], targets: int, cycles: int) -> tuple[list[flo
     for c in range(warm + cycles):
         now = c * interval
         bodies = [looped(per_target[i], c) for i in range(targets)]  # the scrapes' bodies, made outside the clock
-        t0 = time.process_time()
-        for i in range(targets):
-            snap = snapshots.parse(bodies[i], now, keep_prefixes=prefixes)
-            d = stepping.step(states[i], snap, info=info, gpus=gpus, now=now, target=f"t{i}", kind="vllm", args=args,
-                              settings=settings, window=window, rules=rules)
-            states[i] = d.state
+        parts: dict[str, float] = {"parse": 0.0}
+        with timed(parts) if split is not None else contextlib.nullcontext():
+            t0 = time.process_time()
+            for i in range(targets):
+                t1 = time.process_time()
+                snap = snapshots.parse(bodies[i], now, keep_prefixes=prefixes)
+                parts["parse"] += time.process_time() - t1
+                d = stepping.step(states[i], snap, info=info, gpus=gpus, now=now, target=f"t{i}", kind="vllm",
+                                  args=args, settings=settings, window=window, rules=rules)
+                states[i] = d.state
+            cost = time.process_time() - t0
         if c >= warm:
-            costs.append(time.process_time() - t0)
+            costs.append(cost)
+            if split is not None:
+                parts["rest of the step"] = cost - sum(parts.values())
+                for name, seconds in parts.items():
+                    split.setdefault(name, []).append(seconds)
     return costs, interval, max(len(s.window) for s in states)
 
 
@@ -148,6 +190,7 @@ def main() -> None:
     ap.add_argument("--targets", type=int, default=512)
     ap.add_argument("--window", type=int, default=10, help="snapshots kept per target (300 s at 30 s)")
     ap.add_argument("--cadence-targets", type=int, default=64, help="targets for the shipped-cadence figure")
+    ap.add_argument("--split", action="store_true", help="say where the shipped-cadence figure's time goes")
     args = ap.parse_args()
     texts = engine_texts()
     dtext = dcgm_8gpu_text()
@@ -162,9 +205,18 @@ def main() -> None:
     print(f"memory: {held:.0f} MiB for {args.targets}×{args.window} snapshots; peak RSS {peak:.0f} MiB")
     cad, interval, kept = cadence_cycle(texts, args.cadence_targets, args.cycles)
     med = statistics.median(cad)
-    print(f"{args.cadence_targets} targets at the shipped cadence (stepping.step, shipped rules, a cycle every "
+    print(f"{args.cadence_targets} targets at the shipped cadence (parse + stepping.step, shipped rules, a cycle every "
           f"{interval:g} s): median {med:.3f} s CPU per cycle (min {min(cad):.3f}, max {max(cad):.3f}) = "
-          f"{med / interval:.0%} of one core; {kept} snapshots kept per target")
+          f"{med / interval:.1%} of one core (target ≤ 5 %); {kept} snapshots kept per target")
+    if args.split:
+        split: dict[str, list[float]] = {}
+        cadence_cycle(texts, args.cadence_targets, args.cycles, split)
+        total = sum(statistics.median(v) for v in split.values())
+        print(f"where it goes (medians per target per cycle; timers on, {total / args.cadence_targets * 1000:.2f} ms "
+              "in all):")
+        for name, values in split.items():
+            m = statistics.median(values)
+            print(f"  {name:<18} {m / args.cadence_targets * 1000:6.3f} ms  {m / total:4.0%}")
 
 
 if __name__ == "__main__":

@@ -175,11 +175,60 @@ def _labels(text: str) -> Labels | None:
     return labels
 
 
+# A series' text repeats verbatim from one scrape to the next (only its value moves): the part of a sample line
+# before its value, ``name{labels} `` up to and including the last space, maps to what the line regex and
+# ``_labels`` made of it, so a known series costs a slice, a dict lookup and a float() instead of the regex
+# (most of a parse: ``python -m bench.cycle_cost``, docs/performance.md). Only lines that matched the regex
+# without a timestamp are entered; a line read through an entry is one the regex reads the same way (the value
+# after the last space holds no whitespace, else the line takes the regex path: see ``_fast_parse``).
+# Kept per ``keep_prefixes``: under a filter, the text of a series that is not read maps to _SKIP, so the
+# filter costs a lookup too (a filter holding whitespace caches nothing: see ``_fast_parse``).
+_SERIES_CACHE: dict[tuple[str, ...] | None, dict[str, tuple[str, Labels]]] = {}
+_SKIP: tuple[str, Labels] = ("", MappingProxyType({}))
+
+
+# What a comment line says (the same HELP and TYPE lines come in every scrape), per ``keep_prefixes``:
+# _REFUSED (not exposition), _OTHER (a comment the format ignores, or one of a family not read), or
+# (family, its TYPE or None for a HELP line).
+_REFUSED: tuple[str, str | None] = ("", "refused")
+_OTHER: tuple[str, str | None] = ("", None)
+_COMMENTS: dict[tuple[str, ...] | None, dict[str, tuple[str, str | None]]] = {}
+_ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
+
+
+def _comment(line: str, keep_prefixes: tuple[str, ...] | None) -> tuple[str, str | None]:
+    if keep_prefixes is not None and not (line.startswith(("# HELP ", "# TYPE ")) and
+                                          line[7:].startswith(keep_prefixes)):
+        return _OTHER  # dropped unread, whatever it holds
+    if not line.startswith("# "):
+        return _REFUSED
+    parts = line.split(None, 3)
+    if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+        if parts[1] == "TYPE" and (len(parts) != 4 or parts[3] not in PROMETHEUS_TYPES):
+            return _REFUSED
+        return (parts[2], parts[3] if parts[1] == "TYPE" else None)
+    return _OTHER
+
+
+def _allowed(family: str, family_type: str) -> tuple[str, ...]:
+    """The sample names a family of this type may hold (a histogram's ``_bucket``, ``_sum``, ``_count``)."""
+    key = (family, family_type)
+    found = _ALLOWED.get(key)
+    if found is None:
+        found = _ALLOWED[key] = tuple(family + x for x in _ALLOWED_SUFFIXES.get(family_type, ("",)))
+    return found
+
+
 def _trim_label_caches() -> None:
     """Called between parses only, so that identities stay comparable within one body."""
-    if len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX:
+    if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
+            or sum(map(len, _SERIES_CACHE.values())) >= _LABELS_CACHE_MAX
+            or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
+        _SERIES_CACHE.clear()
+        _COMMENTS.clear()
+        _ALLOWED.clear()
 
 
 MAX_TIMESTAMP_SKEW_SECONDS = 600.0
@@ -204,43 +253,75 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
     allowed: tuple[str, ...] = ()
-    lines = text.split("\n")
-    if keep_prefixes is not None:  # cheap C-level prefix tests drop what the tuner never reads
-        lines = [ln for ln in lines if ln.startswith(keep_prefixes)
-                 or (ln.startswith(("# HELP ", "# TYPE ")) and ln[7:].startswith(keep_prefixes))]
-    for line in lines:
+    # A line is read when it starts with one of ``keep_prefixes`` (a HELP or TYPE line: its family does), and
+    # that is decided once per series text: a series text ends with the space before the value, so a prefix
+    # without whitespace that starts one line with that text starts every such line, or none of them.
+    series_cache = _SERIES_CACHE.get(keep_prefixes)
+    cacheable = (series_cache is not None or keep_prefixes is None
+                 or not any(c.isspace() for p in keep_prefixes for c in p))
+    if series_cache is None:
+        series_cache = _SERIES_CACHE.setdefault(keep_prefixes, {}) if cacheable else {}
+    comments = _COMMENTS.setdefault(keep_prefixes, {})
+    for line in text.split("\n"):
         if not line or line[0] == "#":
             if not line:
                 continue
-            if not line.startswith("# "):
+            comment = comments.get(line)
+            if comment is None:
+                comment = comments[line] = _comment(line, keep_prefixes)
+            if comment is _REFUSED:
                 return None
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                if parts[1] == "TYPE" and (len(parts) != 4 or parts[3] not in PROMETHEUS_TYPES):
-                    return None
-                if parts[2] != family:
-                    family, family_type = parts[2], "untyped"
-                if parts[1] == "TYPE":
-                    family_type = parts[3]
-                allowed = tuple(family + x for x in _ALLOWED_SUFFIXES.get(family_type, ("",)))
+            if comment is not _OTHER:
+                named, typed = comment
+                if named != family:
+                    family, family_type = named, "untyped"
+                if typed is not None:
+                    family_type = typed
+                allowed = _allowed(family, family_type)
             continue
-        if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
+        cut = line.rfind(" ") + 1
+        known = series_cache.get(line[:cut]) if cut > 1 else None
+        if known is _SKIP:
             continue
-        m = _LINE.fullmatch(line)
-        if m is None:
-            return None
-        name, label_text, value_text, stamp = m.groups()
-        if stamp is not None:
-            return None  # a sample with its own timestamp: the reference parser reads it, and parse checks it
-        try:
-            value = float(value_text)
-        except ValueError:
-            return None
-        if "_" in value_text:
-            return None  # float() accepts 1_000; leave such oddities to the reference parser
-        labels = _NO_LABELS if not label_text else _labels(label_text)
-        if labels is None:
-            return None
+        value_text = line[cut:]
+        if (known is not None and value_text and "_" not in value_text and not value_text[0].isspace()
+                and not value_text[-1].isspace()):
+            # a series seen before, its value one word: float() reads a word as the regex's \S+ does, and
+            # refuses any whitespace inside it (then the line takes the regex path below, which decides)
+            try:
+                value = float(value_text)
+            except ValueError:
+                known = None
+        else:
+            known = None
+        if known is not None:
+            name, labels = known  # under a filter, never a _created series (those are _SKIP, below)
+        else:
+            if keep_prefixes is not None and not line.startswith(keep_prefixes):
+                if cut > 1 and cacheable:
+                    series_cache[line[:cut]] = _SKIP
+                continue
+            if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
+                if cut > 1 and cacheable and "_created" in line[:cut].split("{", 1)[0]:
+                    series_cache[line[:cut]] = _SKIP  # the name holds it: so does every line with this text
+                continue
+            m = _LINE.fullmatch(line)
+            if m is None:
+                return None
+            name, label_text, value_text, stamp = m.groups()
+            if stamp is not None:
+                return None  # a sample with its own timestamp: the reference parser reads it, and parse checks it
+            try:
+                value = float(value_text)
+            except ValueError:
+                return None
+            if "_" in value_text:
+                return None  # float() accepts 1_000; leave such oddities to the reference parser
+            parsed = _NO_LABELS if not label_text else _labels(label_text)
+            if parsed is None:
+                return None
+            labels = parsed
+            series_cache[line[:m.start(3)]] = (name, labels)
         if name not in allowed:
             family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
         elif family_type == "counter" and not family.endswith("_total"):
@@ -251,7 +332,11 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
             if nonfinite is not None:
                 nonfinite.add(name)
             continue
-        index.setdefault(name, []).append(Sample(name, labels, value))
+        samples = index.get(name)
+        if samples is None:
+            index[name] = [Sample(name, labels, value)]
+        else:
+            samples.append(Sample(name, labels, value))
     return index
 
 

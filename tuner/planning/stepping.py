@@ -133,11 +133,13 @@ def step(
     engine_started_at = started if started is not None else state.engine_started_at
 
     max_running = _engine_cap(started_args, live, kind=kind)
-    signals = engine_signals.compute(kept, dialect=dialect, info=info, now=now,
-                                     stale_after_seconds=window.stale_after_seconds,
-                                     min_snapshots=window.min_snapshots, max_running=max_running)
     since, point = decision_window(kept, state.history, now=now, window=window, dialect=dialect,
                                    min_requests=settings.idle.min_requests_per_window)
+    # with a decision window, the long window is read for the slow signals only (the others come from `fresh`)
+    signals = engine_signals.compute(kept, dialect=dialect, info=info, now=now,
+                                     stale_after_seconds=window.stale_after_seconds,
+                                     min_snapshots=window.min_snapshots, max_running=max_running,
+                                     only=SLOW_SIGNALS if since is not None else None)
     if since is not None:
         fresh = engine_signals.compute([s for s in kept if s.scraped_at >= since], dialect=dialect, info=info,
                                        now=now, stale_after_seconds=window.stale_after_seconds,
@@ -207,10 +209,10 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     if len(good) >= window.min_snapshots:  # scrapes sparser than the decision window: its fewest snapshots
         since = min(since, good[-window.min_snapshots].scraped_at)
     if min_requests > 0 and good:  # a slow engine: back to where the window holds enough finished requests
-        done = engine_signals.counter(good[-1], dialect, "request_success")
+        done = engine_signals.reading(good[-1], dialect).counters["request_success"][0]  # counter(), read once
         if done is not None:
             for s in reversed(good):
-                before = engine_signals.counter(s, dialect, "request_success")
+                before = engine_signals.reading(s, dialect).counters["request_success"][0]
                 if before is None or before > done:
                     break
                 if done - before >= min_requests:
@@ -219,7 +221,7 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     last_change = max((c.at for c in history.changes.values()), default=None)
     if last_change is not None:
         since = max(since, last_change)
-    starts = [(s.scraped_at, engine_signals.gauge(s, dialect, "process_start")) for s in good]
+    starts = [(s.scraped_at, engine_signals.reading(s, dialect).start) for s in good]
     for (_, a), (at, b) in itertools.pairwise(starts):
         if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
             since = max(since, at)

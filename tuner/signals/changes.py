@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tuner.model import dialects, snapshots
-from tuner.signals import engine
+from tuner.signals import reads
 
 MIN_LLR = 10.0
 MIN_RATIO = 1.5
@@ -52,8 +52,9 @@ def arrivals(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect
     for s in snaps:
         if not s.ok:
             return None
-        done = engine.counter(s, dialect, "request_success")
-        running, waiting = engine.gauge(s, dialect, "running"), engine.gauge(s, dialect, "waiting")
+        read = reads.reading(s, dialect)  # counter() and gauge() of the snapshot, read once (reads.Reading)
+        done = read.counters["request_success"][0]
+        running, waiting = read.gauges["running"], read.gauges["waiting"]
         if done is None or running is None or waiting is None:
             return None
         points.append((s.scraped_at, done, done + running + waiting))

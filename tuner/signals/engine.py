@@ -8,13 +8,16 @@ voids what is computed from it. Outputs are checked by ``signals.checked`` (each
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
-from tuner.signals import EXACT, Signal, checked, missing
+from tuner.signals import Signal, checked, missing, reads
 from tuner.signals import histograms as hist
+from tuner.signals.reads import Histogram, Reading, buckets, counter, gauge, reading
+
+__all__ = ["ALL_SIGNALS", "CONFIG_SIGNALS", "IDENTITY_LABELS", "INFO_SIGNALS", "LATEST_SIGNALS", "NOT_COMPUTED",
+           "WINDOW_SIGNALS", "Histogram", "Reading", "buckets", "compute", "counter", "gauge", "impossible", "reading"]
 
 Snapshot = snapshots.Snapshot
 Labels = Mapping[str, str]
@@ -38,117 +41,6 @@ CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_ca
 ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
 
 
-# --- reading one snapshot ---------------------------------------------------------------------
-
-def _first_present(snap: Snapshot, names: Sequence[str]) -> str | None:
-    for name in names:
-        if name in snap.series or name in snap.nonfinite:
-            return name
-    return None
-
-
-def gauge(snap: Snapshot, dialect: dialects.Dialect, concept: str, *, how: str = "sum") -> float | None:
-    """The concept's gauge (summed, or the max, over label sets); None when absent or any sample is
-    NaN/±Inf."""
-    name = _first_present(snap, dialect.candidates(concept))
-    if name is None or name in snap.nonfinite:
-        return None
-    values = [s.value for s in snap.samples(name)]
-    if not values:
-        return None
-    return max(values) if how == "max" else sum(values)
-
-
-def _counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
-             where: Callable[[Labels], bool] | None = None) -> tuple[float | None, str | None]:
-    """(the counter summed over label sets, why it is unusable); (None, None) when absent."""
-    for family in dialect.candidates(concept):
-        for name in (family + "_total", family):
-            if name in snap.nonfinite:
-                return None, f"counter {name} holds NaN or ±Inf"
-            samples = snap.series.get(name)
-            if samples is not None:
-                values = [s.value for s in samples] if where is None else \
-                    [s.value for s in samples if where(s.labels)]
-                total = sum(values)
-                # all samples ≥ 0 and their sum ≤ 2^53 ⇔ every sample in [0, 2^53] (and the sum too)
-                if total > EXACT or (values and min(values) < 0):
-                    bad = min(values) if min(values) < 0 else max(values)
-                    return None, f"counter {name} = {bad:g} is outside [0, 2^53]"
-                return total, None
-    return None, None
-
-
-def counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
-            where: Callable[[Labels], bool] | None = None) -> float | None:
-    """The counter summed over label sets (those ``where`` accepts); None when absent or unusable."""
-    return _counter(snap, dialect, concept, where)[0]
-
-
-Histogram = tuple[list[tuple[float, float]], float, float]
-
-
-def _buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
-    """Cumulative buckets summed over label sets, plus _sum and _count; a string says why they are
-    unusable (NaN, not cumulative, +Inf ≠ _count); None when absent. Computed once per snapshot."""
-    key = ("buckets", id(dialect), concept)
-    if key not in snap.memo:
-        snap.memo[key] = _merged_buckets(snap, dialect, concept)
-    found: Histogram | str | None = snap.memo[key]
-    return found
-
-
-def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
-    for family in dialect.candidates(concept):
-        samples = snap.samples(family + "_bucket")
-        if snap.nonfinite:
-            bad = [n for n in (family + "_bucket", family + "_sum", family + "_count") if n in snap.nonfinite]
-            if bad:
-                return f"histogram series {bad[0]} holds NaN or ±Inf"
-        if not samples:
-            continue
-        merged: dict[float, float] = {}
-        for s in samples:
-            try:
-                bound = float(s.labels["le"])
-            except (KeyError, ValueError):
-                continue
-            merged[bound] = merged.get(bound, 0.0) + s.value
-        total_sum = sum(s.value for s in snap.samples(family + "_sum"))
-        counts = snap.samples(family + "_count")
-        total_count = sum(s.value for s in counts)
-        cumulative = sorted(merged.items())
-        why = hist.problem(cumulative, total_count if counts else None)
-        if why is None and total_sum < 0:
-            why = f"_sum {total_sum:g} is negative"
-        return f"histogram {family}: {why}" if why else (cumulative, total_sum, total_count)
-    return None
-
-
-def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | None:
-    """Cumulative buckets summed over label sets, plus _sum and _count. None when absent or unusable."""
-    found = _buckets(snap, dialect, concept)
-    return None if isinstance(found, str) else found
-
-
-def _cache_info(snap: Snapshot, dialect: dialects.Dialect) -> Mapping[str, str] | None:
-    name = _first_present(snap, dialect.candidates("cache_info"))
-    if name is None:
-        return None
-    samples = snap.samples(name)
-    return samples[0].labels if samples else None
-
-
-def _number(text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return None if math.isnan(value) or math.isinf(value) else value
-
-
 # --- the window ------------------------------------------------------------------------------
 
 def compute(
@@ -160,15 +52,19 @@ def compute(
     stale_after_seconds: float | None = None,
     min_snapshots: int = 2,
     max_running: float | None = None,
+    only: frozenset[str] | None = None,
 ) -> dict[str, Signal]:
     """All engine signals for one target. Every name in ``ALL_SIGNALS`` is present in the result, every
     value inside its domain (``signals.DOMAINS``) or ``None`` with a reason.
 
     ``max_running``: the engine's ``--max-num-seqs`` (its scheduler never runs more). A snapshot that
-    breaks what one engine guarantees (``impossible``) counts as a failed scrape."""
+    breaks what one engine guarantees (``impossible``) counts as a failed scrape. ``only``: the window
+    signals the caller reads (``planning.stepping`` reads a long window's slow signals only); the window
+    signals outside it are left uncomputed (``NOT_COMPUTED``), in their places, and every other value is as
+    without ``only``."""
     window = [_checked_snapshot(s, dialect, max_running) for s in window]
     out = _compute(window, dialect=dialect, info=info, now=now, stale_after_seconds=stale_after_seconds,
-                   min_snapshots=min_snapshots)
+                   min_snapshots=min_snapshots, only=only)
     return {name: checked(name, signal) for name, signal in out.items()}
 
 
@@ -180,6 +76,7 @@ def _compute(
     now: float | None,
     stale_after_seconds: float | None,
     min_snapshots: int,
+    only: frozenset[str] | None,
 ) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
     snaps = sorted(window, key=lambda s: s.scraped_at)
@@ -223,7 +120,7 @@ def _compute(
         out.update({name: missing(why) for name in WINDOW_SIGNALS})
         return out
 
-    out.update(_window_signals(snaps, dialect, span))
+    out.update(_window_signals(snaps, dialect, span, only))
     out["kv_concurrency_observed"] = _kv_concurrency(out)
     return out
 
@@ -238,9 +135,11 @@ def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | N
     one body (a proxy merging engines: their sums would be believed as one engine's), or more requests
     running than the engine's ``--max-num-seqs`` lets its scheduler run."""
     prefixes = dialect.parse_prefixes()
+    # each distinct label set once (the parser shares one mapping per set between samples)
+    label_sets = {id(s.labels): s.labels for name, samples in snap.series.items() if name.startswith(prefixes)
+                  for s in samples}.values()
     for label in IDENTITY_LABELS:
-        values = {s.labels[label] for name, samples in snap.series.items() if name.startswith(prefixes)
-                  for s in samples if label in s.labels}
+        values = {labels[label] for labels in label_sets if label in labels}
         if len(values) > 1:
             shown = ", ".join(sorted(v[:40] for v in values)[:3])
             return (f"one engine per scrape: the body holds {len(values)} values of {label} ({shown}"
@@ -280,6 +179,16 @@ def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
 
 
 def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
+    """The signals of the window's newest snapshot, computed once per snapshot (a step reads two windows that
+    end in the same one); the caller copies them out and never changes the dict."""
+    key = ("latest", id(d))
+    found: dict[str, Signal] | None = snap.memo.get(key)
+    if found is None:
+        found = snap.memo[key] = _latest(snap, d)
+    return found
+
+
+def _latest(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
     for signal, concept, how in (
         ("requests_running", "running", "sum"),
@@ -287,24 +196,24 @@ def _latest_signals(snap: Snapshot, d: dialects.Dialect) -> dict[str, Signal]:
         ("kv_cache_usage", "kv_usage", "max"),
     ):
         value = gauge(snap, d, concept, how=how)
-        out[signal] = Signal(value) if value is not None else missing(_why_absent(snap, d, concept))
+        out[signal] = Signal(value) if value is not None else missing(reads.why_absent(snap, d, concept))
     for signal, concept in (("prompt_tokens_max", "prompt_len"), ("max_tokens_max", "max_tokens")):
-        b = _buckets(snap, d, concept)
+        b = reads.histogram(snap, d, concept)
         if isinstance(b, str):
             out[signal] = missing(b)
         else:
-            out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(_absent(d, concept))
+            out[signal] = hist.highest_nonempty_bound(b[0]) if b else missing(reads.absent(d, concept))
     out["sleep_level"] = _sleep_level(snap, d)
     return out
 
 
 def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
     """0 awake, 1 weights offloaded, 2 weights and KV cache discarded: the deepest data-parallel engine."""
-    name = _first_present(snap, d.candidates("sleep_state"))
+    name = reads.first_present(snap, d.candidates("sleep_state"))
     if name is None:
-        return missing(_absent(d, "sleep_state"))
+        return missing(reads.absent(d, "sleep_state"))
     if name in snap.nonfinite:
-        return missing(_why_absent(snap, d, "sleep_state"))
+        return missing(reads.why_absent(snap, d, "sleep_state"))
     flags: dict[str, dict[str, float]] = {}
     for s in snap.samples(name):
         flags.setdefault(s.labels.get("engine", ""), {})[s.labels.get("sleep_state", "")] = s.value
@@ -319,31 +228,16 @@ def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
     return Signal(float(max(levels))) if levels else missing(f"{name} has no samples")
 
 
-def _absent(d: dialects.Dialect, concept: str) -> str:
-    names = d.candidates(concept)
-    if not names:
-        return f"{d.kind} does not expose this"
-    return f"series {' / '.join(names)} absent"
-
-
-def _why_absent(snap: Snapshot, d: dialects.Dialect, concept: str) -> str:
-    """Why a gauge read nothing: a NaN/±Inf sample, or the series is not there."""
-    if snap.nonfinite:
-        for name in d.candidates(concept):
-            if name in snap.nonfinite:
-                return f"series {name} holds NaN or ±Inf"
-    return _absent(d, concept)
-
 
 def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None
                     ) -> dict[str, Signal]:
-    labels = _cache_info(snap, d) if snap is not None else None
+    labels = reads.cache_info(snap, d) if snap is not None else None
     where = " / ".join(d.candidates("cache_info"))
 
     def label(key: str) -> Signal:
         if labels is None:
             return missing(f"{where} absent" if where else f"{d.kind} does not expose cache_config_info")
-        value = _number(labels.get(key))
+        value = reads.number(labels.get(key))
         return Signal(value) if value is not None else missing(f"{where} has no numeric {key!r}")
 
     out = {
@@ -376,23 +270,108 @@ def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo
     return out
 
 
-def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float) -> dict[str, Signal]:
+_GAUGE_SIGNALS = ("requests_running_max", "requests_waiting_max", "kv_cache_usage_max", "requests_running_mean",
+                  "requests_waiting_mean", "in_system_growth_per_s")
+_RATE_SIGNALS = ("request_rate", "prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_per_s",
+                 "requests_rejected_per_s", "arrival_rate_per_s", "prefix_cache_hit_rate")
+NOT_COMPUTED = missing("not computed (compute(only=...) was not asked for it)")
+
+
+def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
+                    only: frozenset[str] | None = None) -> dict[str, Signal]:
     out: dict[str, Signal] = {"window_seconds": Signal(span)}
 
+    def wanted(*names: str) -> bool:
+        return only is None or not only.isdisjoint(names)
+
+    def skip(*names: str) -> None:  # in the places they would have held, so the result keeps its order
+        out.update(dict.fromkeys(names, NOT_COMPUTED))
+
+    readings = [reading(s, d) for s in snaps]
+    if wanted(*_GAUGE_SIGNALS, "arrival_rate_per_s"):
+        _gauges(out, snaps, readings, d, span)
+    else:
+        skip(*_GAUGE_SIGNALS)
+
+    restarted = _restart_between(snaps, readings)
+
+    def rate(concept: str) -> Signal:
+        read = [r.counters[concept] for r in readings]
+        unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
+        if unusable is not None:
+            return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
+        series = [v for v, _ in read]
+        if any(v is None for v in series):
+            absent = reads.absent(d, "http_requests" if concept == reads.REJECTED else concept)
+            return missing(absent if series[-1] is None else "series missing in part of the window")
+        if restarted:
+            return missing(restarted)
+        values = [v for v in series if v is not None]
+        for a, b, sa, sb in zip(values, values[1:], snaps, snaps[1:], strict=False):
+            if b < a:
+                return missing(f"counter reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
+                               "(engine restarted?)")
+        return Signal((values[-1] - values[0]) / span)
+
+    if not wanted(*_RATE_SIGNALS):
+        skip(*_RATE_SIGNALS)
+    else:
+        _rates(out, d, rate)
+
+    for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
+                            ("generation_tokens_mean", "generation_len")):
+        if not wanted(signal):
+            skip(signal)
+            continue
+        window = _histogram_window(snaps, readings, d, concept, restarted)
+        if isinstance(window, Signal):
+            out[signal] = window
+        else:
+            out[signal] = Signal(window[1] / window[2]) if window[2] > 0 else missing("no requests finished in the window")
+
+    for prefix in ("queue_time", "ttft", "itl", "tpot", "e2e"):  # the concept of the same name
+        names = tuple(f"{prefix}_{suffix}" for suffix in ("mean_s", "p50_s", "p95_s", "p99_s"))
+        if not wanted(*names):
+            skip(*names)
+            continue
+        window = _histogram_window(snaps, readings, d, prefix, restarted)
+        if isinstance(window, Signal):
+            out.update(dict.fromkeys(names, window))
+            continue
+        deltas, dsum, dcount = window
+        out[names[0]] = Signal(dsum / dcount) if dcount > 0 else missing("no observations in the window")
+        out[names[1]] = hist.quantile(0.50, deltas)
+        out[names[2]] = hist.quantile(0.95, deltas)
+        out[names[3]] = hist.quantile(0.99, deltas)
+
+    for signal, concept in (("prompt_tokens_p99", "prompt_len"), ("max_tokens_p99", "max_tokens")):
+        if not wanted(signal):
+            skip(signal)
+            continue
+        window = _histogram_window(snaps, readings, d, concept, restarted)
+        out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
+
+    out["idle_seconds"] = _idle(snaps, readings, d) if wanted("idle_seconds") else NOT_COMPUTED
+    return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
+
+
+def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect,
+            span: float) -> None:
+    """The gauges' maxima and means over the window, and the growth of what is inside the engine."""
     series: dict[str, list[float] | None] = {}
-    for signal, concept, how in (
-        ("requests_running_max", "running", "sum"),
-        ("requests_waiting_max", "waiting", "sum"),
-        ("kv_cache_usage_max", "kv_usage", "max"),
+    for signal, concept in (
+        ("requests_running_max", "running"),
+        ("requests_waiting_max", "waiting"),
+        ("kv_cache_usage_max", "kv_usage"),
     ):
-        values = [gauge(s, d, concept, how=how) for s in snaps]
+        values = [r.gauges[concept] for r in readings]
         known = [v for v in values if v is not None]
-        broken = next((s for s in snaps if s.nonfinite and _why_absent(s, d, concept) != _absent(d, concept)), None)
+        broken = next(((r.broken[concept], s) for r, s in zip(readings, snaps, strict=True) if r.broken[concept]), None)
         if broken is not None:  # a maximum that skips a NaN sample is not the window's maximum
-            out[signal] = missing(f"{_why_absent(broken, d, concept)} at {broken.scraped_at:.0f}")
+            out[signal] = missing(f"{broken[0]} at {broken[1].scraped_at:.0f}")
             series[concept] = None
         else:
-            out[signal] = Signal(max(known)) if known else missing(_absent(d, concept))
+            out[signal] = Signal(max(known)) if known else missing(reads.absent(d, concept))
             series[concept] = [v for v in values if v is not None] if len(known) == len(values) else None
     for signal, concept in (("requests_running_mean", "running"), ("requests_waiting_mean", "waiting")):
         vals = series.get(concept)
@@ -405,33 +384,16 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     else:
         out["in_system_growth_per_s"] = missing("running or waiting not read in every snapshot of the window")
 
-    restarted = _restart_between(snaps, d)
 
-    def rate(concept: str, where: Callable[[Labels], bool] | None = None) -> Signal:
-        read = [_counter(s, d, concept, where) for s in snaps]
-        unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
-        if unusable is not None:
-            return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
-        series = [v for v, _ in read]
-        if any(v is None for v in series):
-            return missing(_absent(d, concept) if series[-1] is None else "series missing in part of the window")
-        if restarted:
-            return missing(restarted)
-        values = [v for v in series if v is not None]
-        for a, b, sa, sb in zip(values, values[1:], snaps, snaps[1:], strict=False):
-            if b < a:
-                return missing(f"counter reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
-                               "(engine restarted?)")
-        return Signal((values[-1] - values[0]) / span)
-
+def _rates(out: dict[str, Signal], d: dialects.Dialect, rate: Callable[[str], Signal]) -> None:
+    """The counters' rates over the window (``rate`` of a counter's concept), and what is derived from them."""
     out["request_rate"] = rate("request_success")
     out["prompt_tokens_per_s"] = rate("prompt_tokens")
     out["generation_tokens_per_s"] = rate("generation_tokens")
     out["preemptions_per_s"] = rate("preemptions")
     handlers = d.completion_handlers
     if handlers:
-        out["requests_rejected_per_s"] = rate(
-            "http_requests", lambda lb: lb.get("handler") in handlers and lb.get("status") == "4xx")
+        out["requests_rejected_per_s"] = rate(reads.REJECTED)
     else:
         out["requests_rejected_per_s"] = missing(f"{d.kind} does not expose per-handler HTTP status counts")
 
@@ -451,47 +413,20 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float)
     else:
         out["prefix_cache_hit_rate"] = Signal(hits.value / queries.value)
 
-    for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
-                            ("generation_tokens_mean", "generation_len")):
-        window = _histogram_window(snaps, d, concept, restarted)
-        if isinstance(window, Signal):
-            out[signal] = window
-        else:
-            out[signal] = Signal(window[1] / window[2]) if window[2] > 0 else missing("no requests finished in the window")
 
-    for prefix in ("queue_time", "ttft", "itl", "tpot", "e2e"):  # the concept of the same name
-        window = _histogram_window(snaps, d, prefix, restarted)
-        if isinstance(window, Signal):
-            for suffix in ("mean_s", "p50_s", "p95_s", "p99_s"):
-                out[f"{prefix}_{suffix}"] = window
-            continue
-        deltas, dsum, dcount = window
-        out[f"{prefix}_mean_s"] = Signal(dsum / dcount) if dcount > 0 else missing("no observations in the window")
-        out[f"{prefix}_p50_s"] = hist.quantile(0.50, deltas)
-        out[f"{prefix}_p95_s"] = hist.quantile(0.95, deltas)
-        out[f"{prefix}_p99_s"] = hist.quantile(0.99, deltas)
-
-    for signal, concept in (("prompt_tokens_p99", "prompt_len"), ("max_tokens_p99", "max_tokens")):
-        window = _histogram_window(snaps, d, concept, restarted)
-        out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
-
-    out["idle_seconds"] = _idle(snaps, d)
-    return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
-
-
-def _histogram_window(snaps: Sequence[Snapshot], d: dialects.Dialect, concept: str,
+def _histogram_window(snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect, concept: str,
                       restarted: str | None) -> Signal | tuple[list[tuple[float, float]], float, float]:
     """The histogram's change over the window (last minus first), read as a counter is: a count that
     went down anywhere inside the window (a reset that came back above the first value by the end)
     voids it, not only one that ends lower."""
     first, last = snaps[0], snaps[-1]
-    new, old = _buckets(last, d, concept), _buckets(first, d, concept)
+    new, old = reads.histogram(last, d, concept), reads.histogram(first, d, concept)
     for found, at in ((new, last), (old, first)):
         if isinstance(found, str):
             return missing(f"{found} at {at.scraped_at:.0f}")
     assert not isinstance(new, str) and not isinstance(old, str)
     if new is None:
-        return missing(_absent(d, concept))
+        return missing(reads.absent(d, concept))
     if restarted:
         return missing(restarted)
     if old is None:
@@ -502,7 +437,7 @@ def _histogram_window(snaps: Sequence[Snapshot], d: dialects.Dialect, concept: s
     dsum, dcount = new[1] - old[1], new[2] - old[2]
     if dcount < 0 or dsum < 0:
         return missing("histogram count went down (engine restarted?)")
-    counts = [b[2] if isinstance(b, tuple) else None for b in (_buckets(s, d, concept) for s in snaps)]
+    counts = [r.hist_counts[concept] for r in readings]
     for a, b, sa, sb in zip(counts, counts[1:], snaps, snaps[1:], strict=False):
         if a is not None and b is not None and b < a:
             return missing(f"histogram reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
@@ -510,26 +445,26 @@ def _histogram_window(snaps: Sequence[Snapshot], d: dialects.Dialect, concept: s
     return deltas, dsum, dcount
 
 
-def _restart_between(snaps: Sequence[Snapshot], d: dialects.Dialect) -> str | None:
-    starts = [gauge(s, d, "process_start") for s in snaps]
+def _restart_between(snaps: Sequence[Snapshot], readings: Sequence[Reading]) -> str | None:
+    starts = [r.start for r in readings]
     for a, b, sb in zip(starts, starts[1:], snaps[1:], strict=False):
         if a is not None and b is not None and a != b:
             return f"engine restarted inside the window (process start time changed by {sb.scraped_at:.0f})"
     return None
 
 
-def _idle(snaps: Sequence[Snapshot], d: dialects.Dialect) -> Signal:
+def _idle(snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect) -> Signal:
     """Seconds since the last snapshot that showed activity; the window span if none did."""
-    finished = [counter(s, d, "request_success") for s in snaps]
+    finished = [r.counters["request_success"][0] for r in readings]
     last_active: float | None = None
-    for i, snap in enumerate(snaps):
-        running = gauge(snap, d, "running") or 0.0
-        waiting = gauge(snap, d, "waiting") or 0.0
+    for i, (snap, r) in enumerate(zip(snaps, readings, strict=True)):
+        running = r.gauges["running"] or 0.0
+        waiting = r.gauges["waiting"] or 0.0
         moved = i > 0 and finished[i] is not None and finished[i - 1] is not None and finished[i] != finished[i - 1]
         if running > 0 or waiting > 0 or moved:
             last_active = snap.scraped_at
-    if gauge(snaps[-1], d, "running") is None:
-        return missing(_absent(d, "running"))
+    if readings[-1].gauges["running"] is None:
+        return missing(reads.absent(d, "running"))
     end = snaps[-1].scraped_at
     if last_active is None:
         return Signal(end - snaps[0].scraped_at, "no activity in the whole window: at least this long")

@@ -37,11 +37,11 @@ def delta(new: Buckets, old: Buckets | None) -> list[tuple[float, float]] | None
     """Bucket-wise ``new - old``. ``None`` when the layouts differ or a count went down (reset)."""
     if old is None:
         return list(new)
-    if [b for b, _ in new] != [b for b, _ in old]:
+    if len(new) != len(old):
         return None
     out = []
-    for (bound, n), (_, o) in zip(new, old, strict=True):
-        if n < o:
+    for (bound, n), (bound_old, o) in zip(new, old, strict=True):
+        if (bound is not bound_old and bound != bound_old) or n < o:  # another layout (compared as lists are)
             return None
         out.append((bound, n - o))
     return out

@@ -1,0 +1,198 @@
+"""One snapshot read for the engine signals: a concept's gauge, counter or histogram in one scrape. Pure.
+
+``signals.engine`` folds windows of these; ``Reading`` is what its window signals read of one snapshot,
+read once and kept in the snapshot's memo while the snapshot stays in the target's window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from tuner.model import dialects, snapshots
+from tuner.signals import EXACT
+from tuner.signals import histograms as hist
+
+Snapshot = snapshots.Snapshot
+Labels = Mapping[str, str]
+
+
+# --- reading one snapshot ---------------------------------------------------------------------
+
+def first_present(snap: Snapshot, names: Sequence[str]) -> str | None:
+    for name in names:
+        if name in snap.series or name in snap.nonfinite:
+            return name
+    return None
+
+
+def gauge(snap: Snapshot, dialect: dialects.Dialect, concept: str, *, how: str = "sum") -> float | None:
+    """The concept's gauge (summed, or the max, over label sets); None when absent or any sample is
+    NaN/±Inf."""
+    name = first_present(snap, dialect.candidates(concept))
+    if name is None or name in snap.nonfinite:
+        return None
+    values = [s.value for s in snap.samples(name)]
+    if not values:
+        return None
+    return max(values) if how == "max" else sum(values)
+
+
+def _counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
+             where: Callable[[Labels], bool] | None = None) -> tuple[float | None, str | None]:
+    """(the counter summed over label sets, why it is unusable); (None, None) when absent."""
+    for family in dialect.candidates(concept):
+        for name in (family + "_total", family):
+            if name in snap.nonfinite:
+                return None, f"counter {name} holds NaN or ±Inf"
+            samples = snap.series.get(name)
+            if samples is not None:
+                values = [s.value for s in samples] if where is None else \
+                    [s.value for s in samples if where(s.labels)]
+                total = sum(values)
+                # all samples ≥ 0 and their sum ≤ 2^53 ⇔ every sample in [0, 2^53] (and the sum too)
+                if total > EXACT or (values and min(values) < 0):
+                    bad = min(values) if min(values) < 0 else max(values)
+                    return None, f"counter {name} = {bad:g} is outside [0, 2^53]"
+                return total, None
+    return None, None
+
+
+def counter(snap: Snapshot, dialect: dialects.Dialect, concept: str,
+            where: Callable[[Labels], bool] | None = None) -> float | None:
+    """The counter summed over label sets (those ``where`` accepts); None when absent or unusable."""
+    return _counter(snap, dialect, concept, where)[0]
+
+
+Histogram = tuple[list[tuple[float, float]], float, float]
+
+
+def histogram(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
+    """Cumulative buckets summed over label sets, plus _sum and _count; a string says why they are
+    unusable (NaN, not cumulative, +Inf ≠ _count); None when absent. Computed once per snapshot."""
+    key = ("buckets", id(dialect), concept)
+    if key not in snap.memo:
+        snap.memo[key] = _merged_buckets(snap, dialect, concept)
+    found: Histogram | str | None = snap.memo[key]
+    return found
+
+
+_BOUNDS: dict[str, float] = {}  # an ``le`` label's text → its bound (the same few dozen texts in every scrape)
+
+
+def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
+    for family in dialect.candidates(concept):
+        samples = snap.samples(family + "_bucket")
+        if snap.nonfinite:
+            bad = [n for n in (family + "_bucket", family + "_sum", family + "_count") if n in snap.nonfinite]
+            if bad:
+                return f"histogram series {bad[0]} holds NaN or ±Inf"
+        if not samples:
+            continue
+        merged: dict[float, float] = {}
+        for s in samples:
+            le = s.labels.get("le")
+            if le is None:
+                continue
+            bound = _BOUNDS.get(le)
+            if bound is None:
+                try:
+                    bound = float(le)
+                except ValueError:
+                    continue
+                if bound == bound and len(_BOUNDS) < 10_000:  # NaN is no bound to share (NaN ≠ NaN)
+                    _BOUNDS[le] = bound
+            merged[bound] = merged.get(bound, 0.0) + s.value
+        total_sum = sum(s.value for s in snap.samples(family + "_sum"))
+        counts = snap.samples(family + "_count")
+        total_count = sum(s.value for s in counts)
+        cumulative = sorted(merged.items())
+        why = hist.problem(cumulative, total_count if counts else None)
+        if why is None and total_sum < 0:
+            why = f"_sum {total_sum:g} is negative"
+        return f"histogram {family}: {why}" if why else (cumulative, total_sum, total_count)
+    return None
+
+
+def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | None:
+    """Cumulative buckets summed over label sets, plus _sum and _count. None when absent or unusable."""
+    found = histogram(snap, dialect, concept)
+    return None if isinstance(found, str) else found
+
+
+def cache_info(snap: Snapshot, dialect: dialects.Dialect) -> Mapping[str, str] | None:
+    name = first_present(snap, dialect.candidates("cache_info"))
+    if name is None:
+        return None
+    samples = snap.samples(name)
+    return samples[0].labels if samples else None
+
+
+def number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+# --- one snapshot's reading, taken once --------------------------------------------------------
+
+_GAUGES = (("running", "sum"), ("waiting", "sum"), ("kv_usage", "max"))
+_COUNTERS = ("request_success", "prompt_tokens", "generation_tokens", "preemptions", "prefix_hits", "prefix_queries")
+_HISTOGRAMS = ("inference_time", "prompt_len", "generation_len", "queue_time", "ttft", "itl", "tpot", "e2e",
+               "max_tokens")
+REJECTED = "http_requests 4xx"  # the key of the rejected completions' counter in ``Reading.counters``
+
+
+class Reading:
+    """What the window signals read of one snapshot, read once when the snapshot first enters a window and
+    kept in its ``memo``: a window of 40 snapshots is folded again at every cycle (twice: the long and the
+    decision window), and re-reading its samples was most of a cycle's signal time (docs/performance.md).
+    Each field is what the per-snapshot function named beside it returns, so a window folded from readings
+    is the window recomputed from the samples (tests/properties/test_incremental_window.py)."""
+
+    __slots__ = ("broken", "counters", "gauges", "hist_counts", "start")
+
+    def __init__(self, snap: Snapshot, d: dialects.Dialect) -> None:
+        self.gauges = {c: gauge(snap, d, c, how=how) for c, how in _GAUGES}  # gauge()
+        # ``why_absent`` where a NaN/±Inf sample, not absence, emptied the gauge
+        self.broken = {c: (why if snap.nonfinite and (why := why_absent(snap, d, c)) != absent(d, c) else None)
+                       for c, _ in _GAUGES}
+        self.counters = {c: _counter(snap, d, c) for c in _COUNTERS}  # _counter()
+        handlers = d.completion_handlers
+        if handlers:
+            self.counters[REJECTED] = _counter(
+                snap, d, "http_requests", lambda lb: lb.get("handler") in handlers and lb.get("status") == "4xx")
+        self.hist_counts = {c: (b[2] if isinstance(b, tuple) else None)  # histogram()' _count
+                            for c in _HISTOGRAMS for b in (histogram(snap, d, c),)}
+        self.start = gauge(snap, d, "process_start")
+
+
+def reading(snap: Snapshot, d: dialects.Dialect) -> Reading:
+    """``snap``'s ``Reading`` for dialect ``d``, taken at the first call and kept in ``snap.memo``."""
+    key = ("reading", id(d))
+    found = snap.memo.get(key)
+    if found is None:
+        found = snap.memo[key] = Reading(snap, d)
+    read: Reading = found
+    return read
+
+
+
+def absent(d: dialects.Dialect, concept: str) -> str:
+    names = d.candidates(concept)
+    if not names:
+        return f"{d.kind} does not expose this"
+    return f"series {' / '.join(names)} absent"
+
+
+def why_absent(snap: Snapshot, d: dialects.Dialect, concept: str) -> str:
+    """Why a gauge read nothing: a NaN/±Inf sample, or the series is not there."""
+    if snap.nonfinite:
+        for name in d.candidates(concept):
+            if name in snap.nonfinite:
+                return f"series {name} holds NaN or ±Inf"
+    return absent(d, concept)
