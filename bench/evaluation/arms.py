@@ -34,8 +34,9 @@ import httpx
 import yaml
 
 from bench.evaluation import analysis, profiles
-from harness import live, vllm
+from harness import live as harness_live
 from harness import nginx as nginx_support
+from harness import vllm
 from tuner.model import snapshots
 from tuner.sources import live_knobs
 
@@ -237,7 +238,7 @@ def wait_idle(replicas: Mapping[str, str], timeout: float) -> None:
                 return False
         return True
 
-    live.wait_for(idle, timeout, "every replica to be idle (nothing running or waiting)", poll=1)
+    harness_live.wait_for(idle, timeout, "every replica to be idle (nothing running or waiting)", poll=1)
 
 
 def upstream_names(replicas: Mapping[str, int]) -> dict[str, str]:
@@ -433,7 +434,7 @@ class StaticPool:
         for s in self.servers.values():
             with contextlib.suppress(Exception):
                 s.stop()
-        live.kill_engines_on_ports(self.ports.values())
+        harness_live.kill_engines_on_ports(self.ports.values())
         self.lb.stop()
 
     def __enter__(self) -> StaticPool:
@@ -464,7 +465,7 @@ class SharedPool(StaticPool):
         return self
 
     def alive(self, name: str) -> bool:
-        return live.healthy(self.urls[name])
+        return harness_live.healthy(self.urls[name])
 
     def tail(self, name: str) -> str:
         return self.tuner_pool.diagnostics()
@@ -507,7 +508,7 @@ def run_static(ctx: Context, pool: StaticPool, arm: str, *, cap: int | None, mod
 # --- the tuner arms ---------------------------------------------------------------------------------
 
 
-class TunerPool(live.ProcessPool):
+class TunerPool(harness_live.ProcessPool):
     """``vllm-tuner run`` launching the replicas itself, configured from the arm's tuner settings.
 
     ``template``: a partial vllm-tuner configuration (anything but ``targets``, ``actuator``, ``drain``
@@ -539,7 +540,7 @@ class TunerPool(live.ProcessPool):
     def configure(self, rules: Sequence[Mapping[str, Any]]) -> None:
         del rules  # the arm's template carries the rules
         config = compose(self.template, pool=self)
-        live.write_config(self.config_path, config)
+        harness_live.write_config(self.config_path, config)
 
     def prepare_live(self) -> None:
         """Before the engines start: each replica's control directory, with the cap at the bad start."""
@@ -616,7 +617,7 @@ def run_tuner(ctx: Context, arm: str, *, template: Path, live: bool,
                 poke(ctx, url)
             for n, d in pool.control.items():
                 assert d is not None
-                ack = live.wait_for(lambda d=d: next((a for a in live_knobs.read_acks(d) if a.answers(0)),
+                ack = harness_live.wait_for(lambda d=d: next((a for a in live_knobs.read_acks(d) if a.answers(0)),
                                                              None), 300, f"replica {n} to acknowledge the bad start",
                                             poll=0.5, detail=pool.diagnostics)
                 if not ack.live or ack.refused:
