@@ -164,3 +164,12 @@ def test_every_version_is_the_changelogs_last_release():
             (ROOT / "deploy/helm/plugins/vllm-tuner-inject/plugin.yaml").read_text())["version"]),
     }
     assert found == dict.fromkeys(found, releases[0])
+
+
+def test_no_module_of_the_tuner_is_over_600_lines() -> None:
+    """A module that outgrows one job is split by job (issue 29): the longest were the leader's injector (878
+    lines), the knob table (650) and the launcher (632)."""
+    root = Path(__file__).resolve().parents[2] / "tuner"
+    long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert not long, long
