@@ -57,9 +57,18 @@ class Item(NamedTuple):
         return [self.flag, self.value or ""]
 
 
+_NORMALIZED: dict[str, str] = {}  # flag as written → its spelling; a few dozen flags, read every cycle
+
+
 def normalize(flag: str) -> str:
     """``--max_num_seqs`` → ``--max-num-seqs`` (vLLM's parser accepts both spellings)."""
-    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+    known = _NORMALIZED.get(flag)
+    if known is not None:
+        return known
+    out = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+    if len(_NORMALIZED) < 4096:  # bounded: argv comes from configuration, but a bound costs nothing
+        _NORMALIZED[flag] = out
+    return out
 
 
 def is_flag_token(token: str) -> bool:
