@@ -116,12 +116,8 @@ def test_the_docs_annotations_pause_and_pin_the_pool_across_a_leader_change(
     metrics = selfmetrics.TunerMetrics()
     a = leading.Leader(tuner_settings, api=api, store=store.PoolStore(api), identity="pod-a_1", rules=(),
                        client=engine_client(), metrics=metrics)
-    stop, thread = lead_in_thread(a, electing.Leadership(1, 0.0))
-    try:
+    with lead_in_thread(a, electing.Leadership(1, 0.0)):
         until(lambda: a.cycles >= 2)
-    finally:
-        stop.set()
-        thread.join(10)
     # the one decision path ran with the switches as its guards' settings
     assert decided[-1].paused == "annotation vllm-tuner.io/paused: holiday freeze"
     assert decided[-1].pins == {"--max-model-len": "the clients need 32k"}
@@ -140,8 +136,7 @@ def test_the_docs_annotations_pause_and_pin_the_pool_across_a_leader_change(
     metrics_b = selfmetrics.TunerMetrics()
     b = leading.Leader(tuner_settings, api=api, store=store.PoolStore(api), identity="pod-b_2", rules=(),
                        client=engine_client(), metrics=metrics_b)
-    stop, thread = lead_in_thread(b, electing.Leadership(2, 0.0))
-    try:
+    with lead_in_thread(b, electing.Leadership(2, 0.0)):
         until(lambda: b.cycles >= 1)
         body = status_of(metrics_b, b)
         assert body["control"]["paused"] and body["control"]["paused_from"] == "runtime"
@@ -159,9 +154,6 @@ def test_the_docs_annotations_pause_and_pin_the_pool_across_a_leader_change(
         assert status_of(metrics_b, b)["control"]["paused"] is False
         assert metrics_b.registry.get_sample_value("tuner_paused") == 0
         assert metrics_b.registry.get_sample_value("tuner_pinned", {"flag": "--max-model-len"}) is None
-    finally:
-        stop.set()
-        thread.join(10)
     said = [r.getMessage() for r in caplog.records if r.name == "tuner.control"]
     assert said[-2:] == ["resumed: changes go out again", "unpinned --max-model-len"]
     assert not kube.denied()  # the agents read the annotations with the chart's Role, nothing more
@@ -179,8 +171,7 @@ def test_an_annotation_that_does_not_read_pauses_the_pool_and_says_why(
     metrics = selfmetrics.TunerMetrics()
     leader = leading.Leader(tuner_settings, api=api, store=store.PoolStore(api), identity="pod-a_1", rules=(),
                             client=engine_client(), metrics=metrics)
-    stop, thread = lead_in_thread(leader, electing.Leadership(1, 0.0))
-    try:
+    with lead_in_thread(leader, electing.Leadership(1, 0.0)):
         until(lambda: leader.cycles >= 1)
         why = leader.state.control["paused_reason"]
         assert decided[-1].paused == why and metrics.registry.get_sample_value("tuner_paused") == 1
@@ -196,9 +187,6 @@ def test_an_annotation_that_does_not_read_pauses_the_pool_and_says_why(
         seen = leader.cycles
         until(lambda: leader.cycles >= seen + 2)
         assert decided[-1].paused is False and metrics.registry.get_sample_value("tuner_paused") == 0
-    finally:
-        stop.set()
-        thread.join(10)
 
 
 @pytest.mark.parametrize(("found", "paused", "pins"), [

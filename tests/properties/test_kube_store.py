@@ -101,12 +101,8 @@ def test_a_recreated_lease_does_not_lock_every_new_leader_out(kube: fk.FakeKube,
     assert leadership is not None
     leader = leading.Leader(tuner_settings, api=api, store=store.PoolStore(api), identity="pod-b_1", rules=(),
                             client=engine_client())
-    stop, thread = lead_in_thread(leader, leadership)
-    try:
+    with lead_in_thread(leader, leadership):
         until(lambda: store.loads(data(kube), "leader", None) == "pod-b_1")
-    finally:
-        stop.set()
-        thread.join(10)
     assert store.loads(data(kube), "epoch", None) > 5
     with pytest.raises(store.Deposed):  # the last leader before the reinstall is refused
         store.PoolStore(api).update(lambda d: {**d, "x": "1"}, epoch=5, leader="pod-4_0")
@@ -137,13 +133,9 @@ def test_a_garbled_state_is_not_replaced_by_an_empty_history(kube: fk.FakeKube, 
     metrics = selfmetrics.TunerMetrics()
     leader = leading.Leader(tuner_settings, api=api, store=store.PoolStore(api), identity="pod-a_1", rules=(),
                             client=engine_client(), metrics=metrics)
-    stop, thread = lead_in_thread(leader, electing.Leadership(1, 0.0))
-    try:
+    with lead_in_thread(leader, electing.Leadership(1, 0.0)):
         until(lambda: data(kube).get("state") != state
               or metrics.registry.get_sample_value("tuner_pool_unreadable", {"key": "state"}) == 1)
-    finally:
-        stop.set()
-        thread.join(10)
     assert data(kube).get("state") == state
     lines = [r.getMessage() for r in caplog.records if "'state'" in r.getMessage()]
     assert len(lines) == 1, lines
@@ -163,12 +155,8 @@ def test_one_bad_journal_line_is_set_aside_once_not_raised_at_every_cycle(
     metrics = selfmetrics.TunerMetrics()
     leader = leading.Leader(tuner_settings, api=api, store=store.PoolStore(api), identity="pod-a_1", rules=(),
                             client=engine_client(), metrics=metrics)
-    stop, thread = lead_in_thread(leader, electing.Leadership(2, 0.0))
-    try:
+    with lead_in_thread(leader, electing.Leadership(2, 0.0)):
         until(lambda: leader.cycles >= 3)
-    finally:
-        stop.set()
-        thread.join(10)
     after = data(kube)
     assert bad not in after["journal"].splitlines()
     assert after["journal.quarantine"].splitlines() == [bad]  # kept verbatim, for a human

@@ -9,6 +9,7 @@ token act as the cluster's admin (``kubectl`` over plain HTTP sends none: an ope
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -107,12 +108,18 @@ def cycle_ready_pool(kube: fk.FakeKube, api: kapi.KubeApi) -> None:
                                       "launcher_generation": 1})
 
 
-def lead_in_thread(leader: leading.Leader, leadership: electing.Leadership,
-                   **kwargs: Any) -> tuple[threading.Event, threading.Thread]:
+@contextlib.contextmanager
+def lead_in_thread(leader: leading.Leader, leadership: electing.Leadership, **kwargs: Any) -> Iterator[None]:
+    """While inside: ``leader`` leads its term in a thread of its own; on the way out it is told to stop and
+    joined (10 s at most)."""
     stop = threading.Event()
     thread = threading.Thread(target=leader.lead, args=(leadership, stop), kwargs=kwargs, daemon=True)
     thread.start()
-    return stop, thread
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 def until(condition: Callable[[], object], timeout: float = 10.0) -> None:
