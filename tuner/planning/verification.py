@@ -64,22 +64,20 @@ class Verdict:
 
 
 def checks_of(changes: Iterable[Change], *, slo: SloSettings | None = None) -> tuple[Check, ...]:
-    """The checks of a plan's changes; an ``at-most`` check's bound is resolved now (``slo``: the SLOs)."""
+    """The checks of a plan's changes; an ``at-most`` check's bound and its waiver's are resolved now (``slo``:
+    the SLOs)."""
     slo = slo or SloSettings()
 
-    def bound(v: Verify) -> float | None:
-        if v.expect != "at-most":
-            return None
-        return v.value if v.value is not None else slo.value(v.slo or "")
+    def resolved(value: float | None, name: str | None) -> float:
+        return value if value is not None else slo.value(name or "")
 
-    def waiver(v: Verify) -> float | None:
+    def check(c: Change, v: Verify) -> Check:
         w = v.unless_above
-        if w is None:
-            return None
-        return w.value if w.value is not None else slo.value(w.slo or "")
+        return Check(rule=c.rule, verify=v, experimental=c.experimental,
+                     bound=resolved(v.value, v.slo) if v.expect == "at-most" else None,
+                     waiver_bound=resolved(w.value, w.slo) if w is not None else None)
 
-    return tuple(Check(rule=c.rule, verify=v, experimental=c.experimental, bound=bound(v), waiver_bound=waiver(v))
-                 for c in changes for v in c.verify)
+    return tuple(check(c, v) for c in changes for v in c.verify)
 
 
 def _fmt(value: float) -> str:
