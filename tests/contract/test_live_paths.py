@@ -1,7 +1,7 @@
 """The engine client's live paths against servers written to each pull request's published API
 (``tests/support/live_engines.py``: real HTTP on 127.0.0.1): which path an engine offers and when it is probed
 again, the requests each path sends (SGLang's names included), the engine's refusals, and the read-back that
-verifies a set. The rollout's live path (``driving.EngineLive``) is the same interface on every path."""
+verifies a set. The rollout's live path (``engineside.EngineLive``) is the same interface on every path."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from tests.support import live_engines as fake
 from tuner.actuators import base
 from tuner.model import live
-from tuner.runtime import driving
+from tuner.runtime import engineside
 from tuner.sources.engines import EngineClient
 
 
@@ -295,7 +295,7 @@ def test_sglang_with_chunked_prefill_off_keeps_the_budget_fixed(client):
 def test_the_rollout_s_live_control_is_the_same_on_every_path(client, engine, kind):
     with serve(engine) as s:
         replica = base.Replica(name="r", base_url=s.url)
-        control = driving.EngineLive(client, kind=kind, plugin=lambda name: None)
+        control = engineside.EngineLive(client, kind=kind, plugin=lambda name: None)
         assert control.answer(replica, seq=1, values={"max_num_seqs": 8}) == (False, None)  # not asked yet
         assert control.ask(replica, seq=1, values={"max_num_seqs": 8}) is None
         assert control.answer(replica, seq=1, values={"max_num_seqs": 8}) == (True, None)

@@ -38,7 +38,7 @@ from tests.support.fake_prober import FakeProber
 from tests.support.plugin import live, protocol
 from tuner.actuators import base, fake
 from tuner.rollout import journal, machine
-from tuner.runtime import driving
+from tuner.runtime import driving, engineside
 from tuner.sources import engines, live_knobs
 
 V032 = "0.32.0"
@@ -234,7 +234,7 @@ def test_a_live_rollout_over_an_earlier_launchs_directory_is_acknowledged(tmp_pa
     driver = driving.RolloutDriver(
         actuator=actuator, drainer=fake.FakeDrainer(), prober=FakeProber(actuator), journal=j,
         poll_seconds=0.02, idle_settle_seconds=0,
-        live_control=driving.EngineLive(client, kind="vllm", plugin=lambda name: live_knobs.Files(control_dir)))
+        live_control=engineside.EngineLive(client, kind="vllm", plugin=lambda name: live_knobs.Files(control_dir)))
     rollout = driver.begin("live-1", {"a": ("--max-num-seqs", "64")}, live={"a": ({"max_num_seqs": None},
                                                                                   {"max_num_seqs": 16})},
                            limits=machine.Limits(ack_timeout_seconds=10, verify_seconds=0, allow_downtime=True))

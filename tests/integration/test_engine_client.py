@@ -17,7 +17,7 @@ import pytest
 from harness.ports import free_port
 from tuner.actuators import base, fake
 from tuner.rollout import journal, machine
-from tuner.runtime import driving
+from tuner.runtime import driving, engineside
 from tuner.sources.engines import EngineClient
 from tuner.sources.scraping import HttpSettings
 
@@ -86,7 +86,7 @@ def test_sglang_wait_idle_waits_for_the_request_in_flight(stub: str, tmp_path: P
     actuator = fake.FakeActuator([replica], running={"a": ("--x",)})
     j = journal.Journal(tmp_path / "j.jsonl")
     driver = driving.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(),
-                                   prober=driving.EngineProber(client, kind="sglang"), journal=j, poll_seconds=0.1,
+                                   prober=engineside.EngineProber(client, kind="sglang"), journal=j, poll_seconds=0.1,
                                    idle_settle_seconds=0.3)
     r = driver.begin("r1", {"a": ("--y",)}, limits=machine.Limits(idle_timeout_seconds=30, verify_seconds=0,
                                                                       warmup_requests=0, allow_downtime=True))

@@ -29,7 +29,7 @@ from tuner.errors import PermanentActuatorError
 from tuner.planning import verification
 from tuner.rollout import journal, machine
 from tuner.rollout.machine import Outcome
-from tuner.runtime import driving
+from tuner.runtime import driving, engineside
 from tuner.sources.engines import EngineClient
 
 # Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
@@ -126,7 +126,7 @@ class Stack:
     def driver(self, j: journal.Journal) -> driving.RolloutDriver:
         client = EngineClient()
         self.probers.append(client)
-        prober = driving.EngineProber(client, kind="vllm")
+        prober = engineside.EngineProber(client, kind="vllm")
         return driving.RolloutDriver(
             actuator=self.actuator(), drainer=self.lb.drainer(settle_seconds=0.3), prober=prober,
             journal=j, poll_seconds=0.2, idle_settle_seconds=0.5, hold_timeout_seconds=60,
@@ -302,7 +302,7 @@ def test_a_tuner_killed_mid_rollout_restarts_engines_with_their_real_secret(tmp_
         def driver(j: journal.Journal) -> driving.RolloutDriver:
             return driving.RolloutDriver(
                 actuator=actuator(), drainer=lb.drainer(settle_seconds=0.3),
-                prober=driving.EngineProber(client, kind="vllm"), journal=j, poll_seconds=0.2,
+                prober=engineside.EngineProber(client, kind="vllm"), journal=j, poll_seconds=0.2,
                 idle_settle_seconds=0.5, hold_timeout_seconds=60,
                 restore=lambda r: journal.restored(r, lambda name, argv: redactor.restore(argv, configured[name])))
 

@@ -30,6 +30,7 @@ from tuner.rollout import machine
 from tuner.rules.schema import Verify
 from tuner.runtime import (
     driving,
+    engineside,
     results,
     selfmetrics,
     verifying,
@@ -326,7 +327,7 @@ def build(settings: config.TunerSettings, state: TunerState, client: engines.Eng
     verifier = verifying.SignalVerifier(client, kind=kind)
     r = settings.rollout
     driver = driving.RolloutDriver(
-        actuator=actuator, drainer=drainer, prober=driving.EngineProber(client, kind=kind, server_load=server_load),
+        actuator=actuator, drainer=drainer, prober=engineside.EngineProber(client, kind=kind, server_load=server_load),
         journal=journal, poll_seconds=r.poll_seconds, idle_settle_seconds=r.idle_settle_seconds,
         hold_timeout_seconds=r.hold_timeout_seconds, verifier=verifier,
         confirm=confirm_for(client, actuator, kind=kind),
@@ -334,7 +335,7 @@ def build(settings: config.TunerSettings, state: TunerState, client: engines.Eng
                                                         " ".join(redactor.argv(argv)), why),
         on_transition=on_transition, stop_event=stop_event, drains=drains, restore=restore, admission=admission,
         departed=departed, clock=clock,
-        live_control=driving.EngineLive(client, kind=kind, plugin=plugin),
+        live_control=engineside.EngineLive(client, kind=kind, plugin=plugin),
     )
     return Dispatcher(settings, state, driver, client, journal, kind=kind, verifier=verifier, power=power, clock=clock)
 

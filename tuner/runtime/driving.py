@@ -39,12 +39,7 @@ from tuner.planning import verification
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.rollout.machine import Event, Step
-from tuner.runtime.engineside import (  # re-exported: the driver's adapters over the engine client
-    EngineLive as EngineLive,
-)
-from tuner.runtime.engineside import EngineProber as EngineProber
-from tuner.runtime.engineside import LiveControl as LiveControl
-from tuner.runtime.engineside import Prober as Prober
+from tuner.runtime.engineside import LiveControl, Prober
 
 log = logging.getLogger("tuner.rollout")
 
