@@ -33,7 +33,9 @@ def test_recommend_live_on_a_slot_bound_engine(tmp_path):
         assert out["signals"]["requests_running_max"] == 8  # slots pinned (an instant may show 7)
         assert out["signals"]["requests_waiting_max"] > 0
         (rec,) = out["recommendations"]
-        assert (rec["flag"], rec["from"], rec["to"], rec["rule"]) == ("--max-num-seqs", "8", "80", "queue-slot-bound")
+        assert (rec["flag"], rec["from"], rec["rule"]) == ("--max-num-seqs", "8", "queue-slot-bound")
+        # the 64 clients inside ÷ 0.8 → 80, and on to the TPOT frontier (a restart is sized for the cooldown)
+        assert "→ 80; a restart goes to the TPOT SLO frontier" in rec["reason"] and int(rec["to"]) > 80
         assert out["held"] == [], out["held"]
         assert server.cfg.max_num_seqs == 8  # a dry run changed nothing
     finally:

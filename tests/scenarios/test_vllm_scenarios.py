@@ -71,7 +71,8 @@ def test_queue_bound_on_the_restart_path_is_held_until_its_evidence_lasts():
     held = [c.plan.held for c in cycles[4:9]]
     assert all([(h.rule, h.guard) for h in hs] == [("queue-slot-bound", "sustained")] for hs in held)
     assert [int(h[0].reason.split("true for ")[1].split("s")[0]) for h in held] == [22, 27, 32, 38, 44]
-    assert all(h[0].would == ("--max-num-seqs", 4, 40) and h[0].later for h in held)  # the value, and when
+    # the value, and when: the demand sized, then on to the TPOT frontier each window allows (restart_to_frontier)
+    assert all(h[0].would[:2] == ("--max-num-seqs", 4) and 400 < h[0].would[2] <= 445 and h[0].later for h in held)
     assert not any(c.plan.changes for c in cycles)
     t0 = cycles[0].at
     assert held[-1][0].reason.endswith(f"true for {guards.duration(cycles[8].at - t0)} so far)")  # since 000
@@ -82,7 +83,8 @@ def test_queue_bound_on_the_restart_path_is_held_until_its_evidence_lasts():
         s = c.signals
         inside = s["requests_running_mean"].value + s["requests_waiting_mean"].value
         assert s["in_system_growth_per_s"].value <= 0.1 * s["arrival_rate_per_s"].value
-        assert o.status == "fired" and o.proposal.to_value == math.ceil(inside / 0.8) == 40
+        assert o.status == "fired" and f"→ {math.ceil(inside / 0.8)}; a restart goes to the TPOT SLO frontier" in o.reason
+        assert math.ceil(inside / 0.8) == 40 and o.proposal.to_value > 400
         assert "requests_running_max 4 ≥ 3.6 (0.9×--max-num-seqs 4)" in o.reason and "the queue is stable" in o.reason
     for c in cycles[9:]:
         (o,) = [o for o in c.plan.outcomes if o.rule == "queue-slot-bound"]
@@ -97,9 +99,9 @@ def test_queue_bound_restarts_once_its_evidence_is_sustained():
     and once: the booked change restarts the decision window and the cooldown holds the rest."""
     cycles = replay("queue-bound", settings=evidence(30), apply=True)
     changes = [(i, ch.flag, ch.from_value, ch.to_value) for i, c in enumerate(cycles) for ch in c.plan.changes]
-    assert changes == [(6, "--max-num-seqs", 4, 40)]  # 32 clients ÷ 0.8
+    assert changes == [(6, "--max-num-seqs", 4, 424)]  # 32 clients ÷ 0.8 = 40, on to the TPOT frontier
     assert [h.guard for h in cycles[5].plan.held] == ["sustained"]
-    assert cycles[6].plan.restart_needed and cycles[6].plan.args_after.get("--max-num-seqs") == "40"
+    assert cycles[6].plan.restart_needed and cycles[6].plan.args_after.get("--max-num-seqs") == "424"
 
 
 def test_queue_bound_with_a_live_cap_steps_on_the_first_window_once():

@@ -11,12 +11,15 @@ from tuner.model.knobs import EngineArgs
 from tuner.planning import guards, planner
 from tuner.planning import history as history_mod
 from tuner.planning.history import History
-from tuner.rules import loading
+from tuner.rules import loading, models
 from tuner.signals import Signal, missing
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = loading.load(REPO / "rules" / "default.yaml")
-SETTINGS = planner.DecisionSettings()
+# The model's measured step, what these tests check the arithmetic of; the shipped default sends a restart raise
+# on to the TPOT frontier (test_a_restart_raise_goes_to_the_tpot_frontier)
+MEASURED = models.ModelSettings(restart_to_frontier=False)
+SETTINGS = planner.DecisionSettings(model=MEASURED)
 
 
 def sig(**values):
@@ -102,6 +105,20 @@ def test_queue_bound_is_capped_by_what_the_kv_cache_holds_for_the_observed_sizes
     p = run(QUEUE_BOUND | dict(requests_running_max=100, requests_running_mean=100, kv_concurrency_observed=100.4,
                                arrival_rate_per_s=100, slot_seconds_mean=3), "--max-num-seqs 100")
     assert not p.changes and p.held[0].guard == "bounds" and "upper bound 100" in p.held[0].reason
+
+
+def test_a_restart_raise_goes_to_the_tpot_frontier():
+    # the shipped default: a restart is sized for the cooldown until the next change, not for this window — to
+    # the TPOT SLO frontier 8 × (0.1 / 0.02)^(1/0.3) ≈ 1709, under the rule's max 1024 (vLLM's own default) and
+    # what the KV cache holds (1116)
+    p = run(QUEUE_BOUND, "--max-num-seqs 8", settings=planner.DecisionSettings())
+    (c,) = p.changes
+    assert (c.from_value, c.to_value, c.live) == (8, 1024, False)
+    assert c.reason.endswith("→ 118; a restart goes to the TPOT SLO frontier 1.71e+03 (the next change is a cooldown "
+                             "away) → 1709; capped at 1024 by max 1024")
+    # the frontier is read off the TPOT at today's batch: a slower batch leaves less room
+    p = run(QUEUE_BOUND | dict(tpot_p99_s=0.06), "--max-num-seqs 8", settings=planner.DecisionSettings())
+    assert [(c.from_value, c.to_value) for c in p.changes] == [(8, 43)]  # 8 × (0.1 / 0.06)^(1/0.3) = 43.9
 
 
 def test_the_model_never_lowers_and_says_when_today_is_enough():
@@ -382,7 +399,8 @@ rules:
 
 
 def test_known_defaults_layers():
-    settings = planner.DecisionSettings(engine=planner.EngineFacts(platform="cpu", defaults={"--max-num-seqs": "64"}))
+    settings = planner.DecisionSettings(engine=planner.EngineFacts(platform="cpu", defaults={"--max-num-seqs": "64"}),
+                                        model=MEASURED)
     d = planner.known_defaults(sig(block_size=16, max_model_len=2048, gpu_memory_utilization=0.9), settings, "vllm")
     assert d == {"chunked_prefill": True, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "block_size": 16,
                  "gpu_memory_utilization": 0.9, "max_model_len": 2048}

@@ -60,4 +60,5 @@ def test_recommend_prints_the_one_step_of_the_recorded_h200_bad_start_as_a_value
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
     assert out[0] == ("# servingEngineSpec.modelSpec[name=llama-8b].vllmConfig — apply by hand or in review; "
                       "Helm then")
-    assert out[2:] == ["-  maxNumSeqs: 8", "+  maxNumSeqs: 80"]
+    # the 64 clients inside ÷ 0.8 → 80, then on to the TPOT frontier (a restart is sized for the cooldown)
+    assert out[2:] == ["-  maxNumSeqs: 8", "+  maxNumSeqs: 445"]

@@ -286,11 +286,13 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
             down = then.direction == "down"
             at_least = None
             factor = ctx.model.live_raise_factor
-            if not down and factor > 1 and ctx.live.can_move(knob.name, c + 1) is None:
+            live = ctx.live.can_move(knob.name, c + 1) is None
+            if not down and factor > 1 and live:
                 ceiling = ctx.live.envelope.get(knob.name)
                 at_least = c * factor if ceiling is None else min(c * factor, ceiling)
             estimate = models.concurrency(ctx.signals, ctx.model, utilisation=then.utilisation, slo=ctx.slo,
-                                          down=down, at_least=at_least, past_frontier=then.past_frontier)
+                                          down=down, at_least=at_least, past_frontier=then.past_frontier,
+                                          restart_from=None if down or live else c)
             intent = -1 if down else 1  # a model that finds enough is a no-op, never a move the other way
         else:
             estimate = models.step_budget(ctx.signals, ctx.slo, current=c)

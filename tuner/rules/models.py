@@ -24,6 +24,8 @@ arithmetic that produced it out.
   decision window, which restarts at the load's change point (``planning.stepping``, rule 1a);
 - headroom: the slots are sized so they are busy ``utilisation`` of the time at steady state,
   ⌈N / utilisation⌉;
+- a raise that needs a restart goes further, to the frontier below (``restart_to_frontier``): it is sized for
+  the cooldown until the next change may come, not for this window;
 - the frontier: the largest batch whose predicted TPOT stays inside the SLO, n₁ · (SLO / TPOT₁)^(1/α) from
   the per-request TPOT p99 (``tpot_p99_s``) measured at the window's batch n₁ (``requests_running_max``: the
   rules that use it fire with the slots pinned) and the same α; the target never passes it, and
@@ -99,6 +101,13 @@ class ModelSettings(_Model):
     that a pool near its capacity never drains: on the trace family the sizing of ramps and closed loops from
     a window measured at the old cap crept 8 → 13 → 15 → 33 → 48 → 57 → 78 while the queue grew (live-001
     of seed 1: 0.42 × the best static). 1: the model's size alone."""
+    restart_to_frontier: bool = True
+    """A raise that needs a restart goes to the TPOT SLO frontier (under the rule's bounds and what the KV cache
+    holds), not to the window's Little's-law size: the next change is a cooldown (15 min) and a start-up per
+    replica away, a cap above the demand costs only the TPOT the frontier keeps, and a step short of a drifting
+    load leaves a queue for the whole cooldown. The trace family's restart mode (drifts of 10-60 minutes from
+    cap 8, seed 3): median 0.49 → 0.88 × the best static, no harm (docs/rules.md#restart-sizing). False: the
+    measured step alone, as a live raise without its ``live_raise_factor``."""
     tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
     """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
     H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
@@ -131,13 +140,16 @@ def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
 
 def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
                 slo: SloSettings | None = None, down: bool = False, growth_share: float = 0.1,
-                at_least: float | None = None, past_frontier: bool = False) -> Estimate:
+                at_least: float | None = None, past_frontier: bool = False, restart_from: float | None = None
+                ) -> Estimate:
     """The sequence slots the traffic needs (see the module docstring). ``growth_share``: the queue counts
     as growing (open loop) when running + waiting rises faster than this share of the arrival rate. ``slo``:
     the TPOT SLO the frontier keeps (None: no frontier). ``down``: the frontier itself (a lowering).
     ``at_least``: a raise goes at least this far, the frontier permitting (a live raise: live_raise_factor).
     ``past_frontier``: only the overloaded case, one live step past the frontier to ``at_least`` (None
-    otherwise: not overloaded, or no live step)."""
+    otherwise: not overloaded, or no live step). ``restart_from``: today's value, where a raise needs a
+    restart; with ``settings.restart_to_frontier`` a raise the arrivals call for (a target above it) goes on to
+    the frontier (the rule's bounds and what the KV cache holds cap it afterwards)."""
     u = settings.utilisation if utilisation is None else utilisation
     alpha = settings.tpot_exponent
     names = ("arrival_rate_per_s", "slot_seconds_mean", "requests_running_mean", "requests_waiting_mean",
@@ -256,6 +268,17 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
             g = m
             over += f"; at most the median TPOT frontier {median:.3g} → {g}"
         return Estimate(float(g), over)
+    if restart_from is not None and settings.restart_to_frontier and restart_from < target < frontier:
+        # a restart is sized for the time until the next one may come (decisions.safety.cooldown_seconds, 15 min),
+        # not for this window's arrivals: slots above the demand cost only the TPOT the frontier keeps, and one
+        # step short of a drifting load leaves a queue for a whole cooldown (the trace family's restart mode,
+        # seed 3: a ramp 5.2 → 16.2 req/s sized 8 → 12 from its first minutes, then 26 minutes at 12 while the
+        # rate climbed to 31/s, 0.30 × the best static; to the frontier, 8 → 145 and 0.38 ×: restart_to_frontier)
+        f = math.floor(frontier + 1e-9)
+        if f > target:
+            target = f
+            text += (f"; a restart goes to the TPOT SLO frontier {frontier:.3g} (the next change is a cooldown "
+                     f"away) → {target}")
     if target > frontier:
         # never below today's batch: a raise the frontier forbids is a no-op here, the lowering rule's to make
         f = max(1, math.floor(frontier + 1e-9), math.floor(_v(signals, "requests_running_max") or 1))
