@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from tuner.model import knobs
 from tuner.model.knobs import EngineArgs
+from tuner.portable import argv as syntax
 
 # --- parsing and printing ---------------------------------------------------------------------------
 
@@ -249,6 +250,37 @@ _token = st.one_of(
 @given(st.lists(_token, max_size=12))
 def test_parse_argv_roundtrip(argv):
     assert EngineArgs.parse(argv).argv() == argv
+
+
+_queried = st.sampled_from(["--max-num-seqs", "--max_num_seqs", "--enforce-eager", "--no-enforce-eager",
+                            "--no-enable-chunked-prefill", "-tp", "--x", "--a", "--b-c", "--b_c", "--no-a", "--no-b-c",
+                            "--no_b_c", "--"])
+
+
+_few_flags = st.sampled_from(["--a", "--no-a", "--a=1", "--no_a", "--b_c", "--b-c=2", "--no-b-c", "1", "v", "--",
+                              "--enforce-eager", "--no-enforce-eager", "-tp"])
+
+
+@given(st.lists(_few_flags | _token, max_size=12),
+       st.lists(_queried | st.text(alphabet="abc-_", min_size=1, max_size=5), min_size=1, max_size=6))
+def test_the_index_of_a_command_line_reads_what_a_scan_reads(argv, flags):
+    """EngineArgs reads a flag from an index built once per command line: the same item as the launcher's scan
+    (``argv.find``: the last one, ``--no-`` forms and either spelling included), so the same value."""
+    a = EngineArgs.parse(argv)
+    for flag in flags:
+        assert a._find(flag) == syntax.find(a.items, flag), (argv, flag)
+        at = syntax.find(a.items, flag)
+        assert a.has(flag) == (at is not None)
+    for flag in flags:  # read again: from the index now built
+        at = syntax.find(a.items, flag)
+        if at is None:
+            assert a.get(flag) is None
+        elif a.items[at].form == "bare":
+            key = a.items[at].key or ""
+            assert a.get(flag) == (not key.startswith("--no-") or syntax.normalize(flag).startswith("--no-"))
+        else:
+            assert a.get(flag) == a.items[at].value
+    assert EngineArgs.parse(argv) == a and hash(EngineArgs.parse(argv)) == hash(a)  # the index is no part of it
 
 
 # --- hard sanity ranges -------------------------------------------------------------------------------
