@@ -60,6 +60,8 @@ SLOW_SIGNALS = frozenset({
     "prompt_tokens_mean", "generation_tokens_mean", "kv_concurrency_observed", "prompt_tokens_p99",
     "max_tokens_p99", "idle_seconds",
 })
+# Read over the decision window: the rest (what the decision window computed of SLOW_SIGNALS was thrown away).
+FAST_SIGNALS = frozenset(engine_signals.WINDOW_SIGNALS) - SLOW_SIGNALS
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +145,8 @@ def step(
     if since is not None:
         fresh = engine_signals.compute([s for s in kept if s.scraped_at >= since], dialect=dialect, info=info,
                                        now=now, stale_after_seconds=window.stale_after_seconds,
-                                       min_snapshots=window.min_snapshots, max_running=max_running)
+                                       min_snapshots=window.min_snapshots, max_running=max_running,
+                                       only=FAST_SIGNALS)
         signals.update({k: v for k, v in fresh.items() if k not in SLOW_SIGNALS})
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
                                        stale_after_seconds=window.gpu_stale_after_seconds

@@ -39,6 +39,7 @@ INFO_SIGNALS = ("server_load",)
 CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
                   "gpu_memory_utilization", "max_model_len")
 ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
+_WINDOW_SET = frozenset(WINDOW_SIGNALS)
 
 
 # --- the window ------------------------------------------------------------------------------
@@ -318,12 +319,21 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     else:
         _rates(out, d, rate)
 
+    folded: dict[str, Signal | tuple[list[tuple[float, float]], float, float]] = {}
+
+    def histogram_window(concept: str) -> Signal | tuple[list[tuple[float, float]], float, float]:
+        """``_histogram_window`` of the concept, once per window (the prompt lengths give a mean and a p99)."""
+        found = folded.get(concept)
+        if found is None:
+            found = folded[concept] = _histogram_window(snaps, readings, d, concept, restarted)
+        return found
+
     for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
                             ("generation_tokens_mean", "generation_len")):
         if not wanted(signal):
             skip(signal)
             continue
-        window = _histogram_window(snaps, readings, d, concept, restarted)
+        window = histogram_window(concept)
         if isinstance(window, Signal):
             out[signal] = window
         else:
@@ -334,7 +344,7 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if not wanted(*names):
             skip(*names)
             continue
-        window = _histogram_window(snaps, readings, d, prefix, restarted)
+        window = histogram_window(prefix)
         if isinstance(window, Signal):
             out.update(dict.fromkeys(names, window))
             continue
@@ -348,11 +358,11 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if not wanted(signal):
             skip(signal)
             continue
-        window = _histogram_window(snaps, readings, d, concept, restarted)
+        window = histogram_window(concept)
         out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
 
     out["idle_seconds"] = _idle(snaps, readings, d) if wanted("idle_seconds") else NOT_COMPUTED
-    return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
+    return {k: v for k, v in out.items() if k in _WINDOW_SET}
 
 
 def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect,
