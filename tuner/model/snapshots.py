@@ -33,6 +33,8 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -48,6 +50,9 @@ class Sample(NamedTuple):
     name: str
     labels: Labels
     value: float
+
+
+_LABELS_OF = itemgetter(1)  # Sample.labels
 
 
 _EMPTY: Mapping[str, tuple[Sample, ...]] = MappingProxyType({})
@@ -81,6 +86,23 @@ class Snapshot:
 
     def names(self) -> Iterable[str]:
         return self.series.keys()
+
+    def label_sets(self, prefixes: tuple[str, ...] | None = None) -> tuple[Labels, ...]:
+        """The label sets of the samples whose name starts with one of ``prefixes`` (of every sample: None), each
+        mapping once (the parser shares one per distinct set), computed once per snapshot: an engine's identity
+        and the one-engine check (``signals.engine.impossible``) read them, not every sample's labels again."""
+        key = ("label sets", prefixes)
+        found: tuple[Labels, ...] | None = self.memo.get(key)
+        if found is None:
+            series = self.series
+            if prefixes is not None and all(name.startswith(prefixes) for name in series):
+                found = self.label_sets()  # a body parsed under the same filter: every sample's
+            else:
+                samples = series.values() if prefixes is None else \
+                    [samples for name, samples in series.items() if name.startswith(prefixes)]
+                found = tuple({id(labels): labels for labels in map(_LABELS_OF, chain.from_iterable(samples))}.values())
+            self.memo[key] = found
+        return found
 
     @classmethod
     def failed(cls, scraped_at: float, error: str, *, source: str = "") -> Snapshot:
@@ -248,7 +270,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     to ``nonfinite``; a value outside the float64 range raises ``_Rejected``.
     """
     index: dict[str, list[Sample]] = {}
-    isfinite = math.isfinite
+    isfinite, new_tuple = math.isfinite, tuple.__new__
     # prometheus_client names a counter's samples `<TYPE name>_total` when they are written without
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
@@ -332,11 +354,12 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
             if nonfinite is not None:
                 nonfinite.add(name)
             continue
+        sample = new_tuple(Sample, (name, labels, value))  # Sample(name, labels, value) without its Python __new__
         samples = index.get(name)
         if samples is None:
-            index[name] = [Sample(name, labels, value)]
+            index[name] = [sample]
         else:
-            samples.append(Sample(name, labels, value))
+            samples.append(sample)
     return index
 
 

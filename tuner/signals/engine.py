@@ -135,10 +135,7 @@ def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | N
     """Why ``snap`` cannot be one engine's exposition, or None: two ``model_name``s or two instances in
     one body (a proxy merging engines: their sums would be believed as one engine's), or more requests
     running than the engine's ``--max-num-seqs`` lets its scheduler run."""
-    prefixes = dialect.parse_prefixes()
-    # each distinct label set once (the parser shares one mapping per set between samples)
-    label_sets = {id(s.labels): s.labels for name, samples in snap.series.items() if name.startswith(prefixes)
-                  for s in samples}.values()
+    label_sets = snap.label_sets(dialect.parse_prefixes())  # each distinct label set once
     for label in IDENTITY_LABELS:
         values = {labels[label] for labels in label_sets if label in labels}
         if len(values) > 1:
