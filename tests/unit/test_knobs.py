@@ -317,3 +317,25 @@ def test_an_out_of_range_value_on_the_command_line_is_unknown_not_a_number():
 def test_sglang_flags_share_the_ranges():
     (p,) = knobs.validate(EngineArgs.from_string("--max-running-requests 100000"), "sglang", platform=None)
     assert "--max-running-requests" in p and "outside" in p
+
+
+_knob_tokens = st.sampled_from(["--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
+                                "--no-enable-chunked-prefill", "--gpu-memory-utilization", "--max-num-active-seqs",
+                                "4", "16", "8k", "0.9", "2", "lots", "-1", "auto"])
+
+
+@given(st.lists(_knob_tokens, max_size=10), st.sampled_from(["vllm", "sglang"]), st.sampled_from([None, "cuda", "cpu"]),
+       st.none() | st.dictionaries(st.sampled_from(["max_num_seqs", "max_model_len", "block_size", "chunked_prefill",
+                                                    "gpu_memory_utilization"]),
+                                   st.sampled_from([1, 1.0, True, False, 16, 4096, 1.5, 0.9, float("nan")]), max_size=3))
+def test_validate_answers_what_it_computes_whenever_it_is_asked(argv, kind, platform, defaults):
+    """``validate`` keeps its answers: the same as computing them, every time, defaults of equal value but another
+    type (True, 1, 1.0) included."""
+    args = EngineArgs.parse(argv)
+    expected = knobs._checked(args, kind, platform=platform, defaults=defaults)
+    for _ in range(2):
+        assert knobs.validate(args, kind, platform=platform, defaults=defaults) == expected
+    if defaults:  # another type of one default's value: asked after, it is answered for itself
+        other = {k: (float(v) if isinstance(v, bool) else bool(v)) for k, v in defaults.items()}
+        assert knobs.validate(args, kind, platform=platform, defaults=other) == knobs._checked(
+            args, kind, platform=platform, defaults=other)
