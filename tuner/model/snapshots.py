@@ -53,6 +53,7 @@ class Sample(NamedTuple):
 
 
 _LABELS_OF = itemgetter(1)  # Sample.labels
+_STARTS: dict[tuple[str, ...], dict[str, bool]] = {}  # per prefixes: whether a sample name starts with one of them
 
 
 _EMPTY: Mapping[str, tuple[Sample, ...]] = MappingProxyType({})
@@ -95,12 +96,23 @@ class Snapshot:
         found: tuple[Labels, ...] | None = self.memo.get(key)
         if found is None:
             series = self.series
-            if prefixes is not None and all(name.startswith(prefixes) for name in series):
+            chosen: Iterable[tuple[Sample, ...]] = series.values()
+            if prefixes is not None:
+                starts = _STARTS.get(prefixes)
+                if starts is None:
+                    starts = _STARTS.setdefault(prefixes, {})
+                inside = []
+                for name, samples in series.items():
+                    under = starts.get(name)
+                    if under is None:
+                        under = starts[name] = name.startswith(prefixes)
+                    if under:
+                        inside.append(samples)
+                chosen = inside
+            if prefixes is not None and len(inside) == len(series):
                 found = self.label_sets()  # a body parsed under the same filter: every sample's
             else:
-                samples = series.values() if prefixes is None else \
-                    [samples for name, samples in series.items() if name.startswith(prefixes)]
-                found = tuple({id(labels): labels for labels in map(_LABELS_OF, chain.from_iterable(samples))}.values())
+                found = tuple({id(labels): labels for labels in map(_LABELS_OF, chain.from_iterable(chosen))}.values())
             self.memo[key] = found
         return found
 
@@ -245,12 +257,14 @@ def _trim_label_caches() -> None:
     """Called between parses only, so that identities stay comparable within one body."""
     if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
             or sum(map(len, _SERIES_CACHE.values())) >= _LABELS_CACHE_MAX
-            or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX):
+            or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX
+            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
         _SERIES_CACHE.clear()
         _COMMENTS.clear()
         _ALLOWED.clear()
+        _STARTS.clear()
 
 
 MAX_TIMESTAMP_SKEW_SECONDS = 600.0
@@ -451,7 +465,7 @@ def _snapshot(index: dict[str, list[Sample]], nonfinite: set[str], scraped_at: f
             if n > per_name:
                 return Snapshot.failed(scraped_at, f"{name} has {n} series, more than the limit of {per_name} "
                                        "per metric name (label churn?)", source=source)
-            distinct = (len({id(s.labels) for s in samples}) if shared_labels
+            distinct = (len(set(map(id, map(_LABELS_OF, samples)))) if shared_labels
                         else len({frozenset(s.labels.items()) for s in samples}))
             if distinct != n:
                 return Snapshot.failed(scraped_at, _duplicate(name, samples), source=source)

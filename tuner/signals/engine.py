@@ -9,6 +9,7 @@ voids what is computed from it. Outputs are checked by ``signals.checked`` (each
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 
 from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
@@ -40,6 +41,7 @@ CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_ca
                   "gpu_memory_utilization", "max_model_len")
 ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
 _WINDOW_SET = frozenset(WINDOW_SIGNALS)
+_SCRAPED_AT = attrgetter("scraped_at")
 
 
 # --- the window ------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ def _compute(
     only: frozenset[str] | None,
 ) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
-    snaps = sorted(window, key=lambda s: s.scraped_at)
+    snaps = sorted(window, key=_SCRAPED_AT)
     valid = [s for s in snaps if s.ok]
     if not snaps:
         return {name: missing("no snapshots") for name in ALL_SIGNALS}
@@ -155,9 +157,11 @@ def _checked_snapshot(snap: Snapshot, dialect: dialects.Dialect, max_running: fl
     if not snap.ok:
         return snap
     key = ("impossible", id(dialect), max_running)  # once per snapshot, not once per cycle it is in a window
-    if key not in snap.memo:
-        snap.memo[key] = impossible(snap, dialect, max_running)
-    why: str | None = snap.memo[key]
+    memo = snap.memo
+    found = memo.get(key, memo)  # the memo itself: not computed yet
+    why: str | None = impossible(snap, dialect, max_running) if found is memo else found
+    if found is memo:
+        memo[key] = why
     return snap if why is None else Snapshot.failed(snap.scraped_at, why, source=snap.source)
 
 
