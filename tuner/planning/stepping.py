@@ -225,9 +225,10 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     if last_change is not None:
         since = max(since, last_change)
     starts = [(s.scraped_at, engine_signals.reading(s, dialect).start) for s in good]
-    for (_, a), (at, b) in itertools.pairwise(starts):
-        if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
-            since = max(since, at)
+    if len({start for _, start in starts}) > 1:  # else one process all along (the usual window, found at C speed)
+        for (_, a), (at, b) in itertools.pairwise(starts):
+            if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
+                since = max(since, at)
     span = [s for s in kept if s.scraped_at >= since]
     # found as soon as one interval shows it; the window then holds too few snapshots to decide until the new
     # regime has min_snapshots of its own (a decision never mixes the two)

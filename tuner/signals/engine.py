@@ -8,8 +8,10 @@ voids what is computed from it. Outputs are checked by ``signals.checked`` (each
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
+from typing import cast
 
 from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
@@ -309,10 +311,10 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if restarted:
             return missing(restarted)
         values = [v for v in series if v is not None]
-        for a, b, sa, sb in zip(values, values[1:], snaps, snaps[1:], strict=False):
-            if b < a:
-                return missing(f"counter reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
-                               "(engine restarted?)")
+        back = went_down(values)
+        if back is not None:
+            return missing(f"counter reset between {snaps[back].scraped_at:.0f} and {snaps[back + 1].scraped_at:.0f} "
+                           "(engine restarted?)")
         return Signal((values[-1] - values[0]) / span)
 
     if not wanted(*_RATE_SIGNALS):
@@ -448,16 +450,28 @@ def _histogram_window(snaps: Sequence[Snapshot], readings: Sequence[Reading], d:
     dsum, dcount = new[1] - old[1], new[2] - old[2]
     if dcount < 0 or dsum < 0:
         return missing("histogram count went down (engine restarted?)")
-    counts = [r.hist_counts[concept] for r in readings]
-    for a, b, sa, sb in zip(counts, counts[1:], snaps, snaps[1:], strict=False):
-        if a is not None and b is not None and b < a:
-            return missing(f"histogram reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
-                           "(engine restarted?)")
+    back = went_down([r.hist_counts[concept] for r in readings])
+    if back is not None:
+        return missing(f"histogram reset between {snaps[back].scraped_at:.0f} and {snaps[back + 1].scraped_at:.0f} "
+                       "(engine restarted?)")
     return deltas, dsum, dcount
+
+
+def went_down(counts: Sequence[float | None]) -> int | None:
+    """Where a count went down: the first ``i`` with ``counts[i + 1] < counts[i]``, both known; None when none did
+    (the usual window: a sorted list, found at C speed)."""
+    if None not in counts and sorted(cast(list[float], counts)) == counts:
+        return None
+    for i, (a, b) in enumerate(itertools.pairwise(counts)):
+        if a is not None and b is not None and b < a:
+            return i
+    return None
 
 
 def _restart_between(snaps: Sequence[Snapshot], readings: Sequence[Reading]) -> str | None:
     starts = [r.start for r in readings]
+    if len(set(starts)) <= 1:  # one process start all along (or none read): the usual window, at C speed
+        return None
     for a, b, sb in zip(starts, starts[1:], snaps[1:], strict=False):
         if a is not None and b is not None and a != b:
             return f"engine restarted inside the window (process start time changed by {sb.scraped_at:.0f})"
@@ -466,14 +480,17 @@ def _restart_between(snaps: Sequence[Snapshot], readings: Sequence[Reading]) -> 
 
 def _idle(snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect) -> Signal:
     """Seconds since the last snapshot that showed activity; the window span if none did."""
-    finished = [r.counters["request_success"][0] for r in readings]
     last_active: float | None = None
-    for i, (snap, r) in enumerate(zip(snaps, readings, strict=True)):
+    for i in range(len(readings) - 1, -1, -1):  # from the newest: the first active one is the last
+        r = readings[i]
         running = r.gauges["running"] or 0.0
         waiting = r.gauges["waiting"] or 0.0
-        moved = i > 0 and finished[i] is not None and finished[i - 1] is not None and finished[i] != finished[i - 1]
+        done = r.counters["request_success"][0]
+        before = readings[i - 1].counters["request_success"][0] if i > 0 else None
+        moved = done is not None and before is not None and done != before
         if running > 0 or waiting > 0 or moved:
-            last_active = snap.scraped_at
+            last_active = snaps[i].scraped_at
+            break
     if readings[-1].gauges["running"] is None:
         return missing(reads.absent(d, "running"))
     end = snaps[-1].scraped_at
