@@ -320,10 +320,10 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         if known is _SKIP:
             continue
         value_text = line[cut:]
-        if (known is not None and value_text and "_" not in value_text and not value_text[0].isspace()
-                and not value_text[-1].isspace()):
-            # a series seen before, its value one word: float() reads a word as the regex's \S+ does, and
-            # refuses any whitespace inside it (then the line takes the regex path below, which decides)
+        if known is not None and value_text and "_" not in value_text and value_text.strip() == value_text:
+            # a series seen before, its value one word (no whitespace at either end: strip() gives it back as it
+            # is): float() reads a word as the regex's \S+ does, and refuses any whitespace inside it (then the line
+            # takes the regex path below, which decides)
             try:
                 value = float(value_text)
             except ValueError:
