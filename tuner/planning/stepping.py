@@ -224,7 +224,7 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     last_change = max((c.at for c in history.changes.values()), default=None)
     if last_change is not None:
         since = max(since, last_change)
-    starts = [(s.scraped_at, engine_signals.reading(s, dialect).start) for s in good]
+    starts = [(s.scraped_at, r.start) for s, r in zip(good, engine_signals.readings(good, dialect), strict=True)]
     if len({start for _, start in starts}) > 1:  # else one process all along (the usual window, found at C speed)
         for (_, a), (at, b) in itertools.pairwise(starts):
             if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime

@@ -17,10 +17,11 @@ from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.signals import Signal, checked, missing, reads
 from tuner.signals import histograms as hist
-from tuner.signals.reads import Histogram, Reading, buckets, counter, gauge, reading
+from tuner.signals.reads import Histogram, Reading, buckets, counter, gauge, reading, readings
 
 __all__ = ["ALL_SIGNALS", "CONFIG_SIGNALS", "IDENTITY_LABELS", "INFO_SIGNALS", "LATEST_SIGNALS", "NOT_COMPUTED",
-           "WINDOW_SIGNALS", "Histogram", "Reading", "buckets", "compute", "counter", "gauge", "impossible", "reading"]
+           "WINDOW_SIGNALS", "Histogram", "Reading", "buckets", "compute", "counter", "gauge", "impossible", "reading",
+           "readings"]
 
 Snapshot = snapshots.Snapshot
 Labels = Mapping[str, str]
@@ -291,7 +292,7 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     def skip(*names: str) -> None:  # in the places they would have held, so the result keeps its order
         out.update(dict.fromkeys(names, NOT_COMPUTED))
 
-    readings = [reading(s, d) for s in snaps]
+    readings = reads.readings(snaps, d)
     if wanted(*_GAUGE_SIGNALS, "arrival_rate_per_s"):
         _gauges(out, snaps, readings, d, span)
     else:
