@@ -236,6 +236,18 @@ def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
 
 def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None
                     ) -> dict[str, Signal]:
+    """The engine's configuration from the newest good snapshot (and ``/v1/models``), computed once per snapshot
+    and what it reads of ``info``: a step's two windows end in the same one. The caller copies them out."""
+    if snap is None:
+        return _config(None, d, info)
+    key = ("config", id(d), None if info is None else (info.max_model_len, info.error))
+    found: dict[str, Signal] | None = snap.memo.get(key)
+    if found is None:
+        found = snap.memo[key] = _config(snap, d, info)
+    return found
+
+
+def _config(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None) -> dict[str, Signal]:
     labels = reads.cache_info(snap, d) if snap is not None else None
     where = " / ".join(d.candidates("cache_info"))
 
