@@ -60,7 +60,7 @@ def scrapes(seed: int, n: int, *, kind: str, absurd: float, every: float) -> lis
 @SETTINGS
 @given(st.integers(0, 2**32), st.sampled_from(["vllm", "sglang"]), st.sampled_from([0.0, 0.0, 0.02, 0.2]),
        st.integers(2, 14), st.integers(1, 4), st.sampled_from([None, 3.0, 500.0]),
-       st.sampled_from([None, stepping.SLOW_SIGNALS, frozenset({"request_rate", "ttft_p95_s"})]))
+       st.sampled_from([None, stepping.SLOW_SIGNALS, stepping.FAST_SIGNALS, frozenset({"request_rate", "ttft_p95_s"})]))
 def test_windows_folded_from_kept_readings_equal_the_recomputation(seed, kind, absurd, width, min_snaps,
                                                                    max_running, only):
     dialect = dialects.DIALECTS[kind]

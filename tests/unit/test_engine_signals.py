@@ -327,3 +327,15 @@ def test_tpot_absent_is_unknown_with_the_series_named_never_zero():
     text = 'sglang:num_running_reqs{model_name="m"} 1\nsglang:num_requests_total{model_name="m"} 1\n'
     sg = es.compute([snapshots.parse(text, 0), snapshots.parse(text, 30)], dialect=dialects.SGLANG)
     assert sg["tpot_p99_s"].value is None and sg["tpot_p99_s"].reason == "sglang does not expose this"
+
+
+def test_the_configuration_kept_on_a_snapshot_is_read_for_what_v1_models_said_each_time():
+    """The configuration signals are kept on the window's newest snapshot per what they read of ``EngineInfo``: a
+    window read again with another ``/v1/models`` answer gets that answer's, as from fresh snapshots."""
+    texts = [expo(success=10 * i, running=2) for i in range(3)]
+    kept = [snapshots.parse(t, 15.0 * i) for i, t in enumerate(texts)]
+    for info in (EngineInfo(max_model_len=2048), EngineInfo(max_model_len=4096), None,
+                 EngineInfo(error="GET /v1/models: timed out"), EngineInfo(max_model_len=2048, server_load=3)):
+        fresh = [snapshots.parse(t, 15.0 * i) for i, t in enumerate(texts)]
+        assert es.compute(kept, info=info) == es.compute(fresh, info=info), info
+    assert es.compute(kept, info=EngineInfo(max_model_len=4096))["max_model_len"].value == 4096

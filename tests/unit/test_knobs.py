@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from tuner.model import knobs
 from tuner.model.knobs import EngineArgs
+from tuner.portable import argv as syntax
 
 # --- parsing and printing ---------------------------------------------------------------------------
 
@@ -251,6 +252,37 @@ def test_parse_argv_roundtrip(argv):
     assert EngineArgs.parse(argv).argv() == argv
 
 
+_queried = st.sampled_from(["--max-num-seqs", "--max_num_seqs", "--enforce-eager", "--no-enforce-eager",
+                            "--no-enable-chunked-prefill", "-tp", "--x", "--a", "--b-c", "--b_c", "--no-a", "--no-b-c",
+                            "--no_b_c", "--"])
+
+
+_few_flags = st.sampled_from(["--a", "--no-a", "--a=1", "--no_a", "--b_c", "--b-c=2", "--no-b-c", "1", "v", "--",
+                              "--enforce-eager", "--no-enforce-eager", "-tp"])
+
+
+@given(st.lists(_few_flags | _token, max_size=12),
+       st.lists(_queried | st.text(alphabet="abc-_", min_size=1, max_size=5), min_size=1, max_size=6))
+def test_the_index_of_a_command_line_reads_what_a_scan_reads(argv, flags):
+    """EngineArgs reads a flag from an index built once per command line: the same item as the launcher's scan
+    (``argv.find``: the last one, ``--no-`` forms and either spelling included), so the same value."""
+    a = EngineArgs.parse(argv)
+    for flag in flags:
+        assert a._find(flag) == syntax.find(a.items, flag), (argv, flag)
+        at = syntax.find(a.items, flag)
+        assert a.has(flag) == (at is not None)
+    for flag in flags:  # read again: from the index now built
+        at = syntax.find(a.items, flag)
+        if at is None:
+            assert a.get(flag) is None
+        elif a.items[at].form == "bare":
+            key = a.items[at].key or ""
+            assert a.get(flag) == (not key.startswith("--no-") or syntax.normalize(flag).startswith("--no-"))
+        else:
+            assert a.get(flag) == a.items[at].value
+    assert EngineArgs.parse(argv) == a and hash(EngineArgs.parse(argv)) == hash(a)  # the index is no part of it
+
+
 # --- hard sanity ranges -------------------------------------------------------------------------------
 
 def test_every_numeric_knob_has_a_hard_range_and_booleans_none():
@@ -285,3 +317,25 @@ def test_an_out_of_range_value_on_the_command_line_is_unknown_not_a_number():
 def test_sglang_flags_share_the_ranges():
     (p,) = knobs.validate(EngineArgs.from_string("--max-running-requests 100000"), "sglang", platform=None)
     assert "--max-running-requests" in p and "outside" in p
+
+
+_knob_tokens = st.sampled_from(["--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
+                                "--no-enable-chunked-prefill", "--gpu-memory-utilization", "--max-num-active-seqs",
+                                "4", "16", "8k", "0.9", "2", "lots", "-1", "auto"])
+
+
+@given(st.lists(_knob_tokens, max_size=10), st.sampled_from(["vllm", "sglang"]), st.sampled_from([None, "cuda", "cpu"]),
+       st.none() | st.dictionaries(st.sampled_from(["max_num_seqs", "max_model_len", "block_size", "chunked_prefill",
+                                                    "gpu_memory_utilization"]),
+                                   st.sampled_from([1, 1.0, True, False, 16, 4096, 1.5, 0.9, float("nan")]), max_size=3))
+def test_validate_answers_what_it_computes_whenever_it_is_asked(argv, kind, platform, defaults):
+    """``validate`` keeps its answers: the same as computing them, every time, defaults of equal value but another
+    type (True, 1, 1.0) included."""
+    args = EngineArgs.parse(argv)
+    expected = knobs._checked(args, kind, platform=platform, defaults=defaults)
+    for _ in range(2):
+        assert knobs.validate(args, kind, platform=platform, defaults=defaults) == expected
+    if defaults:  # another type of one default's value: asked after, it is answered for itself
+        other = {k: (float(v) if isinstance(v, bool) else bool(v)) for k, v in defaults.items()}
+        assert knobs.validate(args, kind, platform=platform, defaults=other) == knobs._checked(
+            args, kind, platform=platform, defaults=other)

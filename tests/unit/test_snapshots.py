@@ -254,3 +254,18 @@ def test_nan_and_inf_samples_are_remembered_so_a_partial_sum_is_not_taken():
     body = 'vllm:kv_cache_usage_perc{engine="0"} NaN\nvllm:kv_cache_usage_perc{engine="1"} 0.5\nc +Inf\n'
     snap = snapshots.parse(body, 0.0)
     assert snap.ok and snap.nonfinite == frozenset({"vllm:kv_cache_usage_perc", "c"})
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(LINE, max_size=20), st.sampled_from([None, ("a",), ("a", "b"), ("v", "zz")]),
+       st.sampled_from([None, ("a",), ("a", "b"), ("v", "zz")]))
+def test_a_snapshots_label_sets_are_its_samples_labels(lines, keep, prefixes):
+    """``Snapshot.label_sets``: every label set of the samples named with one of ``prefixes``, each once, whatever
+    filter the body was parsed under and whichever parser read it (the reference parser shares no mappings)."""
+    snap = snapshots.parse("\n".join(lines) + "\n", 1.0, keep_prefixes=keep)
+    expected = {frozenset(s.labels.items()) for name, samples in snap.series.items()
+                if prefixes is None or name.startswith(prefixes) for s in samples}
+    for _ in range(2):  # computed, then kept
+        found = snap.label_sets(prefixes)
+        assert {frozenset(labels.items()) for labels in found} == expected
+        assert len({id(labels) for labels in found}) == len(found)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tuner.portable import argv as syntax
 from tuner.portable.argv import Item
@@ -38,6 +38,8 @@ class EngineArgs:
     """An engine command line. Immutable: every change returns a new value."""
 
     items: tuple[Item, ...] = ()
+    _last: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False, hash=False)
+    """Each flag's spelling → the index of its last item, built on the first read (``_find``)."""
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -67,12 +69,28 @@ class EngineArgs:
         return tuple(sorted(out))
 
     # -- reading ---------------------------------------------------------------------------------
+    def _find(self, flag: str) -> int | None:
+        """``syntax.find`` (the last item for ``flag`` or its ``--no-`` form, either spelling) from an index of
+        the items built once per command line: a step reads ~20 knobs, each a scan of the items otherwise."""
+        last = self._last
+        if last is None:
+            last = {}
+            for i, item in enumerate(self.items):
+                if item.flag is not None:
+                    last[syntax.normalize(item.flag)] = i
+            object.__setattr__(self, "_last", last)
+        key = syntax.normalize(flag)
+        at, negated = last.get(key), last.get("--no-" + key[2:])
+        if at is None or (negated is not None and negated > at):
+            return negated
+        return at
+
     def has(self, flag: str) -> bool:
-        return syntax.find(self.items, flag) is not None
+        return self._find(flag) is not None
 
     def get(self, flag: str) -> str | bool | None:
         """The flag's text value; ``True``/``False`` for a bare ``--flag``/``--no-flag``; None if absent."""
-        i = syntax.find(self.items, flag)
+        i = self._find(flag)
         if i is None:
             return None
         item = self.items[i]

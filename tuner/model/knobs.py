@@ -430,9 +430,31 @@ def block_size_ok(size: int, platform: str | None) -> bool:
     return rule is None or rule.accepts(size)
 
 
+_VALIDATED: dict[object, tuple[str, ...]] = {}  # validate's answers: a command line is checked every cycle it is proposed
+_VALIDATED_MAX = 1024
+
+
 def validate(args: EngineArgs, kind: EngineKind = "vllm", *, platform: str | None,
              defaults: Mapping[str, Value] | None = None) -> list[str]:
-    """Why the engine would refuse to start with ``args`` (empty: it would start).
+    """Why the engine would refuse to start with ``args`` (empty: it would start). A pure function of its
+    arguments, so its answers are kept (``_checked``): the planner checks the command line of every proposal
+    that reaches its start-up guard, the same one cycle after cycle while the proposal waits for evidence."""
+    try:  # each default with its type: True, 1 and 1.0 are equal keys but not the same default
+        key: object = (args.items, kind, platform,
+                       None if defaults is None else tuple((k, type(v), v) for k, v in sorted(defaults.items())))
+        found = _VALIDATED.get(key)
+    except TypeError:  # a default that cannot be a key
+        return _checked(args, kind, platform=platform, defaults=defaults)
+    if found is None:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        found = _VALIDATED[key] = tuple(_checked(args, kind, platform=platform, defaults=defaults))
+    return list(found)
+
+
+def _checked(args: EngineArgs, kind: EngineKind, *, platform: str | None,
+             defaults: Mapping[str, Value] | None) -> list[str]:
+    """``validate`` computed:
 
     Every explicit value within its knob's hard range (``RANGES``: this covers vLLM's own ≥ 1 and
     gpu-memory-utilization in (0, 1]); vLLM (config/scheduler.py, config/cache.py):

@@ -33,6 +33,8 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -48,6 +50,10 @@ class Sample(NamedTuple):
     name: str
     labels: Labels
     value: float
+
+
+_LABELS_OF = itemgetter(1)  # Sample.labels
+_STARTS: dict[tuple[str, ...], dict[str, bool]] = {}  # per prefixes: whether a sample name starts with one of them
 
 
 _EMPTY: Mapping[str, tuple[Sample, ...]] = MappingProxyType({})
@@ -81,6 +87,34 @@ class Snapshot:
 
     def names(self) -> Iterable[str]:
         return self.series.keys()
+
+    def label_sets(self, prefixes: tuple[str, ...] | None = None) -> tuple[Labels, ...]:
+        """The label sets of the samples whose name starts with one of ``prefixes`` (of every sample: None), each
+        mapping once (the parser shares one per distinct set), computed once per snapshot: an engine's identity
+        and the one-engine check (``signals.engine.impossible``) read them, not every sample's labels again."""
+        key = ("label sets", prefixes)
+        found: tuple[Labels, ...] | None = self.memo.get(key)
+        if found is None:
+            series = self.series
+            chosen: Iterable[tuple[Sample, ...]] = series.values()
+            if prefixes is not None:
+                starts = _STARTS.get(prefixes)
+                if starts is None:
+                    starts = _STARTS.setdefault(prefixes, {})
+                inside = []
+                for name, samples in series.items():
+                    under = starts.get(name)
+                    if under is None:
+                        under = starts[name] = name.startswith(prefixes)
+                    if under:
+                        inside.append(samples)
+                chosen = inside
+            if prefixes is not None and len(inside) == len(series):
+                found = self.label_sets()  # a body parsed under the same filter: every sample's
+            else:
+                found = tuple({id(labels): labels for labels in map(_LABELS_OF, chain.from_iterable(chosen))}.values())
+            self.memo[key] = found
+        return found
 
     @classmethod
     def failed(cls, scraped_at: float, error: str, *, source: str = "") -> Snapshot:
@@ -223,12 +257,14 @@ def _trim_label_caches() -> None:
     """Called between parses only, so that identities stay comparable within one body."""
     if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
             or sum(map(len, _SERIES_CACHE.values())) >= _LABELS_CACHE_MAX
-            or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX):
+            or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX
+            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
         _SERIES_CACHE.clear()
         _COMMENTS.clear()
         _ALLOWED.clear()
+        _STARTS.clear()
 
 
 MAX_TIMESTAMP_SKEW_SECONDS = 600.0
@@ -248,7 +284,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     to ``nonfinite``; a value outside the float64 range raises ``_Rejected``.
     """
     index: dict[str, list[Sample]] = {}
-    isfinite = math.isfinite
+    isfinite, new_tuple = math.isfinite, tuple.__new__
     # prometheus_client names a counter's samples `<TYPE name>_total` when they are written without
     # the suffix, but only for samples that directly follow their TYPE line; track that state.
     family, family_type = "", "untyped"
@@ -284,10 +320,10 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         if known is _SKIP:
             continue
         value_text = line[cut:]
-        if (known is not None and value_text and "_" not in value_text and not value_text[0].isspace()
-                and not value_text[-1].isspace()):
-            # a series seen before, its value one word: float() reads a word as the regex's \S+ does, and
-            # refuses any whitespace inside it (then the line takes the regex path below, which decides)
+        if known is not None and value_text and "_" not in value_text and value_text.strip() == value_text:
+            # a series seen before, its value one word (no whitespace at either end: strip() gives it back as it
+            # is): float() reads a word as the regex's \S+ does, and refuses any whitespace inside it (then the line
+            # takes the regex path below, which decides)
             try:
                 value = float(value_text)
             except ValueError:
@@ -332,11 +368,12 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
             if nonfinite is not None:
                 nonfinite.add(name)
             continue
+        sample = new_tuple(Sample, (name, labels, value))  # Sample(name, labels, value) without its Python __new__
         samples = index.get(name)
         if samples is None:
-            index[name] = [Sample(name, labels, value)]
+            index[name] = [sample]
         else:
-            samples.append(Sample(name, labels, value))
+            samples.append(sample)
     return index
 
 
@@ -428,7 +465,7 @@ def _snapshot(index: dict[str, list[Sample]], nonfinite: set[str], scraped_at: f
             if n > per_name:
                 return Snapshot.failed(scraped_at, f"{name} has {n} series, more than the limit of {per_name} "
                                        "per metric name (label churn?)", source=source)
-            distinct = (len({id(s.labels) for s in samples}) if shared_labels
+            distinct = (len(set(map(id, map(_LABELS_OF, samples)))) if shared_labels
                         else len({frozenset(s.labels.items()) for s in samples}))
             if distinct != n:
                 return Snapshot.failed(scraped_at, _duplicate(name, samples), source=source)

@@ -53,8 +53,7 @@ def of(snapshot: snapshots.Snapshot, dialect: dialects.Dialect) -> Identity | No
     started = engine_signals.gauge(snapshot, dialect, "process_start")
     if started is None:
         return None
-    models = sorted({s.labels.get("model_name", "") for name in snapshot.names() for s in snapshot.samples(name)
-                     if "model_name" in s.labels})
+    models = sorted({labels["model_name"] for labels in snapshot.label_sets() if "model_name" in labels})
     return Identity(started, ",".join(models))
 
 

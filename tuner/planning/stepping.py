@@ -60,6 +60,8 @@ SLOW_SIGNALS = frozenset({
     "prompt_tokens_mean", "generation_tokens_mean", "kv_concurrency_observed", "prompt_tokens_p99",
     "max_tokens_p99", "idle_seconds",
 })
+# Read over the decision window: the rest (what the decision window computed of SLOW_SIGNALS was thrown away).
+FAST_SIGNALS = frozenset(engine_signals.WINDOW_SIGNALS) - SLOW_SIGNALS
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +145,8 @@ def step(
     if since is not None:
         fresh = engine_signals.compute([s for s in kept if s.scraped_at >= since], dialect=dialect, info=info,
                                        now=now, stale_after_seconds=window.stale_after_seconds,
-                                       min_snapshots=window.min_snapshots, max_running=max_running)
+                                       min_snapshots=window.min_snapshots, max_running=max_running,
+                                       only=FAST_SIGNALS)
         signals.update({k: v for k, v in fresh.items() if k not in SLOW_SIGNALS})
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
                                        stale_after_seconds=window.gpu_stale_after_seconds
@@ -221,10 +224,11 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     last_change = max((c.at for c in history.changes.values()), default=None)
     if last_change is not None:
         since = max(since, last_change)
-    starts = [(s.scraped_at, engine_signals.reading(s, dialect).start) for s in good]
-    for (_, a), (at, b) in itertools.pairwise(starts):
-        if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
-            since = max(since, at)
+    starts = [(s.scraped_at, r.start) for s, r in zip(good, engine_signals.readings(good, dialect), strict=True)]
+    if len({start for _, start in starts}) > 1:  # else one process all along (the usual window, found at C speed)
+        for (_, a), (at, b) in itertools.pairwise(starts):
+            if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
+                since = max(since, at)
     span = [s for s in kept if s.scraped_at >= since]
     # found as soon as one interval shows it; the window then holds too few snapshots to decide until the new
     # regime has min_snapshots of its own (a decision never mixes the two)

@@ -16,7 +16,7 @@ Every outcome carries a human reason that quotes the values it used, e.g.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -71,14 +71,48 @@ class Context:
 
     def flag_name(self, flag: str) -> str:
         """The target engine's spelling of a flag given in either engine's spelling."""
-        knob = knobs.knob_for(flag)
-        return (knob.flag(self.kind) if knob is not None else None) or flag
+        return _flag_name(flag, self.kind)
 
 
-@dataclass(frozen=True, slots=True)
+Text = str | Callable[[], str]
+"""A reason's text, or how to build it: most conditions are false or unknown and nobody reads why, so a
+condition's text (a ``fmt`` of each number it quotes) is built only when it is read. A builder only formats
+values taken when the condition was checked, so the text is what building it then would have given."""
+
+
 class Truth:
+    """A condition's three-valued truth, and the text of its deciding parts (``text``, built when first read)."""
+
+    __slots__ = ("_text", "value")
+
+    def __init__(self, value: bool | None, text: Text) -> None:
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "_text", text)
+
     value: bool | None
-    text: str
+    _text: Text
+
+    @property
+    def text(self) -> str:
+        text = self._text
+        if not isinstance(text, str):
+            text = text()
+            object.__setattr__(self, "_text", text)
+        return text
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Truth is immutable: cannot set {name}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Truth):
+            return NotImplemented
+        return (self.value, self.text) == (other.value, other.text)
+
+    def __hash__(self) -> int:
+        return hash((self.value, self.text))
+
+    def __repr__(self) -> str:
+        return f"Truth(value={self.value!r}, text={self.text!r})"
 
 
 def _number(value: Value | None) -> float | None:
@@ -87,19 +121,26 @@ def _number(value: Value | None) -> float | None:
     return float(value)
 
 
-def _ref_value(ctx: Context, name: str) -> tuple[float | None, str]:
-    """Current value of a signal or flag, and its text (or why it is unknown)."""
+def _ref_value(ctx: Context, name: str) -> tuple[float | None, Callable[[], str]]:
+    """Current value of a signal or flag, and how to say it (or why it is unknown)."""
     if name.startswith("-"):
         eff = ctx.flag_value(name)
-        shown = ctx.flag_name(name)
+        kind = ctx.kind
         if eff.value is None:
-            return None, f"{shown} unknown ({eff.reason})"
-        return _number(eff.value), f"{shown} {fmt(eff.value)}"
+            return None, lambda: f"{_flag_name(name, kind)} unknown ({eff.reason})"
+        value = eff.value
+        return _number(value), lambda: f"{_flag_name(name, kind)} {fmt(value)}"
     sig = ctx.signals.get(name)
     if sig is None or sig.value is None:
         why = sig.reason if sig is not None and sig.reason else "not computed"
-        return None, f"{name} unknown ({why})"
-    return sig.value, f"{name} {fmt(sig.value)}"
+        return None, lambda: f"{name} unknown ({why})"
+    number = sig.value
+    return number, lambda: f"{name} {fmt(number)}"
+
+
+def _flag_name(flag: str, kind: knobs.EngineKind) -> str:
+    knob = knobs.knob_for(flag)
+    return (knob.flag(kind) if knob is not None else None) or flag
 
 
 def _compare(left: float, op: str, right: float) -> bool:
@@ -116,19 +157,25 @@ def _compare(left: float, op: str, right: float) -> bool:
     return not math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-12)
 
 
+def _right_text(c: Comparison, right: float, ref_text: Callable[[], str] | None) -> str:
+    if ref_text is not None:  # c.times
+        return f"{fmt(right)} ({fmt(c.factor)}×{ref_text()})"
+    if c.slo is not None:
+        return f"{fmt(right)} (SLO {c.slo}" + (f" × {fmt(c.factor)})" if c.factor != 1 else ")")
+    return fmt(c.factor)
+
+
 def _check_comparison(c: Comparison, ctx: Context) -> Truth:
     # right side
     right = c.factor
-    right_text = fmt(c.factor)
+    ref_text: Callable[[], str] | None = None
     if c.times is not None:
         ref, ref_text = _ref_value(ctx, c.times)
         if ref is None:
             return Truth(None, ref_text)
         right = c.factor * ref
-        right_text = f"{fmt(right)} ({fmt(c.factor)}×{ref_text})"
     elif c.slo is not None:
         right = c.factor * ctx.slo.value(c.slo)
-        right_text = f"{fmt(right)} (SLO {c.slo}" + (f" × {fmt(c.factor)})" if c.factor != 1 else ")")
 
     # left side
     if c.flag is not None:
@@ -136,46 +183,58 @@ def _check_comparison(c: Comparison, ctx: Context) -> Truth:
         if left is None:
             return Truth(None, left_text)
         ok = _compare(left, c.op, right)
-        return Truth(ok, f"{left_text} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} {right_text}")
+        return Truth(ok, lambda: f"{left_text()} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} "
+                                 f"{_right_text(c, right, ref_text)}")
 
     assert c.signal is not None
     sig = ctx.signals.get(c.signal)
     if sig is None or sig.value is None:
         why = sig.reason if sig is not None and sig.reason else "not computed"
-        return Truth(None, f"{c.signal} unknown ({why})")
+        return Truth(None, lambda: f"{c.signal} unknown ({why})")
     coarse = c.max_resolution is not None and sig.bounds is not None and (
         sig.resolution is None or sig.resolution > c.max_resolution)
     if coarse:
         assert sig.bounds is not None
         lo, hi = sig.bounds
         at_lo, at_hi = _compare(lo, c.op, right), _compare(hi, c.op, right)
-        bucket = f"{c.signal} in bucket {fmt(lo)}–{fmt(hi)}"
         if at_lo and at_hi:
-            return Truth(True, f"{bucket} {_SYMBOL[c.op]} {right_text}")
+            return Truth(True, lambda: f"{c.signal} in bucket {fmt(lo)}–{fmt(hi)} {_SYMBOL[c.op]} "
+                                       f"{_right_text(c, right, ref_text)}")
         if not at_lo and not at_hi and c.op not in ("==", "!="):
-            return Truth(False, f"{bucket} {_SYMBOL[_NEGATION[c.op]]} {right_text}")
-        width = "unbounded" if sig.resolution is None else fmt(sig.resolution)
-        return Truth(None, f"{bucket}: too coarse to tell whether {_SYMBOL[c.op]} {right_text} "
-                           f"(bucket width {width} > {fmt(c.max_resolution)} allowed)")
-    ok = _compare(sig.value, c.op, right)
-    return Truth(ok, f"{c.signal} {fmt(sig.value)} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} {right_text}")
+            return Truth(False, lambda: f"{c.signal} in bucket {fmt(lo)}–{fmt(hi)} {_SYMBOL[_NEGATION[c.op]]} "
+                                        f"{_right_text(c, right, ref_text)}")
+        resolution = sig.resolution
+        return Truth(None, lambda: f"{c.signal} in bucket {fmt(lo)}–{fmt(hi)}: too coarse to tell whether "
+                                   f"{_SYMBOL[c.op]} {_right_text(c, right, ref_text)} (bucket width "
+                                   f"{'unbounded' if resolution is None else fmt(resolution)} > "
+                                   f"{fmt(c.max_resolution)} allowed)")
+    value = sig.value
+    ok = _compare(value, c.op, right)
+    return Truth(ok, lambda: f"{c.signal} {fmt(value)} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} "
+                             f"{_right_text(c, right, ref_text)}")
 
 
 def check(cond: Comparison | AllOf | AnyOf, ctx: Context) -> Truth:
     """Three-valued truth of a condition, with the text of the deciding parts."""
     if isinstance(cond, Comparison):
         return _check_comparison(cond, ctx)
-    # all: one false decides (False), else one unknown (None), else every part is true;
-    # any: one true decides (True), else one unknown (None), else every part is false.
-    every = isinstance(cond, AllOf)
-    parts = [check(c, ctx) for c in (cond.all if isinstance(cond, AllOf) else cond.any)]
-    decisive = next((p for p in parts if p.value is (not every)), None)
-    if decisive is not None:
-        return Truth(not every, decisive.text)
+    return _check_parts(cond.all if isinstance(cond, AllOf) else cond.any, every=isinstance(cond, AllOf), ctx=ctx)
+
+
+def _check_parts(conds: Iterable[Comparison | AllOf | AnyOf], *, every: bool, ctx: Context) -> Truth:
+    """``all`` (``every``): one false decides (False), else one unknown (None), else every part is true;
+    ``any``: one true decides (True), else one unknown (None), else every part is false. The parts after the
+    first decisive one are not checked (checking is pure: they could change neither the value nor the text)."""
+    parts: list[Truth] = []
+    for c in conds:
+        part = check(c, ctx)
+        if part.value is (not every):
+            return Truth(not every, part._text)
+        parts.append(part)
     unknown = next((p for p in parts if p.value is None), None)
     if unknown is not None:
-        return Truth(None, unknown.text)
-    return Truth(every, ("; " if every else " and ").join(p.text for p in parts))
+        return Truth(None, unknown._text)
+    return Truth(every, lambda: ("; " if every else " and ").join(p.text for p in parts))
 
 
 # --- proposals -----------------------------------------------------------------------------------------
@@ -200,15 +259,51 @@ class Proposal:
     breach: bool = False  # fires on a broken SLO: a live reversal is not held by hysteresis (Rule.breach)
 
 
-@dataclass(frozen=True, slots=True)
 class Outcome:
-    """What one rule made of this cycle. ``streak``: consecutive true windows including this one."""
+    """What one rule made of this cycle. ``streak``: consecutive true windows including this one. ``reason`` is
+    built when first read (``Text``: the reason of a false or unknown condition is seldom read)."""
+
+    __slots__ = ("_reason", "proposal", "rule", "status", "streak")
 
     rule: str
     status: Status
     streak: int
-    reason: str
-    proposal: Proposal | None = None
+    proposal: Proposal | None
+    _reason: Text
+
+    def __init__(self, rule: str, status: Status, streak: int, reason: Text, proposal: Proposal | None = None
+                 ) -> None:
+        object.__setattr__(self, "rule", rule)
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "streak", streak)
+        object.__setattr__(self, "_reason", reason)
+        object.__setattr__(self, "proposal", proposal)
+
+    @property
+    def reason(self) -> str:
+        reason = self._reason
+        if not isinstance(reason, str):
+            reason = reason()
+            object.__setattr__(self, "_reason", reason)
+        return reason
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Outcome is immutable: cannot set {name}")
+
+    def _key(self) -> tuple[str, Status, int, str, Proposal | None]:
+        return self.rule, self.status, self.streak, self.reason, self.proposal
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Outcome):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"Outcome(rule={self.rule!r}, status={self.status!r}, streak={self.streak!r}, "
+                f"reason={self.reason!r}, proposal={self.proposal!r})")
 
 
 def _bound(ctx: Context, refs: Iterable[Ref], static: float | None, *, pick: str
@@ -219,7 +314,7 @@ def _bound(ctx: Context, refs: Iterable[Ref], static: float | None, *, pick: str
     for ref in refs:
         raw, text = _ref_value(ctx, ref.name)
         if raw is None:
-            return None, None, f"bound {ref.describe()}: {text}"
+            return None, None, f"bound {ref.describe()}: {text()}"
         value = raw * ref.times + ref.plus
         if not math.isfinite(value):
             return None, None, f"bound {ref.describe()} = {fmt(value)} is not a finite number"
@@ -264,7 +359,7 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
             raw, text = _ref_value(ctx, then.value_from.name)
             if raw is None:
                 return Outcome(rule.id, "blocked", streak, f"{when_text}{sustained}; but the new value "
-                               f"comes from {text}")
+                               f"comes from {text()}")
             target = raw * then.value_from.times + then.value_from.plus
         else:
             assert then.value is not None and not isinstance(then.value, bool)
@@ -382,11 +477,12 @@ def evaluate_rule(rule: Rule, ctx: Context, *, streak_before: int = 0) -> Outcom
         why = ctx.live.can_move(rule.then.knob.name, 1)
         if why is not None:
             return Outcome(rule.id, "not-applicable", 0, f"a step past the TPOT SLO frontier is taken live only: {why}")
-    truth = check(rule.when.condition, ctx)
+    when = rule.when  # its parts as they are: `When.condition` would build (and validate) an AllOf every cycle
+    truth = _check_parts(when.all if when.all is not None else when.any or (), every=when.all is not None, ctx=ctx)
     if truth.value is None:
-        return Outcome(rule.id, "unknown", 0, truth.text)
+        return Outcome(rule.id, "unknown", 0, truth._text)
     if truth.value is False:
-        return Outcome(rule.id, "false", 0, truth.text)
+        return Outcome(rule.id, "false", 0, truth._text)
     streak = streak_before + 1
     if streak < rule.when.for_least:
         # the value it would move to, for a dry run to say (the planner takes proposals of "fired" only)

@@ -24,6 +24,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from tuner.model import dialects, snapshots
 from tuner.signals import reads
@@ -75,7 +76,7 @@ def latest(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect, *, mi
            min_ratio: float = MIN_RATIO, min_after: int = 1) -> ChangePoint | None:
     """The change point of the module docstring, or None (no change, or the counts cannot be read).
     ``min_after``: the fewest intervals the new regime must span."""
-    intervals = arrivals(sorted(snaps, key=lambda s: s.scraped_at), dialect)
+    intervals = arrivals(sorted(snaps, key=attrgetter("scraped_at")), dialect)
     if intervals is None or len(intervals) < 1 + min_after:
         return None
     total_n = sum(n for _, _, n in intervals)

@@ -8,16 +8,20 @@ voids what is computed from it. Outputs are checked by ``signals.checked`` (each
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
+from typing import cast
 
 from tuner.model import dialects, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.signals import Signal, checked, missing, reads
 from tuner.signals import histograms as hist
-from tuner.signals.reads import Histogram, Reading, buckets, counter, gauge, reading
+from tuner.signals.reads import Histogram, Reading, buckets, counter, gauge, reading, readings
 
 __all__ = ["ALL_SIGNALS", "CONFIG_SIGNALS", "IDENTITY_LABELS", "INFO_SIGNALS", "LATEST_SIGNALS", "NOT_COMPUTED",
-           "WINDOW_SIGNALS", "Histogram", "Reading", "buckets", "compute", "counter", "gauge", "impossible", "reading"]
+           "WINDOW_SIGNALS", "Histogram", "Reading", "buckets", "compute", "counter", "gauge", "impossible", "reading",
+           "readings"]
 
 Snapshot = snapshots.Snapshot
 Labels = Mapping[str, str]
@@ -39,6 +43,8 @@ INFO_SIGNALS = ("server_load",)
 CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
                   "gpu_memory_utilization", "max_model_len")
 ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
+_WINDOW_SET = frozenset(WINDOW_SIGNALS)
+_SCRAPED_AT = attrgetter("scraped_at")
 
 
 # --- the window ------------------------------------------------------------------------------
@@ -79,7 +85,7 @@ def _compute(
     only: frozenset[str] | None,
 ) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
-    snaps = sorted(window, key=lambda s: s.scraped_at)
+    snaps = sorted(window, key=_SCRAPED_AT)
     valid = [s for s in snaps if s.ok]
     if not snaps:
         return {name: missing("no snapshots") for name in ALL_SIGNALS}
@@ -134,10 +140,7 @@ def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | N
     """Why ``snap`` cannot be one engine's exposition, or None: two ``model_name``s or two instances in
     one body (a proxy merging engines: their sums would be believed as one engine's), or more requests
     running than the engine's ``--max-num-seqs`` lets its scheduler run."""
-    prefixes = dialect.parse_prefixes()
-    # each distinct label set once (the parser shares one mapping per set between samples)
-    label_sets = {id(s.labels): s.labels for name, samples in snap.series.items() if name.startswith(prefixes)
-                  for s in samples}.values()
+    label_sets = snap.label_sets(dialect.parse_prefixes())  # each distinct label set once
     for label in IDENTITY_LABELS:
         values = {labels[label] for labels in label_sets if label in labels}
         if len(values) > 1:
@@ -157,9 +160,11 @@ def _checked_snapshot(snap: Snapshot, dialect: dialects.Dialect, max_running: fl
     if not snap.ok:
         return snap
     key = ("impossible", id(dialect), max_running)  # once per snapshot, not once per cycle it is in a window
-    if key not in snap.memo:
-        snap.memo[key] = impossible(snap, dialect, max_running)
-    why: str | None = snap.memo[key]
+    memo = snap.memo
+    found = memo.get(key, memo)  # the memo itself: not computed yet
+    why: str | None = impossible(snap, dialect, max_running) if found is memo else found
+    if found is memo:
+        memo[key] = why
     return snap if why is None else Snapshot.failed(snap.scraped_at, why, source=snap.source)
 
 
@@ -231,6 +236,18 @@ def _sleep_level(snap: Snapshot, d: dialects.Dialect) -> Signal:
 
 def _config_signals(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None
                     ) -> dict[str, Signal]:
+    """The engine's configuration from the newest good snapshot (and ``/v1/models``), computed once per snapshot
+    and what it reads of ``info``: a step's two windows end in the same one. The caller copies them out."""
+    if snap is None:
+        return _config(None, d, info)
+    key = ("config", id(d), None if info is None else (info.max_model_len, info.error))
+    found: dict[str, Signal] | None = snap.memo.get(key)
+    if found is None:
+        found = snap.memo[key] = _config(snap, d, info)
+    return found
+
+
+def _config(snap: Snapshot | None, d: dialects.Dialect, info: EngineInfo | None) -> dict[str, Signal]:
     labels = reads.cache_info(snap, d) if snap is not None else None
     where = " / ".join(d.candidates("cache_info"))
 
@@ -287,7 +304,7 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     def skip(*names: str) -> None:  # in the places they would have held, so the result keeps its order
         out.update(dict.fromkeys(names, NOT_COMPUTED))
 
-    readings = [reading(s, d) for s in snaps]
+    readings = reads.readings(snaps, d)
     if wanted(*_GAUGE_SIGNALS, "arrival_rate_per_s"):
         _gauges(out, snaps, readings, d, span)
     else:
@@ -307,10 +324,10 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if restarted:
             return missing(restarted)
         values = [v for v in series if v is not None]
-        for a, b, sa, sb in zip(values, values[1:], snaps, snaps[1:], strict=False):
-            if b < a:
-                return missing(f"counter reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
-                               "(engine restarted?)")
+        back = went_down(values)
+        if back is not None:
+            return missing(f"counter reset between {snaps[back].scraped_at:.0f} and {snaps[back + 1].scraped_at:.0f} "
+                           "(engine restarted?)")
         return Signal((values[-1] - values[0]) / span)
 
     if not wanted(*_RATE_SIGNALS):
@@ -318,12 +335,21 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     else:
         _rates(out, d, rate)
 
+    folded: dict[str, Signal | tuple[list[tuple[float, float]], float, float]] = {}
+
+    def histogram_window(concept: str) -> Signal | tuple[list[tuple[float, float]], float, float]:
+        """``_histogram_window`` of the concept, once per window (the prompt lengths give a mean and a p99)."""
+        found = folded.get(concept)
+        if found is None:
+            found = folded[concept] = _histogram_window(snaps, readings, d, concept, restarted)
+        return found
+
     for signal, concept in (("slot_seconds_mean", "inference_time"), ("prompt_tokens_mean", "prompt_len"),
                             ("generation_tokens_mean", "generation_len")):
         if not wanted(signal):
             skip(signal)
             continue
-        window = _histogram_window(snaps, readings, d, concept, restarted)
+        window = histogram_window(concept)
         if isinstance(window, Signal):
             out[signal] = window
         else:
@@ -334,7 +360,7 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if not wanted(*names):
             skip(*names)
             continue
-        window = _histogram_window(snaps, readings, d, prefix, restarted)
+        window = histogram_window(prefix)
         if isinstance(window, Signal):
             out.update(dict.fromkeys(names, window))
             continue
@@ -348,11 +374,11 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
         if not wanted(signal):
             skip(signal)
             continue
-        window = _histogram_window(snaps, readings, d, concept, restarted)
+        window = histogram_window(concept)
         out[signal] = window if isinstance(window, Signal) else hist.quantile(0.99, window[0], conservative=True)
 
     out["idle_seconds"] = _idle(snaps, readings, d) if wanted("idle_seconds") else NOT_COMPUTED
-    return {k: v for k, v in out.items() if k in WINDOW_SIGNALS}
+    return {k: v for k, v in out.items() if k in _WINDOW_SET}
 
 
 def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect,
@@ -437,16 +463,28 @@ def _histogram_window(snaps: Sequence[Snapshot], readings: Sequence[Reading], d:
     dsum, dcount = new[1] - old[1], new[2] - old[2]
     if dcount < 0 or dsum < 0:
         return missing("histogram count went down (engine restarted?)")
-    counts = [r.hist_counts[concept] for r in readings]
-    for a, b, sa, sb in zip(counts, counts[1:], snaps, snaps[1:], strict=False):
-        if a is not None and b is not None and b < a:
-            return missing(f"histogram reset between {sa.scraped_at:.0f} and {sb.scraped_at:.0f} "
-                           "(engine restarted?)")
+    back = went_down([r.hist_counts[concept] for r in readings])
+    if back is not None:
+        return missing(f"histogram reset between {snaps[back].scraped_at:.0f} and {snaps[back + 1].scraped_at:.0f} "
+                       "(engine restarted?)")
     return deltas, dsum, dcount
+
+
+def went_down(counts: Sequence[float | None]) -> int | None:
+    """Where a count went down: the first ``i`` with ``counts[i + 1] < counts[i]``, both known; None when none did
+    (the usual window: a sorted list, found at C speed)."""
+    if None not in counts and sorted(cast(list[float], counts)) == counts:
+        return None
+    for i, (a, b) in enumerate(itertools.pairwise(counts)):
+        if a is not None and b is not None and b < a:
+            return i
+    return None
 
 
 def _restart_between(snaps: Sequence[Snapshot], readings: Sequence[Reading]) -> str | None:
     starts = [r.start for r in readings]
+    if len(set(starts)) <= 1:  # one process start all along (or none read): the usual window, at C speed
+        return None
     for a, b, sb in zip(starts, starts[1:], snaps[1:], strict=False):
         if a is not None and b is not None and a != b:
             return f"engine restarted inside the window (process start time changed by {sb.scraped_at:.0f})"
@@ -455,14 +493,17 @@ def _restart_between(snaps: Sequence[Snapshot], readings: Sequence[Reading]) -> 
 
 def _idle(snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect) -> Signal:
     """Seconds since the last snapshot that showed activity; the window span if none did."""
-    finished = [r.counters["request_success"][0] for r in readings]
     last_active: float | None = None
-    for i, (snap, r) in enumerate(zip(snaps, readings, strict=True)):
+    for i in range(len(readings) - 1, -1, -1):  # from the newest: the first active one is the last
+        r = readings[i]
         running = r.gauges["running"] or 0.0
         waiting = r.gauges["waiting"] or 0.0
-        moved = i > 0 and finished[i] is not None and finished[i - 1] is not None and finished[i] != finished[i - 1]
+        done = r.counters["request_success"][0]
+        before = readings[i - 1].counters["request_success"][0] if i > 0 else None
+        moved = done is not None and before is not None and done != before
         if running > 0 or waiting > 0 or moved:
-            last_active = snap.scraped_at
+            last_active = snaps[i].scraped_at
+            break
     if readings[-1].gauges["running"] is None:
         return missing(reads.absent(d, "running"))
     end = snaps[-1].scraped_at

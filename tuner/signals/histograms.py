@@ -6,6 +6,7 @@ Buckets are ``(upper bound, cumulative count)`` pairs sorted by bound, the last 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 from tuner.signals import EXACT, Signal, missing
@@ -39,12 +40,14 @@ def delta(new: Buckets, old: Buckets | None) -> list[tuple[float, float]] | None
         return list(new)
     if len(new) != len(old):
         return None
-    out = []
-    for (bound, n), (bound_old, o) in zip(new, old, strict=True):
-        if (bound is not bound_old and bound != bound_old) or n < o:  # another layout (compared as lists are)
-            return None
-        out.append((bound, n - o))
-    return out
+    if not new:
+        return []
+    bounds, counts = zip(*new, strict=True)
+    bounds_old, counts_old = zip(*old, strict=True)
+    # another layout (bounds compared as lists are: the same object, or equal), or a count that went down
+    if bounds != bounds_old or any(map(operator.lt, counts, counts_old)):
+        return None
+    return list(zip(bounds, map(operator.sub, counts, counts_old), strict=True))
 
 
 def quantile(q: float, buckets: Buckets, *, conservative: bool = False) -> Signal:

@@ -7,7 +7,7 @@ read once and kept in the snapshot's memo while the snapshot stays in the target
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from tuner.model import dialects, snapshots
 from tuner.signals import EXACT
@@ -179,6 +179,19 @@ def reading(snap: Snapshot, d: dialects.Dialect) -> Reading:
         found = snap.memo[key] = Reading(snap, d)
     read: Reading = found
     return read
+
+
+def readings(snaps: Iterable[Snapshot], d: dialects.Dialect) -> list[Reading]:
+    """``reading`` of each snapshot of a window (its key made once, not once per snapshot)."""
+    key = ("reading", id(d))
+    out: list[Reading] = []
+    for snap in snaps:
+        memo = snap.memo
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = Reading(snap, d)
+        out.append(found)
+    return out
 
 
 
