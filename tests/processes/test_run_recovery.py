@@ -133,10 +133,14 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
         for _ in range(50):  # watchdog pings kept coming during the resumed rollout
             ready()
         assert sum("WATCHDOG=1" in m for m in heard) >= 2, heard
+        # the decided value: the 64 users ÷ 0.8 → 80, and on to the TPOT frontier (a restart raise)
+        to = str(decision["changes"][0]["to"])
+        assert int(to) >= 80, decision["changes"]
+
         def saved() -> dict | None:
             """state.json on the new arguments (saved by the cycle after the rollout ended between cycles)"""
             state = json.loads((tmp_path / "state.json").read_text())
-            return state if all(flag(state["targets"][n]["args"]) == "80" for n in ("sim-a", "sim-b")) else None
+            return state if all(flag(state["targets"][n]["args"]) == to for n in ("sim-a", "sim-b")) else None
 
         def flag(args: list[str]) -> str:
             return args[args.index("--max-num-seqs") + 1]
@@ -148,7 +152,7 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
             # the engine the resumed tuner runs got the real key (its own command line)
             pid = json.loads((tmp_path / "engines" / f"{name}.json").read_text())["pid"]
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            assert cmdline[cmdline.index(b"--api-key") + 1] == KEY.encode() and b"80" in cmdline
+            assert cmdline[cmdline.index(b"--api-key") + 1] == KEY.encode() and to.encode() in cmdline
         shown = {p: httpx.get(f"http://127.0.0.1:{port}{p}", timeout=5).text
                  for p in ("/metrics", "/status", "/recommendations")}
         shown |= {str(f): f.read_text(errors="replace") for f in (log, jpath, tmp_path / "state.json",
