@@ -39,20 +39,6 @@ def _eager_ref_value(ctx: Context, name: str) -> tuple[float | None, str]:
     return sig.value, f"{name} {fmt(sig.value)}"
 
 
-def _eager_compare(left: float, op: str, right: float) -> bool:
-    if op == "<":
-        return left < right
-    if op == "<=":
-        return left <= right
-    if op == ">":
-        return left > right
-    if op == ">=":
-        return left >= right
-    if op == "==":
-        return math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-12)
-    return not math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-12)
-
-
 def _eager_comparison(c: Comparison, ctx: Context) -> tuple[bool | None, str]:
     right = c.factor
     right_text = fmt(c.factor)
@@ -69,7 +55,7 @@ def _eager_comparison(c: Comparison, ctx: Context) -> tuple[bool | None, str]:
         left, left_text = _eager_ref_value(ctx, c.flag)
         if left is None:
             return None, left_text
-        ok = _eager_compare(left, c.op, right)
+        ok = evaluation._compare(left, c.op, right)
         return ok, f"{left_text} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} {right_text}"
     assert c.signal is not None
     sig = ctx.signals.get(c.signal)
@@ -81,7 +67,7 @@ def _eager_comparison(c: Comparison, ctx: Context) -> tuple[bool | None, str]:
     if coarse:
         assert sig.bounds is not None
         lo, hi = sig.bounds
-        at_lo, at_hi = _eager_compare(lo, c.op, right), _eager_compare(hi, c.op, right)
+        at_lo, at_hi = evaluation._compare(lo, c.op, right), evaluation._compare(hi, c.op, right)
         bucket = f"{c.signal} in bucket {fmt(lo)}–{fmt(hi)}"
         if at_lo and at_hi:
             return True, f"{bucket} {_SYMBOL[c.op]} {right_text}"
@@ -90,7 +76,7 @@ def _eager_comparison(c: Comparison, ctx: Context) -> tuple[bool | None, str]:
         width = "unbounded" if sig.resolution is None else fmt(sig.resolution)
         return None, (f"{bucket}: too coarse to tell whether {_SYMBOL[c.op]} {right_text} "
                       f"(bucket width {width} > {fmt(c.max_resolution)} allowed)")
-    ok = _eager_compare(sig.value, c.op, right)
+    ok = evaluation._compare(sig.value, c.op, right)
     return ok, f"{c.signal} {fmt(sig.value)} {_SYMBOL[c.op if ok else _NEGATION[c.op]]} {right_text}"
 
 

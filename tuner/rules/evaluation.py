@@ -80,6 +80,15 @@ condition's text (a ``fmt`` of each number it quotes) is built only when it is r
 values taken when the condition was checked, so the text is what building it then would have given."""
 
 
+def _resolved(obj: object, attr: str) -> str:
+    """A lazy text attribute (``Text``) of an immutable ``obj``, built on first read and kept."""
+    text = getattr(obj, attr)
+    if not isinstance(text, str):
+        text = text()
+        object.__setattr__(obj, attr, text)
+    return str(text)
+
+
 class Truth:
     """A condition's three-valued truth, and the text of its deciding parts (``text``, built when first read)."""
 
@@ -94,11 +103,7 @@ class Truth:
 
     @property
     def text(self) -> str:
-        text = self._text
-        if not isinstance(text, str):
-            text = text()
-            object.__setattr__(self, "_text", text)
-        return text
+        return _resolved(self, "_text")
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Truth is immutable: cannot set {name}")
@@ -281,11 +286,7 @@ class Outcome:
 
     @property
     def reason(self) -> str:
-        reason = self._reason
-        if not isinstance(reason, str):
-            reason = reason()
-            object.__setattr__(self, "_reason", reason)
-        return reason
+        return _resolved(self, "_reason")
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Outcome is immutable: cannot set {name}")
