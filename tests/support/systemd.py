@@ -3,8 +3,12 @@
 The safe recipe: ``unshare --pid --fork --mount --mount-proc --propagation private``, then *first*
 fresh tmpfs on /tmp and /run (otherwise systemd-tmpfiles would clean the machine's real /tmp), then
 ``exec systemd --system --unit=basic.target``. The network namespace is shared with the host, so
-units listening on 127.0.0.1 are reachable from the tests. ``/etc`` and ``/var`` are the host's: test
-files go under a fresh ``/var/tmp/vllm-tuner-*`` directory, visible on both sides.
+units listening on 127.0.0.1 are reachable from the tests. ``/etc`` and ``/var`` are the host's, except
+``/var/tmp``, a fresh tmpfs too: at boot systemd-tmpfiles removes every ``/var/tmp/systemd-private-*``
+(``R!`` in systemd-tmp.conf), so a shared /var/tmp let each booting namespace delete the PrivateTmp
+directories of units running in the others, and on the host (a unit's next ExecReload then failed with
+226/NAMESPACE). Test files go under a fresh ``/var/tmp/vllm-tuner-sd-*`` directory of the host, bound
+onto the same path inside, so it is visible on both sides.
 
     with PrivateSystemd() as sd:
         sd.install_unit("vllm@.service", text)       # into the namespace's /run/systemd/system
@@ -28,12 +32,14 @@ SYSTEMD = Path("/lib/systemd/systemd")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _boot_script(overlays: dict[str, Path] | None = None) -> str:
+def _boot_script(overlays: dict[str, Path] | None = None, shared: Path | None = None) -> str:
     """Fresh tmpfs on /tmp and /run first. A checkout that itself lives under /tmp (a CI clone) would
     vanish under the new /tmp, so it is bound aside onto /mnt first and moved back on top (inside the
     private mount namespace only; the host sees nothing). ``overlays``: directories (``/etc``, ``/var/lib``)
     given a writable overlay whose upper layer is the directory mapped to: what the namespace writes there
-    (an installer's users, units, rules) lands in that layer, never on the host."""
+    (an installer's users, units, rules) lands in that layer, never on the host. ``shared``: a directory
+    under /var/tmp kept visible on both sides once /var/tmp is the namespace's own tmpfs (held on /tmp's
+    fresh tmpfs while /var/tmp is replaced, then moved to its own path)."""
     overlay = ""
     for target, layer in (overlays or {}).items():
         upper, work = shlex.quote(str(layer / "upper")), shlex.quote(str(layer / "work"))
@@ -45,7 +51,12 @@ def _boot_script(overlays: dict[str, Path] | None = None) -> str:
         q = shlex.quote(str(REPO))
         keep += f"mount --bind {q} /mnt && "
         restore = f"mkdir -p {q} && mount --move /mnt {q} && "
-    return (keep + "mount -t tmpfs -o mode=1777 tmpfs /tmp && " + restore
+    var_tmp = "mount -t tmpfs -o mode=1777 tmpfs /var/tmp && "
+    if shared is not None:
+        q = shlex.quote(str(shared))
+        var_tmp = (f"mkdir /tmp/.shared && mount --bind {q} /tmp/.shared && " + var_tmp
+                   + f"mkdir -p {q} && mount --move /tmp/.shared {q} && rmdir /tmp/.shared && ")
+    return (keep + "mount -t tmpfs -o mode=1777 tmpfs /tmp && " + restore + var_tmp
             + "mount -t tmpfs -o mode=755 tmpfs /run && "
             "mkdir -p /run/systemd/system && " + MASK_PODMAN
             + "exec /lib/systemd/systemd --system --unit=basic.target")
@@ -57,9 +68,6 @@ def _boot_script(overlays: dict[str, Path] | None = None) -> str:
 # systemd tests boot the same units with or without podman installed (tests/support/podman.py).
 MASK_PODMAN = ("for u in /lib/systemd/system/podman*; do "
                '[ -e "$u" ] && ln -sf /dev/null "/run/systemd/system/${u##*/}"; done; ')
-
-
-BOOT = _boot_script()
 
 
 def skip_reason() -> str | None:
@@ -121,7 +129,8 @@ class PrivateSystemd:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
-                                      "--propagation", "private", "sh", "-c", _boot_script(self.overlays)],
+                                      "--propagation", "private", "sh", "-c",
+                                      _boot_script(self.overlays, self.shared_dir)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self._boot_timeout
         while time.monotonic() < deadline:
