@@ -339,3 +339,38 @@ def test_the_configuration_kept_on_a_snapshot_is_read_for_what_v1_models_said_ea
         fresh = [snapshots.parse(t, 15.0 * i) for i, t in enumerate(texts)]
         assert es.compute(kept, info=info) == es.compute(fresh, info=info), info
     assert es.compute(kept, info=EngineInfo(max_model_len=4096))["max_model_len"].value == 4096
+
+
+def _inference(count, total):
+    lab = 'engine="0",model_name="m"'
+    return (f'vllm:request_inference_time_seconds_bucket{{{lab},le="+Inf"}} {count}\n'
+            f"vllm:request_inference_time_seconds_sum{{{lab}}} {total}\n"
+            f"vllm:request_inference_time_seconds_count{{{lab}}} {count}\n")
+
+
+def test_the_expected_wait_reads_the_queue_now_not_the_admitted_requests():
+    # 8 slots held 8 s each on average free one a second: the 29 waiting now are 29 s from a slot, while no
+    # histogram has seen a single one of them (they are observed once admitted)
+    w = [snap(0, running=8, waiting=0, success=0, extra=_inference(0, 0.0)),
+         snap(2, running=8, waiting=11, success=2, extra=_inference(2, 16.0)),
+         snap(4, running=8, waiting=29, success=4, extra=_inference(4, 32.0))]
+    s = es.compute(w)
+    assert s["slot_seconds_mean"].value == pytest.approx(8.0)
+    assert s["queue_wait_expected_s"].value == pytest.approx(29 * 8.0 / 8)
+    assert s["queue_time_mean_s"].value is None  # the histogram the rules read before: nothing yet
+
+
+@pytest.mark.parametrize(("running", "waiting", "done", "expect"), [
+    (8, 0, 4, 0.0),                        # no queue: no wait
+    (0, 5, 4, "none running"),             # nothing frees a slot
+    (8, 5, 0, "slot time unknown"),        # no request finished: the slot time is not known
+])
+def test_the_expected_wait_says_why_it_is_unknown(running, waiting, done, expect):
+    w = [snap(0, running=running, waiting=waiting, extra=_inference(0, 0.0)),
+         snap(2, running=running, waiting=waiting, success=done, extra=_inference(done, 8.0 * done)),
+         snap(4, running=running, waiting=waiting, success=done, extra=_inference(done, 8.0 * done))]
+    got = es.compute(w)["queue_wait_expected_s"]
+    if isinstance(expect, float):
+        assert got.value == expect
+    else:
+        assert got.value is None and expect in got.reason

@@ -98,6 +98,18 @@ def test_slots_pinned_with_the_tail_past_the_slo_is_still_queue_bound():
     assert not within.changes
 
 
+def test_a_queue_seen_in_the_gauges_is_queue_bound_before_any_histogram_shows_it():
+    """The trace family's live-099 (seed 7): 8 slots of 2,403-token prompts, waiting 11 → 29 → 47 → 75 while
+    the queue-time mean read 0.056 s and the TTFT p99 0.93 s — the histograms see a request once admitted. The
+    expected wait (29 waiting × 8 s a slot / 8 running) sees it now."""
+    early = QUEUE_BOUND | dict(queue_time_mean_s=0.056, ttft_p99_s=0.93, requests_waiting=29,
+                               requests_waiting_max=29, queue_wait_expected_s=29.0)
+    (c,) = run(early, "--max-num-seqs 8").changes
+    assert c.rule == "queue-slot-bound" and "queue_wait_expected_s 29 > 1 (SLO ttft_p99_s)" in c.reason
+    assert not run(early | dict(queue_wait_expected_s=0.5), "--max-num-seqs 8").changes  # a wait inside the SLO
+    assert not run(early | dict(queue_wait_expected_s=None), "--max-num-seqs 8").changes  # unknown: no evidence
+
+
 def test_queue_bound_is_capped_by_what_the_kv_cache_holds_for_the_observed_sizes():
     p = run(QUEUE_BOUND | dict(kv_concurrency_observed=100.4), "--max-num-seqs 8")
     (c,) = p.changes

@@ -165,6 +165,10 @@ VOCABULARY: Mapping[str, Definition] = {
     "slot_seconds_mean": Definition(
         "s", "vllm:request_inference_time_seconds", "Δsum / Δcount: how long a request holds a sequence slot "
         "(prefill + decode, queue time excluded)"),
+    "queue_wait_expected_s": Definition(
+        "s", "requests_waiting, requests_running, slot_seconds_mean",
+        "latest waiting × slot_seconds_mean / latest running: how long a request arriving now waits for a slot "
+        "(leads the queue-time and TTFT histograms, which observe a request once it is admitted)"),
     "prompt_tokens_mean": Definition(
         "tokens", "vllm:request_prompt_tokens | sglang:prompt_tokens_histogram", "Δsum / Δcount"),
     "generation_tokens_mean": Definition(
