@@ -21,6 +21,12 @@ from tuner.rules import loading
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "vllm"
 DEFAULT_RULES = loading.load(loading.default_rules_path())
+# kv-preemption-cap ships off (docs/evidence.md#kv-preemption-cap): the shipped file with it turned on, as a user
+# who measured it to help would
+KV_CAP_ON_TEXT = loading.default_rules_path().read_text().replace(
+    "    enabled: false\n    experimental: true\n", "    experimental: true\n", 1)
+KV_CAP_ON = loading.parse(loading.parse_yaml(KV_CAP_ON_TEXT, what="kv-cap-on", single=True)[0])
+assert "kv-preemption-cap" in {r.id for r in KV_CAP_ON if r.enabled}
 
 
 def scenario_dir(name: str) -> Path:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.scenarios.support import REPO, scenario_dir
+from tests.scenarios.support import KV_CAP_ON_TEXT, REPO, scenario_dir
 from tuner.cli import deciding
 from tuner.errors import ConfigError
 
@@ -76,6 +76,16 @@ def test_recommend_table_explains_each_decision(capsys, tmp_path):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("recommend (vllm): ") and " snapshots over " in lines[0]
+    # the shipped rules: more KV memory, later; kv-preemption-cap ships off (docs/evidence.md#kv-preemption-cap)
+    assert ("  LATER   --gpu-memory-utilization 0.92 → 0.94 (kv-more-memory) [sustained]: after 17s more of "
+            "sustained evidence (a restart needs 1m; true for 44s so far)") in lines
+    assert "kv-preemption-cap" not in out and "restart needed: no" in out
+    # turned on (a rule file of the user's)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(KV_CAP_ON_TEXT)
+    argv += ["--rules", str(rules)]
+    rc, out = run(argv, capsys)
+    lines = out.splitlines()
     assert ("  LATER   --max-num-seqs 128 → 10 (kv-preemption-cap) [sustained]: after 17s more of sustained "
             "evidence (a restart needs 1m; true for 44s so far)") in lines
     assert "restart needed: no" in out

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.scenarios.support import DEFAULT_RULES, REPO, meta, replay, scenario_dir
+from tests.scenarios.support import DEFAULT_RULES, KV_CAP_ON, REPO, meta, replay, scenario_dir
 from tuner import config
 from tuner.cli import inputs
 from tuner.model import knobs
@@ -121,7 +121,10 @@ def test_kv_bound_never_raises_max_num_seqs():
     assert s["kv_cache_usage_max"].value >= 0.95 and s["preemptions_per_s"].value > 0
     seqs = int(knobs.EngineArgs.parse(meta("kv-bound")["engine_args"]).get("--max-num-seqs"))
     assert s["requests_running_max"].value < 0.8 * seqs
-    cycles = replay("kv-bound")
+    # the shipped rules: no more slots, and no cap either (kv-preemption-cap ships off)
+    for c in replay("kv-bound"):
+        assert all(ch.knob != "max_num_seqs" for ch in c.plan.changes)
+    cycles = replay("kv-bound", rules=KV_CAP_ON)
     for c in cycles:
         assert all(not (ch.knob == "max_num_seqs" and ch.direction > 0) for ch in c.plan.changes)
     loaded = cycles[10]  # 010: the last scrape under load (011 is after the benchmark)
@@ -143,7 +146,7 @@ def test_kv_bound_with_a_live_cap_lowers_it_on_the_first_window():
     """Lowering the admission cap is live (the engine drains down, nobody is preempted): it goes out on the
     first decided window (005, the first with 10 finished requests), to the 9 the KV cache held, once."""
     args, live = live_engine("kv-bound", 128)
-    cycles = replay("kv-bound", args=args, live=live, apply=True)
+    cycles = replay("kv-bound", args=args, live=live, apply=True, rules=KV_CAP_ON)
     changes = [(i, ch.rule, ch.from_value, ch.to_value, ch.live) for i, c in enumerate(cycles) for ch in c.plan.changes]
     assert changes == [(5, "kv-preemption-cap", 128, 9, True)]
     # 002: the 32 clients' fill (000-001) against the closed loop's pace after it is a change point at 001, so

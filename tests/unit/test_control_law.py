@@ -39,6 +39,23 @@ def test_a_live_step_the_same_way_is_not_held_by_the_cooldown() -> None:
     assert not restart.allowed  # a restart keeps its cooldown whichever way
 
 
+def test_an_experiment_put_back_is_not_tried_again_within_its_cooldown_live_or_not() -> None:
+    """kv-preemption-cap's 1024 → 254, put back, was retried 30 s later at 639 (a bisection): no more."""
+    put_back = History(changes=MappingProxyType({"max_num_seqs": FlagChange(
+        1000.0, +1, "kv-preemption-cap (rolled back)", "254", "1024")}))
+    kw = {"rule_cooldown_seconds": 1800, "settings": SAFETY, "direction": -1}
+    for live in (True, False):
+        held = guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, now=1030, live=live,
+                               experiment="kv-preemption-cap", **kw)
+        assert not held.allowed and "the experiment kv-preemption-cap was put back 30s ago" in held.reason
+        assert guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, now=2801, live=live,
+                               experiment="kv-preemption-cap", **kw).allowed
+    # another rule, or the same one not as an experiment: the usual live cooldown (30 s) and bracket apply
+    assert guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, now=1031, live=True,
+                           experiment="kv-more-memory", **kw).allowed
+    assert guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, now=1031, live=True, **kw).allowed
+
+
 def test_a_live_reversal_on_a_broken_slo_is_not_held_by_hysteresis() -> None:
     h = history(+1)
     kw = {"settings": SAFETY, "now": 1010.0}
@@ -47,9 +64,10 @@ def test_a_live_reversal_on_a_broken_slo_is_not_held_by_hysteresis() -> None:
     assert not guards.hysteresis("max_num_seqs", "--max-num-seqs", -1, h, live=False, breach=True, **kw).allowed
 
 
-def change(frm: int, to: int, *, live: bool = True, knob: str = "max_num_seqs") -> Change:
+def change(frm: int, to: int, *, live: bool = True, knob: str = "max_num_seqs", experimental: bool = False
+           ) -> Change:
     return Change(flag="--" + knob.replace("_", "-"), knob=knob, from_value=frm, to_value=to, rule="r", reason="",
-                  direction=1 if to > frm else -1, live=live)
+                  direction=1 if to > frm else -1, live=live, experimental=experimental)
 
 
 def pool_change(*changes: Change) -> pooling.PoolChange:
@@ -67,6 +85,15 @@ def test_only_a_live_step_further_the_same_way_continues_the_one_being_verified(
     assert not pooling.continues(pool_change(change(10, 32, live=False)), verifying)  # a restart
     assert not pooling.continues(pool_change(change(8192, 4096, knob="max_num_batched_tokens")), verifying)
     assert not pooling.continues(pool_change(change(10, 32)), ())  # nothing to supersede
+
+
+def test_an_experimental_change_is_never_superseded_nor_supersedes() -> None:
+    """It is kept only on its own verdict: 1024 → 254 superseded by 254 → 147 was put back to 254, not 1024."""
+    lowered = change(1024, 254, experimental=True)
+    assert not pooling.continues(pool_change(change(254, 147, experimental=True)), (lowered,))
+    assert not pooling.continues(pool_change(change(254, 147)), (lowered,))
+    assert not pooling.continues(pool_change(change(254, 147, experimental=True)), (change(1024, 254),))
+    assert pooling.continues(pool_change(change(254, 147)), (change(1024, 254),))
 
 
 @given(a=st.integers(1, 4096), b=st.integers(1, 4096), c=st.integers(1, 4096))

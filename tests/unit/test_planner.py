@@ -1,5 +1,6 @@
 """The planner on synthetic signal sets: rules + guards → one Plan per cycle."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,9 @@ from tuner.signals import Signal, missing
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = loading.load(REPO / "rules" / "default.yaml")
+# kv-preemption-cap ships off (docs/evidence.md#kv-preemption-cap); these tests hold what it does once turned on
+KV_CAP_ON = dataclasses.replace(DEFAULT, rules=tuple(
+    r.model_copy(update={"enabled": True}) if r.id == "kv-preemption-cap" else r for r in DEFAULT.rules))
 # The model's measured step, what these tests check the arithmetic of; the shipped default sends a restart raise
 # on to the TPOT frontier (test_a_restart_raise_goes_to_the_tpot_frontier)
 MEASURED = models.ModelSettings(restart_to_frontier=False)
@@ -45,7 +49,7 @@ KV_BOUND = BUSY | dict(requests_running=35, requests_running_max=39, requests_wa
                        kv_cache_max_concurrency=27, gpu_memory_utilization=0.2)
 
 
-def run(signals, args, *, cycles=3, history=None, rules=DEFAULT, settings=SETTINGS, kind="vllm", start=1000.0,
+def run(signals, args, *, cycles=3, history=None, rules=KV_CAP_ON, settings=SETTINGS, kind="vllm", start=1000.0,
         step=30.0, **kw):
     """Plan ``cycles`` times on the same signals without applying; return the last plan."""
     h = history or History()
@@ -141,6 +145,14 @@ def test_the_model_never_lowers_and_says_when_today_is_enough():
     unknown = run(QUEUE_BOUND | dict(slot_seconds_mean=None), "--max-num-seqs 8")
     assert not unknown.changes and "the concurrency model cannot size it: slot_seconds_mean unknown" in \
         unknown.held[0].reason
+
+
+def test_the_shipped_rules_neither_raise_nor_cap_a_kv_bound_engine():
+    """kv-preemption-cap is off by default: on the trace family it harmed 4 runs of 200 from vLLM's defaults."""
+    p = run(KV_BOUND, "--max-num-seqs 256 --gpu-memory-utilization 0.2", rules=DEFAULT)
+    assert not [c for c in p.changes if c.knob == "max_num_seqs"]
+    (o,) = [o for o in p.outcomes if o.rule == "kv-preemption-cap"]
+    assert o.status == "disabled"
 
 
 def test_kv_bound_does_not_raise_but_caps_max_num_seqs():

@@ -410,15 +410,26 @@ def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float |
 
 def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
              settings: SafetySettings, now: float, live: bool = False, direction: int = 0,
-             breach: bool = False) -> Ruling:
+             breach: bool = False, experiment: str | None = None) -> Ruling:
     """A flag is not changed again within the cooldown of its last change. A live change that goes on the
     way the last one went (``direction``, the same sign) is not held: live changes are cheap, and a step in
     the direction the evidence keeps pointing is a controller correcting itself, which a cooldown between
     steps only delays (H200, issue 25: 8 → 10 on a diluted window, then 64 s of verification and cooldown in
-    series while 181 requests waited per replica). The cooldown guards reversals, with the hysteresis."""
+    series while 181 requests waited per replica). The cooldown guards reversals, with the hysteresis.
+
+    ``experiment``: the experimental rule proposing. Its own change put back (not shown to help) holds its
+    next try for the whole cooldown, live too — no bisection toward a value an experiment found worse: on the
+    trace family (seed 7, from vLLM's 1024) kv-preemption-cap's 1024 → 254, put back, was tried again 30 s
+    later at 639, then 157, 398, 519…, each an experiment the goodput paid for (live-108: 0.66 × staying)."""
     last = history.changes.get(knob)
     if last is None:
         return allow("cooldown")
+    if experiment is not None and last.rule == experiment + ROLLED_BACK:
+        period = max(rule_cooldown_seconds, settings.cooldown_seconds)
+        left = last.at + period - now
+        if left > 0:
+            return deny("cooldown", f"cooldown {duration(left)} left ({flag}: the experiment {experiment} was put "
+                        f"back {duration(now - last.at)} ago, not shown to help)")
     if live and direction != 0 and last.direction == direction:
         return allow("cooldown", f"{flag} goes on the way its last live change went")
     if live and breach and not last.rule.endswith(ROLLED_BACK):

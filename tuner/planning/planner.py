@@ -395,7 +395,8 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
         assert floor is not None
         yield guards.floor_check(p.to_value, floor, from_value=p.from_value)
     yield guards.cooldown(p.knob, p.flag, history, rule_cooldown_seconds=p.cooldown_seconds,
-                          settings=settings.safety, now=now, live=live, direction=p.direction, breach=p.breach)
+                          settings=settings.safety, now=now, live=live, direction=p.direction, breach=p.breach,
+                          experiment=p.rule if p.experimental else None)
     if p.rule != THERMAL_RULE:  # cooling down beats not flapping
         yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now,
                                 live=live, breach=p.breach, to_value=float(p.to_value))

@@ -168,12 +168,15 @@ def continues(change: PoolChange, verifying: Sequence[history_mod.Change]) -> bo
     """``change`` may supersede the verification of the live change in flight (machine Rule 6): live, only
     knobs that change moved, each the same direction and further — or back, by a rule that fires on a broken
     SLO (``breach``: the price of the change being verified breaks it, and the lowering does not wait for
-    that verification's verdict)."""
+    that verification's verdict). Never an experimental change, on either side: it is kept only on its own
+    verdict (the trace family, live-108 of seed 7 from vLLM's defaults: kv-preemption-cap's 1024 → 254 was
+    superseded by its own 254 → 147 before it was judged; that one's verdict, generation −20 %, put it back
+    to 254, never to 1024, and the pool served 0.78 × the default it started from)."""
     if not change.live or not verifying or not change.changes:
         return False
     for c in change.changes:
         v = next((v for v in verifying if v.knob == c.knob and v.live), None)
-        if v is None or v.direction == 0 or c.direction == 0:
+        if v is None or v.direction == 0 or c.direction == 0 or v.experimental or c.experimental:
             return False
         if c.direction != v.direction:
             if not c.breach:
