@@ -22,7 +22,8 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 P = TypeVar("P", bound="subprocess.Popen[Any]")
@@ -89,6 +90,30 @@ def _kill(proc: subprocess.Popen[Any], group: bool, timeout_seconds: float) -> N
             _unreaped.append(proc)
         raise Unstoppable(f"pid {proc.pid} ({_name(proc)}) outlived SIGKILL by {timeout_seconds:g} s "
                           "(stuck in the kernel?); it is reaped once it exits") from None
+
+
+def stop_all(procs: Iterable[subprocess.Popen[Any]], *, timeout_seconds: float,
+             signal_first: int | None = signal.SIGTERM, group: bool = False,
+             kill_timeout_seconds: float = 10.0) -> list[int]:
+    """``stop`` each of ``procs`` under one deadline: the first signal to all of them at once, up to
+    ``timeout_seconds`` in all for them to exit, then SIGKILL to each one left. Every one of them is
+    stopped even when one raises; then the first ``Unstoppable`` is raised, if any."""
+    procs = list(procs)
+    if signal_first is not None:
+        for proc in procs:
+            _send(proc, signal_first, group)
+    deadline = time.monotonic() + timeout_seconds
+    codes: list[int] = []
+    failed: Unstoppable | None = None
+    for proc in procs:
+        try:
+            codes.append(stop(proc, timeout_seconds=max(0.0, deadline - time.monotonic()), signal_first=None,
+                              group=group, kill_timeout_seconds=kill_timeout_seconds))
+        except Unstoppable as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+    return codes
 
 
 def _name(proc: subprocess.Popen[Any]) -> str:
