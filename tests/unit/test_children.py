@@ -147,7 +147,7 @@ def test_the_guard_runs_whatever_ends_the_block(tmp_path: Path) -> None:
 
     def fails() -> None:
         spawned = subprocess.Popen(["sh", "-c", "trap '' TERM; touch \"$1\"; while :; do sleep 0.05; done", "sh",
-                                    str(ready)])
+                                    str(ready)], stdout=subprocess.PIPE)
         with children.stopped(spawned, timeout_seconds=0.05) as proc:
             started.append(proc)
             while not ready.exists():  # SIGTERM is ignored from here on
@@ -157,4 +157,5 @@ def test_the_guard_runs_whatever_ends_the_block(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         fails()
     assert started[0].returncode == -signal.SIGKILL
+    assert started[0].stdout is not None and started[0].stdout.closed
     assert dropped_quietly(started) == []

@@ -128,9 +128,16 @@ def _name(proc: subprocess.Popen[Any]) -> str:
 def stopped(proc: P, *, timeout_seconds: float, signal_first: int | None = signal.SIGTERM, group: bool = False,
             kill_timeout_seconds: float = 10.0) -> Iterator[P]:
     """``with stopped(subprocess.Popen(...), timeout_seconds=10) as proc:`` — the child is stopped (``stop``)
-    when the block ends, however it ends: no statement stands between the spawn and the guard."""
+    when the block ends, however it ends, and its pipes are closed (as ``Popen``'s own ``with`` does, which
+    waits without a deadline and never signals)."""
     try:
         yield proc
     finally:
-        stop(proc, timeout_seconds=timeout_seconds, signal_first=signal_first, group=group,
-             kill_timeout_seconds=kill_timeout_seconds)
+        try:
+            stop(proc, timeout_seconds=timeout_seconds, signal_first=signal_first, group=group,
+                 kill_timeout_seconds=kill_timeout_seconds)
+        finally:
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
