@@ -32,8 +32,8 @@ def _state(pid: int) -> str:
     except ChildProcessError:
         return "reaped by someone else"
     except OSError:
-        return "in an unknown state"
-    return "still running" if exited is None else "exited, its status never read"
+        return "unknown"
+    return "running" if exited is None else "exited, its status never read"
 
 
 def install() -> None:
@@ -50,8 +50,10 @@ def install() -> None:
     def __del__(self: subprocess.Popen[Any], _warn: Any = warnings.warn) -> None:
         try:
             if getattr(self, "_child_created", False) and self.returncode is None:
-                _warn(f"subprocess {self.pid} is {_state(self.pid)}: {self.args!r}, started in "
-                      f"{getattr(self, _ATTR, '?')}; stop it with tuner.actuators.children.stop",
+                # Python's own words first: a test's filterwarnings("ignore:subprocess .* is still running") holds
+                _warn(f"subprocess {self.pid} is still running, says its Popen (in fact: {_state(self.pid)}): "
+                      f"{self.args!r}, started in {getattr(self, _ATTR, '?')}; stop it with "
+                      "tuner.actuators.children.stop",
                       ResourceWarning, source=self)
         finally:
             original_del(self, _warn=_quiet)  # its own bookkeeping (the reap of an exited child) without its warning

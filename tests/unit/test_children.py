@@ -159,3 +159,18 @@ def test_the_guard_runs_whatever_ends_the_block(tmp_path: Path) -> None:
     assert started[0].returncode == -signal.SIGKILL
     assert started[0].stdout is not None and started[0].stdout.closed
     assert dropped_quietly(started) == []
+
+
+def test_a_popen_dropped_unreaped_names_its_child_and_the_test_that_started_it() -> None:
+    """tests/support/popen_guard.py (installed by tests/conftest.py): what CI showed as only "Exception ignored
+    in: <function Popen.__del__>" in some other test now says which child and which test."""
+    box = [subprocess.Popen(["sleep", "30"])]
+    pid = box[0].pid
+    try:
+        (said,) = dropped_quietly(box)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert said.startswith(f"subprocess {pid} is still running")  # Python's words: filterwarnings marks still match
+    assert "['sleep', '30']" in said and "(in fact: running)" in said
+    assert "tests/unit/test_children.py::test_a_popen_dropped_unreaped_names_its_child_and_the_test_that" in said
