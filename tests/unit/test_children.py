@@ -174,3 +174,26 @@ def test_a_popen_dropped_unreaped_names_its_child_and_the_test_that_started_it()
     assert said.startswith(f"subprocess {pid} is still running")  # Python's words: filterwarnings marks still match
     assert "['sleep', '30']" in said and "(in fact: running)" in said
     assert "tests/unit/test_children.py::test_a_popen_dropped_unreaped_names_its_child_and_the_test_that" in said
+
+
+def test_stop_all_stops_every_child_even_after_one_outlives_sigkill() -> None:
+    stuck = StuckInTheKernel(["sleep", "30"])
+    rest = [subprocess.Popen(["sh", "-c", "trap '' TERM; while :; do sleep 0.05; done"]),
+            subprocess.Popen(["sleep", "30"])]
+    try:
+        with pytest.raises(children.Unstoppable, match=rf"pid {stuck.pid} "):
+            children.stop_all([stuck, *rest], timeout_seconds=0.1, kill_timeout_seconds=0.1)
+        assert all(p.returncode is not None for p in rest)  # the ones after it were stopped all the same
+    finally:
+        stuck.stuck = False
+        children.unreaped()
+    assert stuck.returncode is not None  # reaped by the later look
+
+
+def test_the_callers_escalation_runs_before_sigkill() -> None:
+    """``before_kill``: what a private systemd does to its namespace's PID 1 before unshare's SIGKILL."""
+    proc = subprocess.Popen(["sleep", "30"])
+    seen: list[int | None] = []
+    assert children.stop(proc, timeout_seconds=0, signal_first=None, before_kill=lambda: seen.append(proc.poll())) \
+        == -signal.SIGKILL
+    assert seen == [None]  # it ran while the child still ran, then SIGKILL ended it
