@@ -8,7 +8,8 @@ goes through ``stop``: the first signal (SIGTERM unless told otherwise; none whe
 the child to go), up to ``timeout_seconds`` for it to exit, then SIGKILL and up to ``kill_timeout_seconds``
 more. ``group``: signal the child's whole process group (a child started with ``start_new_session``);
 the group is signalled only while the child's own exit status is unread, so its id cannot have been
-recycled.
+recycled. ``stop_all`` does the same for several children under one deadline; ``stopped`` guards a block
+(``with stopped(subprocess.Popen(...), timeout_seconds=…) as proc:``).
 
 A child that outlives SIGKILL too (stuck in the kernel: uninterruptible sleep) raises ``Unstoppable``,
 and its ``Popen`` is kept here (``unreaped``) and reaped by a later ``stop``: never an unreferenced
