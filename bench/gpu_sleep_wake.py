@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pynvml
 
+from tuner.actuators import children
 from tuner.sources.engines import EngineClient
 
 MODEL = os.environ.get("MODEL", "/tmp/parts/model")
@@ -201,11 +202,7 @@ def main() -> None:
         with EngineClient(sleep_timeout_seconds=300) as client:
             run_steps(client)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        children.stop(proc, timeout_seconds=60)  # SIGTERM, SIGKILL after 60 s, reaped
         log.close()
         text = Path("/tmp/vllm_sleep_server.log").read_text(errors="replace").splitlines()
         keys = ("sleep", "wake", "freed", "SECURITY", "Sleep", "Wake", "abort", "Error", "error")

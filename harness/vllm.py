@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from harness.ports import free_port
+from tuner.actuators import children
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -289,16 +290,16 @@ class VllmServer:
         self._log_file = open(self.log_path, "wb")
         env = {**os.environ, **self.env_overrides}
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(REPO_ROOT),
-            start_new_session=True,  # own process group: stop() signals the engine core too
-        )
         try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(REPO_ROOT),
+                start_new_session=True,  # own process group: stop() signals the engine core too
+            )
             self._wait_healthy(t0)
         except BaseException:
             self.stop()
@@ -332,21 +333,15 @@ class VllmServer:
         """SIGTERM the process group, SIGKILL after ``stop_timeout``. Returns the exit code."""
         proc, self.proc = self.proc, None
         rc: int | None = None
-        if proc is not None:
-            if proc.poll() is None:
-                self._signal_group(proc, signal.SIGTERM)
-                try:
-                    rc = proc.wait(timeout=self.stop_timeout)
-                except subprocess.TimeoutExpired:
-                    self._signal_group(proc, signal.SIGKILL)
-                    rc = proc.wait(timeout=30)
-            else:
-                rc = proc.returncode
-            # Stragglers (engine core) that outlived the API server.
-            self._signal_group(proc, signal.SIGKILL)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        try:
+            if proc is not None:
+                rc = children.stop(proc, timeout_seconds=self.stop_timeout, group=True, kill_timeout_seconds=30)
+                # Stragglers (engine core) that outlived the API server.
+                self._signal_group(proc, signal.SIGKILL)
+        finally:
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
         return rc
 
     @staticmethod
@@ -615,9 +610,7 @@ def run_benchmark(
                         raise BenchmarkError(f"benchmark stopped after {timeout:.0f}s or on request")
                     time.sleep(0.2)
             except BaseException:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                children.stop(proc, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL to its group
                 raise
         if proc.returncode != 0 or not result_file.exists():
             with open(out_path, "rb") as f:

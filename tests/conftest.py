@@ -1,4 +1,5 @@
-"""Fixtures every tier shares, the ``slow`` marker's rule, Hypothesis's profile, and each tier's own time.
+"""Fixtures every tier shares, the ``slow`` marker's rule, Hypothesis's profile, each tier's own time, and the
+guard that names the test behind a child left unreaped (tests/support/popen_guard.py).
 
 The tiers (pyproject.toml's markers):
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import gc
 import math
 import os
 import socket
@@ -36,6 +38,8 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.support import popen_guard
 
 SLOW_FOLDERS = ("faults/", "processes/")  # every test in them is slow (the module docstring)
 SLOW_SECONDS = 10.0
@@ -131,6 +135,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return "e2e" if in_e2e_unit(nodeid) else nodeid.split("::", 1)[0]
 
     return FilesAndOneE2EUnit(config, log)
+
+
+# --- children left unreaped ---------------------------------------------------------------------------
+
+popen_guard.install()  # a Popen dropped unreaped names its child and the test that started it
+
+
+@pytest.hookimpl(tryfirst=True)  # what the test's body dropped, reported in its teardown (the fixtures' in the next setup)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if popen_guard.collect_after():
+        gc.collect()
 
 
 # --- each tier's own time ------------------------------------------------------------------------------

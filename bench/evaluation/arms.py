@@ -37,6 +37,7 @@ from bench.evaluation import analysis, profiles
 from harness import live as harness_live
 from harness import nginx as nginx_support
 from harness import vllm
+from tuner.actuators import children
 from tuner.model import snapshots
 from tuner.sources import live_knobs
 
@@ -277,12 +278,10 @@ def play(ctx: Context, *, url: str, arm: str, arm_dir: Path, upstreams: Mapping[
                 tail = (arm_dir / "player.log").read_text(errors="replace")[-3000:]
                 raise HarnessError(f"the player exited {proc.returncode}:\n{tail}")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, 9)
-                proc.wait(timeout=30)
-        log.close()
+        try:  # SIGKILL to the group of every player still running, each reaped
+            children.stop_all(procs, timeout_seconds=0, signal_first=None, group=True, kill_timeout_seconds=30)
+        finally:
+            log.close()
     records = []
     for part in parts:
         for line in part.read_text().splitlines():

@@ -9,7 +9,6 @@ import collections
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from harness import bench_client_fix, vllm
 from harness.live.config import SERVED_NAME
 from harness.waiting import wait_for
+from tuner.actuators import children
 
 # vLLM's benchmark client, unchanged but for the stream fix (bench_client_fix.py) and two wrappers: requests are handed out as a closed loop
 # of CONCURRENCY clients (the next one only when one finished), and no new request starts once
@@ -131,10 +131,8 @@ class LiveLoad:
         return vllm.summarised(json.loads(self.result_file.read_text()))
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        if self.proc is not None:
+            children.stop(self.proc, timeout_seconds=0, signal_first=None, group=True, kill_timeout_seconds=30)
 
     def log_tail(self, n: int = 40) -> str:
         with contextlib.suppress(OSError), open(self.log_path, "rb") as f:

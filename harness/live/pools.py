@@ -32,6 +32,7 @@ from harness.live.journal import finished, journal_records, rollout_ids
 from harness.live.load import LiveLoad
 from harness.live.tuner_process import TunerProcess
 from harness.waiting import wait_for
+from tuner.actuators import children
 
 # --- prerequisites ------------------------------------------------------------------------------------
 
@@ -351,8 +352,7 @@ class CpuHog:
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
             self.cpu_seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        self.proc.kill()
-        self.proc.wait(timeout=30)
+        children.stop(self.proc, timeout_seconds=0, signal_first=None, kill_timeout_seconds=30)  # SIGKILL
 
 
 def cpu_hog() -> CpuHog:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 
 from harness.live.config import REPO_ROOT
+from tuner.actuators import children
 
 
 class TunerProcess:
@@ -54,23 +54,14 @@ class TunerProcess:
 
     def kill(self) -> None:
         """SIGKILL, as the OOM killer or a power cut would: no cleanup at all."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        if self.proc is not None:
+            children.stop(self.proc, timeout_seconds=0, signal_first=None, group=True, kill_timeout_seconds=30)
 
     def terminate(self, timeout: float = 120) -> int | None:
         """SIGTERM (the tuner finishes its current step and persists its state), SIGKILL after ``timeout``."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
+        return children.stop(self.proc, timeout_seconds=timeout, group=True, kill_timeout_seconds=30)
 
     def log_tail(self, n: int = 60) -> str:
         with contextlib.suppress(OSError), open(self.log_path, "rb") as f:

@@ -36,6 +36,7 @@ from harness import live, vllm
 from harness import nginx as nginx_support
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder
+from tuner.actuators import children
 from tuner.launcher import packaging
 
 # Scheduling (tests/conftest.py): its turn on the real-engine tests' worker (lower first); it waits for
@@ -129,32 +130,30 @@ def pod(vllm_ready: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     work = tmp_path_factory.mktemp("launcher-live")
     zipapp = packaging.build_zipapp(work / "launcher.pyz")
     port, stub_port = vllm.free_port(), vllm.free_port()
-    stub = subprocess.Popen([sys.executable, str(STUB), "--port", str(stub_port), "--model", live.SERVED_NAME,
-                             "--stub-latency", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    lb = nginx_support.NginxBalancer({"real": f"127.0.0.1:{port}", "stub": f"127.0.0.1:{stub_port}"},
-                                     read_timeout_seconds=300)
-    launcher = start_launcher(work, zipapp, base_argv(vllm_ready, port), "l1")
-    endpoints = Endpoints(lb, ready_url=launcher.url + "/readyz", engine=f"127.0.0.1:{port}",
-                          backup=f"127.0.0.1:{stub_port}")
-    recorder = ProbeRecorder(launcher.url, period=0.5)
-    p = Pod(work, vllm_ready, port, lb, endpoints, launcher, recorder, zipapp, stub)
-    try:
+    # each part is taken down (in the reverse order) however far the setup got
+    with contextlib.ExitStack() as down:
+        down.callback(live.kill_engines_on_ports, [port])
+        stub = subprocess.Popen([sys.executable, str(STUB), "--port", str(stub_port), "--model", live.SERVED_NAME,
+                                 "--stub-latency", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        down.callback(children.stop, stub, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL, reaped
+        lb = nginx_support.NginxBalancer({"real": f"127.0.0.1:{port}", "stub": f"127.0.0.1:{stub_port}"},
+                                         read_timeout_seconds=300)
+        down.callback(lb.stop)
+        launcher = start_launcher(work, zipapp, base_argv(vllm_ready, port), "l1")
+        down.callback(launcher.stop, timeout=90)
+        endpoints = Endpoints(lb, ready_url=launcher.url + "/readyz", engine=f"127.0.0.1:{port}",
+                              backup=f"127.0.0.1:{stub_port}")
+        down.callback(endpoints.stop)
+        recorder = ProbeRecorder(launcher.url, period=0.5)
+        down.callback(recorder.stop)
+        p = Pod(work, vllm_ready, port, lb, endpoints, launcher, recorder, zipapp, stub)
         endpoints.start()
         lb.start()
         recorder.start()
         launcher.wait(lambda s: s.get("ready"), START_TIMEOUT, "the first engine ready")
         endpoints.wait(True, 30)
         yield p
-    finally:
-        recorder.stop()
-        endpoints.stop()
-        launcher.stop(timeout=90)
-        lb.stop()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(stub.pid, signal.SIGKILL)
-        stub.wait(timeout=10)
-        live.kill_engines_on_ports([port])
 
 
 def agent_relaunch(pod: Pod, overrides: list[tuple[str, str]], *, grace_seconds: float = 2.0,

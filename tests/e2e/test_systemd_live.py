@@ -122,6 +122,8 @@ class SystemdPool:
         return self.work / "config.yaml"
 
     def start_tuner(self) -> live.TunerProcess:
+        if self.tuner is not None and self.tuner.alive():  # (one that has exited is reaped by the look)
+            raise RuntimeError("the tuner is already running")
         self.tuner = live.TunerProcess(self.config_path, listen_port=self.listen_port,
                                        log_path=self.work / "tuner.log").start()
         return self.tuner

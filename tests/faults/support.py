@@ -45,6 +45,7 @@ import yaml
 
 from harness import waiting
 from harness.ports import free_port
+from tuner.actuators import children
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
 from tuner.sources import live_knobs
@@ -209,11 +210,8 @@ class Tuner:
         return int(self.proc.returncode)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.wait(10)
+        """SIGKILL to its group (a frozen tuner too), reaped."""
+        children.stop(self.proc, timeout_seconds=0, signal_first=None, group=True)
 
     def tail(self, n: int = 40) -> str:
         with contextlib.suppress(OSError):

@@ -24,6 +24,7 @@ import httpx
 import yaml
 
 from tests.faults import support
+from tuner.actuators import children
 from tuner.rollout import machine
 
 # Scheduling (tests/conftest.py): one of the longest files, started first on a worker of its own;
@@ -162,19 +163,19 @@ class BadEngines:
 def bad_world() -> Iterator[tuple[str, SlowLoris, BadEngines]]:
     """(the healthy engine's base URL: a simulated one in its own process, the slow loris, the broken ones)."""
     port = support.free_port()
-    healthy = subprocess.Popen([*support.SIM_COMMAND, "--port", str(port), "--max-num-seqs", "8", "--sim-concurrency",
-                                "4", "--sim-output-tokens", "32", "--sim-startup-seconds", "0"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    loris, bad = SlowLoris(every=1.0), BadEngines()
     url = f"http://127.0.0.1:{port}"
-    try:
+    with contextlib.ExitStack() as stack:
+        healthy = subprocess.Popen([*support.SIM_COMMAND, "--port", str(port), "--max-num-seqs", "8",
+                                    "--sim-concurrency", "4", "--sim-output-tokens", "32", "--sim-startup-seconds", "0"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        # SIGKILL to its group, reaped: last, after the fake engines below are closed
+        stack.callback(children.stop, healthy, timeout_seconds=0, signal_first=None, group=True)
+        loris = SlowLoris(every=1.0)
+        stack.callback(loris.close)
+        bad = BadEngines()
+        stack.callback(bad.close)
         support.wait_for(lambda: support.healthy(url), 60, "the simulated engine to serve", poll=0.2)
         yield url, loris, bad
-    finally:
-        loris.close()
-        bad.close()
-        os.killpg(healthy.pid, signal.SIGKILL)
-        healthy.wait(10)
 
 
 INTERVAL = 5.0

@@ -106,6 +106,7 @@ def test_a_tuner_killed_while_starting_an_engine_never_loses_it(tmp_path_factory
     killed = subprocess.run([sys.executable, "-c", TUNER, point, str(state_dir), str(STUB),
                              *(f"{n}={p}" for n, p in names.items())], env=env, timeout=60, check=False)
     assert killed.returncode == -signal.SIGKILL
+    act: process.ProcessActuator | None = None
     try:
         time.sleep(0.2)
         running = _engines_of(ports)
@@ -127,6 +128,9 @@ def test_a_tuner_killed_while_starting_an_engine_never_loses_it(tmp_path_factory
     finally:
         for pid in _engines_of(ports):
             os.killpg(pid, signal.SIGKILL)
+        if act is not None:  # reaped by the actuator that started them (their Popen objects are its)
+            for n in names:
+                act.stop(n, timeout_seconds=10)
 
 
 def _zombies_of(parent: int) -> list[int]:

@@ -26,6 +26,7 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tuner.actuators import children
 from tuner.runtime import httpserver, selfmetrics
 from tuner.runtime.state import TunerState
 
@@ -202,11 +203,11 @@ def test_a_flood_at_a_file_limit_of_128_stops_no_engine_scrape_and_no_healthz() 
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", SERVER_AT_128, f"http://127.0.0.1:{engine.server_port}/metrics",
                              "12"], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    socks: list[socket.socket] = []
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
         stop = threading.Event()
-        socks: list[socket.socket] = []
 
         def trickle() -> None:
             while not stop.wait(3.0):
@@ -233,11 +234,12 @@ def test_a_flood_at_a_file_limit_of_128_stops_no_engine_scrape_and_no_healthz() 
     finally:
         for s in socks:
             s.close()
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        engine.shutdown()
+        try:
+            children.stop(proc, timeout_seconds=0, signal_first=None)  # SIGKILL, reaped
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+            engine.shutdown()
         engine.server_close()
     assert report["failed"] == 0, f"engine scrapes failed during the flood: {report}"
     assert health == [200] * 8, health

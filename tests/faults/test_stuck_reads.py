@@ -36,6 +36,7 @@ from harness.ports import free_port
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess
 from tuner import config
+from tuner.actuators import children
 from tuner.model import live, snapshots
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -143,10 +144,10 @@ def test_a_reader_stuck_in_a_syscall_does_not_keep_the_process_alive_after_sigte
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0  # the daemon's promise: out within 10 s of SIGTERM
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        proc.stdout.close()
+        try:
+            children.stop(proc, timeout_seconds=0, signal_first=None)  # SIGKILL if it still runs, reaped
+        finally:
+            proc.stdout.close()
 
 
 STUB_ENGINE = Path(__file__).resolve().parents[1] / "support" / "stub_engine.py"

@@ -24,6 +24,7 @@ import yaml
 from harness import ports, waiting
 from tests.integration.test_deploy import CHART, VERSIONS, by_kind, kubectl, validate
 from tests.support import helm_shim
+from tuner.actuators import children
 from tuner.kube import injecting as inj
 from tuner.launcher import packaging
 from tuner.portable import pod_protocol as protocol
@@ -141,12 +142,7 @@ def stub(port: int) -> list[str]:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    children.stop(proc, timeout_seconds=20)  # SIGTERM, SIGKILL after 20 s, reaped
 
 
 def test_without_the_agent_the_engine_starts_on_its_own_and_the_probes_hold(tmp_path):

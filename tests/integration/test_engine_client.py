@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from harness.ports import free_port
-from tuner.actuators import base, fake
+from tuner.actuators import base, children, fake
 from tuner.rollout import journal, machine
 from tuner.runtime import driving, engineside
 from tuner.sources.engines import EngineClient
@@ -30,14 +30,18 @@ def start_stub(*argv: str) -> tuple[subprocess.Popen[bytes], str]:
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the stub engine did not start"
-        time.sleep(0.05)
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the stub engine did not start"
+            time.sleep(0.05)
+    except BaseException:
+        children.stop(proc, timeout_seconds=0, signal_first=None)  # SIGKILL, reaped
+        raise
 
 
 @pytest.fixture
@@ -46,8 +50,7 @@ def stub(request: pytest.FixtureRequest) -> Iterator[str]:
     try:
         yield url
     finally:
-        proc.kill()
-        proc.wait()
+        children.stop(proc, timeout_seconds=0, signal_first=None)  # SIGKILL, reaped
 
 
 @pytest.mark.parametrize("stub", [("--api-key", "s3cret", "--model", "m")], indirect=True)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tests.support.sdnotify import drain
+from tuner.actuators import children
 from tuner.daemon import notify
 from tuner.runtime import scheduling
 
@@ -138,7 +139,6 @@ def test_sigterm_finishes_the_current_step_persists_and_exits_0(tmp_path: Path) 
         out.with_suffix(".go").write_text("1")  # …and exits 0 once the step has finished
         assert proc.wait(timeout=20) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        children.stop(proc, timeout_seconds=0, signal_first=None)  # SIGKILL if it still runs; reaped either way
     assert out.with_suffix(".finished").exists(), "the step in progress was cut short"
     assert out.read_text() == "persisted"

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tuner import config
+from tuner.actuators import children
 from tuner.runtime import collecting
 from tuner.signals import engine as engine_signals
 from tuner.sim import engine as sim
@@ -255,9 +256,7 @@ def test_as_a_process_it_starts_slowly_and_drains_on_sigterm(http: httpx.Client)
         assert answers[0].json()["choices"][0]["finish_reason"] == "length"
         assert answers[0].json()["usage"]["completion_tokens"] == 400
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        children.stop(proc, timeout_seconds=0, signal_first=None)  # SIGKILL if it still runs, reaped
         err = proc.stderr.read().decode() if proc.stderr else ""
         if proc.stderr:
             proc.stderr.close()

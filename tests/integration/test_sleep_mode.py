@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from harness.ports import free_port
+from tuner.actuators import children
 from tuner.sources.engines import EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,15 +41,18 @@ def start_sim(port: int, *, dev_mode: bool, sleep_mode: bool = True) -> subproce
         env["VLLM_SERVER_DEV_MODE"] = "1"
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("the simulated engine did not start")
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError("the simulated engine did not start")
+    except BaseException:
+        children.stop(proc, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL, reaped
+        raise
 
 
 def complete(url: str, out: dict[str, object]) -> None:
@@ -72,13 +76,14 @@ def server_load(url: str) -> int:
 def simulated(*, dev_mode: bool) -> Iterator[tuple[str, EngineClient]]:
     port = free_port()
     proc = start_sim(port, dev_mode=dev_mode)
-    control = EngineClient()
     try:
-        yield f"http://127.0.0.1:{port}", control
+        control = EngineClient()
+        try:
+            yield f"http://127.0.0.1:{port}", control
+        finally:
+            control.close()
     finally:
-        control.close()
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        children.stop(proc, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL, reaped
 
 
 def test_sleep_control_sleeps_and_wakes_and_a_request_waits_for_the_wake() -> None:
@@ -131,11 +136,11 @@ def test_the_daemon_puts_an_idle_engine_to_sleep_and_wakes_it_for_a_request(tmp_
     }
     path = tmp_path / "tuner.yaml"
     path.write_text(json.dumps(cfg))
-    log = open(tmp_path / "tuner.log", "wb")
-    tuner = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(path)], cwd=ROOT,
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     control = EngineClient()
+    with open(tmp_path / "tuner.log", "wb") as log:
+        tuner = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(path)], cwd=ROOT,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while control.is_sleeping(url) is not True and time.monotonic() < deadline:
@@ -157,12 +162,17 @@ def test_the_daemon_puts_an_idle_engine_to_sleep_and_wakes_it_for_a_request(tmp_
         assert all(r.get("error") is None for r in records if "action" in r)
     finally:
         control.close()
-        os.killpg(tuner.pid, signal.SIGTERM)
-        tuner.wait(30)
-        log.close()
-        for pidfile in (tmp_path / "engines").glob("*.json"):
-            with contextlib.suppress(ProcessLookupError, ValueError, KeyError):
-                os.killpg(int(json.loads(pidfile.read_text())["pid"]), signal.SIGKILL)
+        try:
+            children.stop(tuner, timeout_seconds=30, group=True)  # SIGTERM, SIGKILL after 30 s, reaped
+        finally:
+            stop_engines(tmp_path / "engines")
+
+
+def stop_engines(state_dir: Path) -> None:
+    """The process actuator's engines outlive the tuner (their own sessions): SIGKILL to each one's group."""
+    for pidfile in state_dir.glob("*.json"):
+        with contextlib.suppress(ProcessLookupError, ValueError, KeyError):
+            os.killpg(int(json.loads(pidfile.read_text())["pid"]), signal.SIGKILL)
 
 
 def test_sleep_mode_without_load_tracking_is_a_config_error(tmp_path: Path) -> None:

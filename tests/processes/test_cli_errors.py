@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from harness.ports import free_port
+from tuner.actuators import children
 from tuner.rollout import locks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,12 +209,13 @@ def test_replay_names_a_bad_meta_json_in_one_line(tmp_path: Path) -> None:
 
 def test_replay_into_a_pipe_that_closes_early_ends_quietly() -> None:
     """``vllm-tuner replay DIR -v | head -1``: the reader goes away after one line."""
-    tuner_proc = subprocess.Popen([sys.executable, "-m", "tuner", "replay", str(SCENARIO), "-v"], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert tuner_proc.stdout is not None
-    head = subprocess.run(["head", "-1"], stdin=tuner_proc.stdout, capture_output=True, timeout=120)
-    tuner_proc.stdout.close()  # only head holds the pipe's read end now
-    _, err = tuner_proc.communicate(timeout=120)
+    replay = subprocess.Popen([sys.executable, "-m", "tuner", "replay", str(SCENARIO), "-v"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with children.stopped(replay, timeout_seconds=0, signal_first=None) as tuner_proc:  # SIGKILL if a wait fails
+        assert tuner_proc.stdout is not None
+        head = subprocess.run(["head", "-1"], stdin=tuner_proc.stdout, capture_output=True, timeout=120)
+        tuner_proc.stdout.close()  # only head holds the pipe's read end now
+        _, err = tuner_proc.communicate(timeout=120)
     assert head.stdout.strip(), "replay printed nothing"
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
     assert tuner_proc.returncode == 0, (tuner_proc.returncode, err.decode())

@@ -23,6 +23,7 @@ from harness.ports import free_port
 from harness.waiting import wait_for
 from tests.support import launcher as support
 from tests.support.launcher import LauncherProcess, ProbeRecorder, fake_engine_argv
+from tuner.actuators import children
 from tuner.launcher import packaging, probes
 from tuner.portable import pod_protocol as protocol
 
@@ -338,9 +339,10 @@ def test_signal_all_reaches_each_process_of_the_group_once(tmp_path, monkeypatch
         time.sleep(1.0)  # a duplicate would have arrived with the first
         assert {n: (tmp_path / n).read_text().count("x") for n in names} == dict.fromkeys(names, 1)
     finally:
-        processes.signal_all(leader.pid, signal.SIGKILL, root=leader.pid)
-        leader.kill()
-        leader.wait()
+        try:
+            processes.signal_all(leader.pid, signal.SIGKILL, root=leader.pid)
+        finally:
+            children.stop(leader, timeout_seconds=0, signal_first=None)  # SIGKILL, reaped
         # ``away`` left the group and, its parent gone, is nobody's descendant now: by its own pid
         for ready in tmp_path.glob("*.ready"):
             with contextlib.suppress(ProcessLookupError, ValueError):

@@ -8,8 +8,6 @@ up at its next start like a restart's (machine Rule 3: asked again, judged anew)
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from harness.ports import free_port
+from tuner.actuators import children
 from tuner.cli import demo
 from tuner.rollout import journal as journaling
 from tuner.rollout import machine
@@ -115,10 +114,11 @@ def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Pat
 
         wait_for(status_shows_80, 30, "/status to show the live cap the next cycle read")
     finally:
-        os.killpg(tuner.pid, signal.SIGTERM)
-        tuner.wait(30)
-        log.close()
-        demo._stop_engines(tmp_path)
+        try:
+            children.stop(tuner, timeout_seconds=30, group=True)  # SIGTERM to its group, SIGKILL after 30 s
+        finally:
+            log.close()
+            demo._stop_engines(tmp_path)
 
 
 def test_a_live_change_a_killed_tuner_left_in_verification_is_taken_up_at_the_next_start(tmp_path: Path) -> None:
@@ -134,8 +134,7 @@ def test_a_live_change_a_killed_tuner_left_in_verification_is_taken_up_at_the_ne
                 == set(names)
 
         wait_for(verifying, 150, "a live change to be acknowledged: " + (tmp_path / "tuner.log").read_text()[-3000:])
-        os.killpg(tuner.pid, signal.SIGKILL)  # inside its verification window
-        tuner.wait(10)
+        children.stop(tuner, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL inside its verification window
         assert {live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] for n in names} == {80}
         tuner = subprocess.Popen(run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         (end,) = wait_for(lambda: finished_live(journal), 90,
@@ -147,7 +146,8 @@ def test_a_live_change_a_killed_tuner_left_in_verification_is_taken_up_at_the_ne
         for n in names:
             assert live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] == 80
     finally:
-        os.killpg(tuner.pid, signal.SIGTERM)
-        tuner.wait(30)
-        log.close()
-        demo._stop_engines(tmp_path)
+        try:
+            children.stop(tuner, timeout_seconds=30, group=True)  # SIGTERM to its group, SIGKILL after 30 s
+        finally:
+            log.close()
+            demo._stop_engines(tmp_path)

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import waiting
 from harness.ports import free_port
+from tuner.actuators import children
 from tuner.cli import demo
 from tuner.sources import live_knobs
 
@@ -63,9 +64,8 @@ class Tuner:
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
+        if self.proc is not None:
+            children.stop(self.proc, timeout_seconds=60, group=True)  # SIGTERM to its group, SIGKILL after 60 s
 
     def status(self) -> dict[str, Any]:
         try:
@@ -221,7 +221,5 @@ def test_sighup_reloads_a_valid_configuration_and_keeps_the_running_one_otherwis
         assert status()["control"]["paused_reason"] == "reloaded"
         assert logged("not applied until a restart (systemctl restart vllm-tuner): scrape")
         assert proc.poll() is None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(30) == 0, log_path.read_text()[-2000:]
+    finally:  # SIGTERM to its group, SIGKILL after 30 s: it must have exited 0 on its own
+        assert children.stop(proc, timeout_seconds=30, group=True) == 0, log_path.read_text()[-2000:]

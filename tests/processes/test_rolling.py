@@ -236,9 +236,6 @@ def test_arguments_the_engine_cannot_run_are_rolled_back_while_the_other_replica
     assert done - started < LIMITS.start_timeout_seconds + 60  # the issue's bound: restart time + 60 s
 
 
-# The "killed" tuner's actuator is dropped with its engines still running, as a real crash leaves them
-# (the next tuner re-adopts them by pid); Python warns about the abandoned Popen objects.
-@pytest.mark.filterwarnings("ignore:subprocess .* is still running:ResourceWarning")
 @pytest.mark.parametrize("crash_at", ["starting", "waiting_healthy", "verifying"])
 def test_a_tuner_killed_mid_rollout_resumes_from_the_journal_to_a_consistent_state(
     stack: Stack, crash_at: str
@@ -272,7 +269,6 @@ def test_a_tuner_killed_mid_rollout_resumes_from_the_journal_to_a_consistent_sta
     assert stack.lb.drainer().drained == set()
 
 
-@pytest.mark.filterwarnings("ignore:subprocess .* is still running:ResourceWarning")
 @pytest.mark.parametrize("crash_at", ["starting", "waiting_healthy"])
 def test_a_tuner_killed_mid_rollout_restarts_engines_with_their_real_secret(tmp_path: Path, crash_at: str) -> None:
     """Token-protected engines (``--api-key``: the stub, like vLLM, answers /v1/* only with it). The journal

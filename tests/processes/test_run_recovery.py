@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import httpx
 import yaml
 
 from harness.ports import free_port
+from tuner.actuators import children
 from tuner.cli import demo as cli_demo
 from tuner.rollout import journal
 
@@ -74,11 +74,11 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
     cfg_path.write_text(json.dumps(cfg))
     jpath = Path(cfg["rollout"]["journal_file"])
     log = tmp_path / "tuner.log"
-    first = start_tuner(cfg_path, log)
     notify_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify_path))
     sock.settimeout(0.2)
+    first = start_tuner(cfg_path, log)
     second: subprocess.Popen[bytes] | None = None
     try:
         def a_verifying() -> bool:
@@ -86,8 +86,7 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
             return any(e.get("replica") == "sim-a" and e.get("to") == "verifying" for e in events(jpath))
 
         wait_for(a_verifying, 150)
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(10)
+        children.stop(first, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL, reaped
         killed_at = len(events(jpath))
         decision = next(e for e in events(jpath) if e["kind"] == "decision")
         # the check and its bound (the per-request TPOT SLO), journaled for the restarted tuner
@@ -161,15 +160,11 @@ def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tm
         for where, text in shown.items():
             assert KEY not in text, where
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-        cli_demo._stop_engines(tmp_path)
-        sock.close()
+        try:  # SIGTERM to each one's group, SIGKILL after 30 s, reaped
+            children.stop_all([p for p in (first, second) if p is not None], timeout_seconds=30, group=True)
+        finally:
+            cli_demo._stop_engines(tmp_path)
+            sock.close()
 
 
 def test_the_tuner_starts_the_pool_one_engine_at_a_time(tmp_path: Path) -> None:
@@ -199,12 +194,12 @@ def test_the_tuner_starts_the_pool_one_engine_at_a_time(tmp_path: Path) -> None:
 
         wait_for(both_started, 120)
     finally:
-        os.killpg(tuner.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            tuner.wait(60)
-        # the engines outlive the tuner (by design): read their pid files, then stop them
-        started = {p: json.loads(p.read_text()) for p in pidfiles if p.exists()}
-        cli_demo._stop_engines(tmp_path)
+        try:
+            children.stop(tuner, timeout_seconds=60, group=True)  # SIGTERM to its group, SIGKILL after 60 s
+        finally:
+            # the engines outlive the tuner (by design): read their pid files, then stop them
+            started = {p: json.loads(p.read_text()) for p in pidfiles if p.exists()}
+            cli_demo._stop_engines(tmp_path)
     first, second = (started[p] for p in pidfiles)
     ticks = os.sysconf("SC_CLK_TCK")
     assert (second["starttime"] - first["starttime"]) / ticks >= startup, (first, second, log.read_text()[-2000:])

@@ -15,6 +15,7 @@ SIGTERM to the launcher as the kubelet sends it, then the object goes).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -37,6 +38,7 @@ import yaml
 from harness import waiting
 from tests.support import fake_kube as fk
 from tests.support.launcher import LauncherProcess
+from tuner.actuators import children
 from tuner.portable import pod_protocol as protocol
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +67,8 @@ class AgentProcess:
         self.starts = 0
 
     def start(self) -> AgentProcess:
+        if self.alive():  # (and one that has exited is reaped before it is replaced)
+            raise RuntimeError(f"the agent of {self.pod} is running already")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, cwd=str(REPO), start_new_session=True)
@@ -80,20 +84,15 @@ class AgentProcess:
                 os.killpg(self.proc.pid, sig)
 
     def kill(self) -> None:
-        self.signal(signal.SIGKILL)
         if self.proc is not None:
-            self.proc.wait(timeout=30)
+            children.stop(self.proc, timeout_seconds=0, signal_first=None, group=True, kill_timeout_seconds=30)
 
     def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM to its group (SIGCONT first: it may be frozen), SIGKILL after ``timeout``, reaped."""
         if self.proc is None:
             return None
         self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.proc.returncode
+        return children.stop(self.proc, timeout_seconds=timeout, group=True, kill_timeout_seconds=30)
 
     def log(self) -> str:
         with contextlib.suppress(OSError):
@@ -290,7 +289,17 @@ class KubePool:
         """Every agent, then every launcher, each set at once (a leader's agent takes its ConfigMap watch's
         read timeout to stop; one after the other, the pool's teardown took tens of seconds)."""
         pods = list(self.pods.values())
-        with ThreadPoolExecutor(max(1, len(pods))) as pool:
-            list(pool.map(lambda pod: pod.agent.stop(timeout=20), pods))
-            list(pool.map(lambda pod: pod.launcher.stop(timeout=60), [p for p in pods if p.launcher is not None]))
-        self.kube.stop()
+        for pod in pods:  # an engine not yet started is not started now: its starter gives up at its next look
+            pod.deleted = True
+        for starter in self._starter:
+            starter.join(timeout=10)
+        try:
+            with ThreadPoolExecutor(max(1, len(pods))) as pool:
+                agents = [pool.submit(pod.agent.stop, timeout=20) for pod in pods]
+                concurrent.futures.wait(agents)  # every one, even when one of them fails
+                launchers = [pool.submit(pod.launcher.stop, timeout=60) for pod in pods if pod.launcher is not None]
+                concurrent.futures.wait(launchers)
+            for done in [*agents, *launchers]:
+                done.result()  # the first failure, once every process was stopped
+        finally:
+            self.kube.stop()

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from harness.ports import free_port
+from tuner.actuators import children
 from tuner.portable import argv as argvs
 from tuner.portable import pod_protocol as protocol
 
@@ -154,8 +155,7 @@ class LauncherProcess:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        children.stop(self.proc, timeout_seconds=0, signal_first=None, group=True)  # reaped (or Unstoppable)
 
     def log_tail(self, n: int = 40) -> str:
         with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
@@ -180,15 +180,15 @@ class LauncherProcess:
 
 
 def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = collections.defaultdict(list)
+    kids: dict[int, list[int]] = collections.defaultdict(list)
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                children[int(fields[1])].append(int(d.name))
+                kids[int(fields[1])].append(int(d.name))
     out, stack = [], [root]
     while stack:
-        for c in children.get(stack.pop(), []):
+        for c in kids.get(stack.pop(), []):
             out.append(c)
             stack.append(c)
     return out

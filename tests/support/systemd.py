@@ -18,6 +18,7 @@ onto the same path inside, so it is visible on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -27,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+
+from tuner.actuators import children
 
 SYSTEMD = Path("/lib/systemd/systemd")
 REPO = Path(__file__).resolve().parents[2]
@@ -68,6 +71,14 @@ def _boot_script(overlays: dict[str, Path] | None = None, shared: Path | None = 
 # systemd tests boot the same units with or without podman installed (tests/support/podman.py).
 MASK_PODMAN = ("for u in /lib/systemd/system/podman*; do "
                '[ -e "$u" ] && ln -sf /dev/null "/run/systemd/system/${u##*/}"; done; ')
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s children (unshare's one child: the namespace's PID 1)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def skip_reason() -> str | None:
@@ -134,13 +145,9 @@ class PrivateSystemd:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self._boot_timeout
         while time.monotonic() < deadline:
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-            try:
-                pids = children.read_text().split()
-            except OSError:
-                pids = []
+            pids = _children(self.proc.pid)
             if pids and Path(f"/proc/{pids[0]}/exe").resolve() == SYSTEMD.resolve():
-                self.pid = int(pids[0])
+                self.pid = pids[0]
                 break
             if self.proc.poll() is not None:
                 raise RuntimeError(f"unshare exited {self.proc.returncode} before systemd started")
@@ -153,16 +160,24 @@ class PrivateSystemd:
         raise RuntimeError(f"private systemd (pid {self.pid}) did not finish booting in {self._boot_timeout:g}s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            if self.pid:
-                self.systemctl("poweroff", check=False)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+        """``systemctl poweroff``, 30 s for it; then SIGKILL to the namespace's PID 1 (it takes the rest with
+        it) and to unshare. ``unshare`` is reaped in every case (``children.stop``), also when poweroff
+        itself hangs or systemd never came up (PID 1 is then the boot script)."""
+        try:
+            if self.proc is not None and self.proc.poll() is None:
                 if self.pid:
-                    os.kill(self.pid, signal.SIGKILL)  # PID 1 of the namespace: takes the rest with it
-                self.proc.wait(timeout=10)
-        shutil.rmtree(self.shared_dir, ignore_errors=True)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.systemctl("poweroff", check=False)
+                children.stop(self.proc, timeout_seconds=30, signal_first=None, before_kill=self._kill_namespace)
+        finally:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+
+    def _kill_namespace(self) -> None:
+        assert self.proc is not None
+        init = [self.pid] if self.pid else _children(self.proc.pid)
+        for pid in init:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> PrivateSystemd:
         try:

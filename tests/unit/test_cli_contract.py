@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuner import cli
+from tuner.actuators import children
 from tuner.cli import inputs, progress
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -401,20 +402,21 @@ def test_on_a_terminal_the_progress_line_is_redrawn_and_erased() -> None:
 
     main_fd, term_fd = pty.openpty()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "tuner", "inspect", "--engine-url", DEAD_URL, "--samples", "2",
-                                 "--window-seconds", "2.5"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=term_fd,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        os.close(term_fd)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(main_fd, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        assert proc.wait(timeout=60) == 1
+        inspect = subprocess.Popen([sys.executable, "-m", "tuner", "inspect", "--engine-url", DEAD_URL, "--samples",
+                                    "2", "--window-seconds", "2.5"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=term_fd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with children.stopped(inspect, timeout_seconds=0, signal_first=None) as proc:  # SIGKILL if a wait fails
+            os.close(term_fd)
+            chunks = []
+            while True:
+                try:
+                    chunk = os.read(main_fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            assert proc.wait(timeout=60) == 1
     finally:
         os.close(main_fd)
     text = b"".join(chunks).decode()

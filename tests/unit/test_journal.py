@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tuner.actuators import children
 from tuner.errors import TunerError
 from tuner.rollout import journal, locks, machine
 from tuner.rollout.machine import Event as E
@@ -119,15 +119,13 @@ while True:
 
 def test_sigkill_mid_write_loses_no_acknowledged_record(tmp_path: Path) -> None:
     path = tmp_path / "j.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    acked = 0
-    deadline = time.monotonic() + 20
-    while acked < 200 and time.monotonic() < deadline:
-        acked = int(proc.stdout.readline())
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
-    proc.stdout.close()
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    with children.stopped(writer, timeout_seconds=0, signal_first=None) as proc:  # SIGKILL mid-write, reaped
+        assert proc.stdout is not None
+        acked = 0
+        deadline = time.monotonic() + 20
+        while acked < 200 and time.monotonic() < deadline:
+            acked = int(proc.stdout.readline())
     with journal.Journal(path) as j:
         seqs = [r["seq"] for r in j.records]
     assert acked >= 200
@@ -295,8 +293,8 @@ def test_a_second_process_on_the_same_journal_is_refused_naming_the_holder(tmp_p
         # reading the journal (a status tool, a test) needs no lock and changes nothing
         assert journal.read_records(path) == []
     finally:
-        holder.stdin.close()
-        holder.wait(timeout=30)
+        holder.stdin.close()  # it exits at the end of its input; SIGKILL if not within 30 s
+        children.stop(holder, timeout_seconds=30, signal_first=None, kill_timeout_seconds=30)
         holder.stdout.close()
     with journal.Journal(path) as j:  # the holder exited: its lock went with it
         j.append("decision", at=1.0)
@@ -321,8 +319,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
         with pytest.raises(locks.LockedError, match=f"held by another vllm-tuner \\(pid {holder.pid}\\)"):
             locks.acquire(path)
     finally:
-        holder.kill()
-        holder.wait(timeout=30)
+        children.stop(holder, timeout_seconds=0, signal_first=None, kill_timeout_seconds=30)  # SIGKILL, reaped
         holder.stdout.close()
     with locks.acquire(path) as lock:
         assert lock.path == path and path.read_text().strip() == str(os.getpid())

@@ -54,6 +54,13 @@ def _starttime(pid: int) -> int | None:
     return int(fields[19])
 
 
+def still_running(record: Mapping[str, Any]) -> bool:
+    """Whether the engine a pid file's record names (``read_pidfile``) still runs: its pid, with the kernel
+    start time recorded (not a recycled pid), and not a zombie."""
+    pid = record.get("pid")
+    return isinstance(pid, int) and pid > 0 and _starttime(pid) == record.get("starttime")
+
+
 def _cmdline(pid: int) -> tuple[str, ...] | None:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -12,6 +12,7 @@ each rollout step as the tuner drains, restarts, verifies and undrains them one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from tuner import config
+from tuner.actuators import children, process
 from tuner.cli import arguments, deciding, inputs
+from tuner.errors import PermanentActuatorError
 from tuner.model import knobs
 from tuner.model.engines import EngineInfo
 from tuner.model.gpus import GpuInputs
@@ -132,12 +135,12 @@ def run_live(*, seconds: float, out: Any = print) -> int:
         tmp = Path(tmpdir)
         cfg = live_config(tmp)
         out(f"   config: {cfg} (mode apply, process actuator, drain through the simulator's /sim/drain)")
-        proc = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(cfg)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                start_new_session=True)
         deadline = time.monotonic() + seconds
         finished_at: float | None = None
         cycles_after = 0
+        proc = subprocess.Popen([sys.executable, "-m", "tuner", "run", "--config", str(cfg)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -158,13 +161,12 @@ def run_live(*, seconds: float, out: Any = print) -> int:
                 if cycles_after >= 1 or time.monotonic() > deadline:
                     break
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)  # the daemon stops its engines' supervision; they get it too
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            _stop_engines(tmp)
+            try:  # the daemon's group: SIGTERM, SIGKILL after 30 s, reaped
+                children.stop(proc, timeout_seconds=30, group=True)
+            finally:
+                if proc.stdout is not None:
+                    proc.stdout.close()
+                _stop_engines(tmp)  # they outlive the daemon (their own sessions): the demo stops them
         state = tmp / "state.json"
         if state.exists():
             data = untrusted.read_json(state, max_bytes=64 * 1024 * 1024)
@@ -178,14 +180,23 @@ def run_live(*, seconds: float, out: Any = print) -> int:
     return 0
 
 
-def _stop_engines(tmp: Path) -> None:
-    """The process actuator's engines run in their own sessions; the demo cleans them up."""
+def _stop_engines(tmp: Path, *, timeout_seconds: float = 15.0) -> None:
+    """The process actuator's engines run in their own sessions and outlive the daemon: SIGTERM to each
+    one's process group, SIGKILL to the group of any still running after ``timeout_seconds``."""
+    running = []
     for pidfile in (tmp / "engines").glob("*.json"):
-        try:
-            pid = int(untrusted.read_json(pidfile).get("pid"))
-            os.killpg(pid, signal.SIGTERM)
-        except (ValueError, TypeError, AttributeError, OSError, ProcessLookupError):
-            continue
+        with contextlib.suppress(PermanentActuatorError, ProcessLookupError, PermissionError):
+            record = process.read_pidfile(pidfile)
+            if record is not None and process.still_running(record):
+                os.killpg(int(record["pid"]), signal.SIGTERM)
+                running.append(record)
+    deadline = time.monotonic() + timeout_seconds
+    while running and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = [r for r in running if process.still_running(r)]
+    for record in running:  # still the same process (its start time): its group is its own
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(record["pid"]), signal.SIGKILL)
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
