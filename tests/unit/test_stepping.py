@@ -8,9 +8,13 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tuner.model import dialects, snapshots
-from tuner.planning import stepping
+from tuner import config
+from tuner.model import dialects, knobs, snapshots
+from tuner.model.engines import EngineInfo
+from tuner.model.gpus import GpuInputs
+from tuner.planning import planner, stepping
 from tuner.planning.history import FlagChange, History
+from tuner.rules import loading
 
 VLLM = dialects.VLLM
 W = stepping.WindowSettings(window_seconds=300, min_snapshots=3, decision_seconds=20, max_snapshots=100_000)
@@ -99,3 +103,34 @@ def test_without_a_decision_window_nothing_is_thinned_but_the_cap_holds():
     snaps = tuple(steady(50))
     assert stepping.thinned(snaps, now=98, window=stepping.WindowSettings()) == snaps
     assert stepping.thinned(snaps, now=98, window=stepping.WindowSettings(max_snapshots=8)) == snaps[-8:]
+
+
+def _sized(t: float, done: float, prompt: float, generated: float) -> snapshots.Snapshot:
+    lab = 'engine="0"'
+    text = (f"vllm:num_requests_running{{{lab}}} 8\nvllm:num_requests_waiting{{{lab}}} 0\n"
+            f'vllm:request_success_total{{{lab},finished_reason="stop"}} {done}\n'
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4096",kv_cache_size_tokens="65536"} 1\n')
+    for name, total in (("prompt_tokens", prompt), ("generation_tokens", generated)):
+        text += (f'vllm:request_{name}_bucket{{{lab},le="+Inf"}} {done}\n'
+                 f"vllm:request_{name}_sum{{{lab}}} {total}\nvllm:request_{name}_count{{{lab}}} {done}\n")
+    return snapshots.parse(text, t)
+
+
+def test_the_kv_bound_is_the_regime_s_own_not_the_long_window_s():
+    """Four minutes of 2,000/600-token requests, then 150/300-token ones: the cache's 65,536 tokens hold 25 of the
+    old and 145 of the new. Over the 300 s window the old ones capped the new phase's raises (live-181 of seed 7:
+    132, 166, 186, 212… slots with the cache 16 % full); the bound a raise reads is the decision window's."""
+    snaps, done, prompt, generated = [], 0.0, 0.0, 0.0
+    for i in range(131):  # a scrape every 2 s, 10 requests finished per scrape
+        big = i < 120
+        done, prompt, generated = done + 10, prompt + 10 * (2000 if big else 150), generated + 10 * (600 if big else 300)
+        snaps.append(_sized(2.0 * i, done, prompt, generated))
+    window = config.ScrapeSettings().window_settings()
+    state, rules = stepping.TargetState(), tuple(loading.load(loading.default_rules_path()))
+    for s in snaps:
+        d = stepping.step(state, s, info=EngineInfo(max_model_len=4096), gpus=GpuInputs(unavailable="none"),
+                          now=s.scraped_at, target="t", kind="vllm", args=knobs.EngineArgs.parse(["--max-num-seqs", "8"]),
+                          settings=planner.DecisionSettings(), window=window, rules=rules)
+        state = d.state
+    assert d.signals["kv_concurrency_observed"].value == 65536 / 450  # this regime's sizes
+    assert d.signals["prompt_tokens_mean"].value > 1000  # the sizes themselves stay the long window's

@@ -21,8 +21,12 @@ Rules of the step:
    change of this target's flags
    (``History.changes``), and the change point of the arrivals inside that span (``signals.changes``) —
    so a decision is made on data of the regime it is for, within seconds of a load change. What changes
-   slowly and must not forget (request sizes and what the KV cache holds for them, the length tails the
-   ``--max-model-len`` floor keeps, idle time) stays on the long window (``SLOW_SIGNALS``).
+   slowly and must not forget (request sizes, the length tails the ``--max-model-len`` floor keeps, idle
+   time) stays on the long window (``SLOW_SIGNALS``) — except what the KV cache holds for the requests
+   (``kv_concurrency_observed``, the bound a raise is capped at), which is this regime's where the decision
+   window has finished requests: a long window that still held a phase of 2,578-token requests capped the
+   next phase's 474-token ones at 132, then 166, 186, 212… slots as it rolled over, with the cache 16 % full
+   and 500 waiting (the trace family, live-181 of seed 7). A regime of bigger requests bounds it lower at once.
 1b. With a decision window, snapshots older than two decision windows are thinned (``thinned``).
 2. A snapshot whose ``process_start_time_seconds`` differs from the one seen before is a restart; the
    planner then plans a warm-up once (not for the tuner's own restarts, which its rollout warmed).
@@ -62,6 +66,9 @@ SLOW_SIGNALS = frozenset({
 })
 # Read over the decision window: the rest (what the decision window computed of SLOW_SIGNALS was thrown away).
 FAST_SIGNALS = frozenset(engine_signals.WINDOW_SIGNALS) - SLOW_SIGNALS
+# Computed over the decision window too, for the KV bound of this regime (its request sizes); the long window's
+# stands where the decision window holds no finished request.
+REGIME_SIGNALS = frozenset({"prompt_tokens_mean", "generation_tokens_mean", "kv_concurrency_observed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +153,12 @@ def step(
         fresh = engine_signals.compute([s for s in kept if s.scraped_at >= since], dialect=dialect, info=info,
                                        now=now, stale_after_seconds=window.stale_after_seconds,
                                        min_snapshots=window.min_snapshots, max_running=max_running,
-                                       only=FAST_SIGNALS)
+                                       only=FAST_SIGNALS | REGIME_SIGNALS)
         signals.update({k: v for k, v in fresh.items() if k not in SLOW_SIGNALS})
+        # the KV bound a raise is capped at: for the sizes of this regime where its window has them (rule 1a)
+        kv = fresh.get("kv_concurrency_observed")
+        if kv is not None and kv.value is not None:
+            signals["kv_concurrency_observed"] = kv
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
                                        stale_after_seconds=window.gpu_stale_after_seconds
                                        or window.stale_after_seconds))
