@@ -231,6 +231,28 @@ def _wait_healthy(client: httpx.Client, url: str, proc: subprocess.Popen[bytes],
     raise AssertionError("the simulated engine never became healthy")
 
 
+def _wait_running(http: httpx.Client, url: str, proc: subprocess.Popen[bytes], *, timeout: float) -> None:
+    """Until the engine's own gauge shows a request running (or fail at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the simulated engine exited"
+        for family in text_string_to_metric_families(http.get(f"{url}/metrics").text):
+            if family.name == "vllm:num_requests_running" and any(s.value >= 1 for s in family.samples):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no request running after {timeout:g} s")
+
+
+def _first_refusal(http: httpx.Client, url: str, *, timeout: float) -> httpx.Response:
+    """New one-token requests until one is refused (the drain began), or the last answer at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        if answer.status_code != 200 or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.05)
+
+
 def test_as_a_process_it_starts_slowly_and_drains_on_sigterm(http: httpx.Client) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -242,19 +264,22 @@ def test_as_a_process_it_starts_slowly_and_drains_on_sigterm(http: httpx.Client)
         assert started >= 0.9  # the port is not even bound while "loading"
         answers: list[httpx.Response] = []
         slow = threading.Thread(target=lambda: answers.append(http.post(
-            f"{url}/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 400, "ignore_eos": True})))
-        slow.start()  # 400 tokens at ~5 ms each: ~2 s of decoding, in flight when SIGTERM comes
-        time.sleep(0.3)
+            f"{url}/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True})))
+        slow.start()  # 1,000 tokens at ~5 ms each: ~5 s of decoding, in flight when SIGTERM comes
+        # SIGTERM once the engine runs it, not after a fixed sleep: under `make test`'s load the request had not
+        # reached the engine 0.3 s after the thread started, the engine had nothing to drain and exited at once
+        # (the next request's connection was refused)
+        _wait_running(http, url, proc, timeout=20)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        refused = http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        # draining: a new request is refused (503) once the signal is handled, until the one in flight is done
+        refused = _first_refusal(http, url, timeout=20)
         assert refused.status_code == 503
         assert http.get(f"{url}/health").status_code == 200  # like vLLM, healthy while draining
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(timeout=40) == 0
         slow.join(timeout=10)
         assert answers[0].status_code == 200
         assert answers[0].json()["choices"][0]["finish_reason"] == "length"
-        assert answers[0].json()["usage"]["completion_tokens"] == 400
+        assert answers[0].json()["usage"]["completion_tokens"] == 1000
     finally:
         children.stop(proc, timeout_seconds=0, signal_first=None)  # SIGKILL if it still runs, reaped
         err = proc.stderr.read().decode() if proc.stderr else ""
