@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.calibrate:
         if args.fit:
-            return calibration.fit((1.8, 1.9, 2.0, 2.1), (2.1, 2.3, 2.5, 2.7), jobs=args.jobs)
+            return calibration.fit((1.9, 2.0, 2.1), (2.35, 2.5, 2.65), (0.5, 0.525, 0.55, 0.575, 0.6), jobs=args.jobs)
         return calibration.main()
     if args.traces < 1:
         p.error("--traces must be at least 1")

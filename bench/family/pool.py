@@ -166,23 +166,28 @@ class Pool:
                 ) -> dict[str, float]:
         met = failed = completed = 0
         ttfts: list[float] = []
+        itls: list[float] = []  # each request's mean inter-token gap (bench/evaluation's itl_mean)
         for s in self.sent:
             ok, ttft, itl = s.outcome(frontend)
             if ok and ttft is not None and ttft <= timeout:
                 completed += 1
                 ttfts.append(ttft)
+                if itl is not None:
+                    itls.append(itl)
                 if ttft <= ttft_slo and (itl is None or itl <= itl_slo):
                     met += 1
             else:
                 failed += 1
         duration = self.trace.duration or 1.0
         ttfts.sort()
+        itls.sort()
 
-        def q(f: float) -> float:
-            return ttfts[min(len(ttfts) - 1, int(f * (len(ttfts) - 1) + 0.5))] if ttfts else math.nan
+        def q(xs: list[float], f: float) -> float:
+            return xs[min(len(xs) - 1, int(f * (len(xs) - 1) + 0.5))] if xs else math.nan
 
         return {"requests": len(self.sent), "met": met, "failed": failed, "completed": completed,
-                "goodput": met / duration, "ttft_p50": q(0.5), "ttft_p99": q(0.99)}
+                "goodput": met / duration, "ttft_p50": q(ttfts, 0.5), "ttft_p99": q(ttfts, 0.99),
+                "itl_p50": q(itls, 0.5)}
 
     def busy(self) -> bool:
         return any(r.engine is not None and r.engine.has_work() for r in self.replicas.values())

@@ -51,6 +51,7 @@ class Arm:
     restarts: int = 0
     ttft_p50: float = float("nan")
     ttft_p99: float = float("nan")
+    itl_p50: float = float("nan")  # the median request's mean inter-token gap
 
     def as_dict(self) -> dict[str, Any]:
         return {"arm": self.name, "goodput": round(self.goodput, 4), "met": self.met, "requests": self.requests,
@@ -73,7 +74,8 @@ def static(trace: Trace, cap: int | None, *, gpu: GpuModel) -> Arm:
     _finish(pool, trace)
     res = pool.results(ttft_slo=TTFT_SLO, itl_slo=ITL_SLO, timeout=TIMEOUT, frontend=FRONTEND_SECONDS)
     return Arm(f"static-{cap or 'default'}", res["goodput"], int(res["met"]), int(res["requests"]), int(res["failed"]),
-               ttft_p50=res["ttft_p50"], ttft_p99=res["ttft_p99"])
+               ttft_p50=res["ttft_p50"], ttft_p99=res["ttft_p99"],
+               itl_p50=res["itl_p50"])
 
 
 class _NoPlugin:
@@ -161,7 +163,8 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
     restarts = sum(max(0, r.starts - 1) for r in pool.replicas.values())
     name = f"tuner-{'live' if live else 'restart'}-from-{start or 'default'}"
     return Arm(name, res["goodput"], int(res["met"]), int(res["requests"]), int(res["failed"]), changes, restarts,
-               ttft_p50=res["ttft_p50"], ttft_p99=res["ttft_p99"])
+               ttft_p50=res["ttft_p50"], ttft_p99=res["ttft_p99"],
+               itl_p50=res["itl_p50"])
 
 
 def evaluate(trace: Trace, *, mode: str, gpu: GpuModel, sweep: Sequence[int] = SWEEP) -> dict[str, Any]:
