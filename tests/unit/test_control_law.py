@@ -169,10 +169,15 @@ def test_a_lowering_step_at_most_halves_the_batch() -> None:
             in_system_growth_per_s=0.0, requests_running_max=170.0, tpot_p99_s=0.35)
     est = models.concurrency(s, models.ModelSettings(), slo=models.SloSettings(), down=True)
     assert est.value == 85 and "at most half the batch 170 in one step" in est.text
-    # and never below what the arrivals need: at 8/s, 102 in service ÷ 0.8 utilisation (fewer would build a queue)
+    # and never below what the arrivals need: at 8/s, 102 in service ÷ 0.8 utilisation = 128 — which leaves the
+    # mean batch of 140 within the utilisation headroom, a lowering that would clip the peaks only: none
     busy = models.concurrency({**s, "arrival_rate_per_s": Signal(8.0)}, models.ModelSettings(),
                               slo=models.SloSettings(), down=True)
-    assert busy.value == 128 and "not below the 128 the arrivals need (÷ 0.8 utilisation)" in busy.text
+    assert busy.value is None and "the arrivals need 128 (÷ 0.8 utilisation), 140 running" in busy.text
+    # at 4/s the need is 48: half the batch, 85, cuts the mean batch of 140 by more than a fifth
+    some = models.concurrency({**s, "arrival_rate_per_s": Signal(4.0)}, models.ModelSettings(),
+                              slo=models.SloSettings(), down=True)
+    assert some.value == 85 and "not below the 48 the arrivals need" in some.text
     gentle = models.concurrency({**s, "tpot_p99_s": Signal(0.11)}, models.ModelSettings(), slo=models.SloSettings(),
                                 down=True)
     assert gentle.value == math.floor(170 * (0.1 / 0.11) ** (1 / 0.3))  # near the SLO: the frontier itself

@@ -223,19 +223,28 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         return Estimate(float(target), f"{text}; {frontier}")
     if down:
         f = max(1, math.floor(frontier + 1e-9))
-        over = " (overloaded: Little's law needs more — fewer slots trade the TTFT SLO for the TPOT SLO)" \
-            if little > f else ""
-        why = [f"TPOT SLO frontier {frontier:.3g}{over}"]
         need = math.ceil(little / u - 1e-9)
-        if f < need:
-            # never below what the arrivals need in service: fewer slots than that build a queue without end,
-            # and every request then misses its TTFT instead of some missing their TPOT (the trace family: a
-            # TPOT breach caused by long prefills, not by the batch, halved the cap 1024 → … → 13 while the
-            # queue grew, 0.95 × the static default it started from), nor below the headroom a raise sizes
-            # (÷ utilisation): at the bare need the queue runs at ρ ≈ 1 and builds anyway
-            f = need
-            why.append(f"not below the {need} the arrivals need (÷ {u:g} utilisation)")
         batch = _v(signals, "requests_running_max") or 0.0
+        if f < need:
+            # overloaded: the arrivals need more slots in service (÷ utilisation) than the TPOT SLO allows, and no
+            # lowering meets the TPOT SLO without a queue that grows without end — every request would then miss
+            # its TTFT instead of some missing their TPOT. So never below that need; and where the need (or half
+            # the batch, one step's most) leaves today's mean batch within the utilisation headroom, the lowering
+            # would clip the batch's peaks only, trading TTFT for next to no TPOT: none. Lowering to the need
+            # whatever the mean batch (the law until 2026-12-05) lost on the trace family, seed 7 on the
+            # refitted twin, 200 traces: p5 0.517 → 0.608, harm 1 → 0 without it (live-027: 1024 → 680 at 435
+            # short requests/s, 552 running, frontier 27, 0.975 × the default it started from), 7 traces
+            # better, 4 worse; no lowering at all when overloaded scored the same, two traces apart
+            to = max(need, math.floor(batch * MAX_LOWERING))
+            if to >= n0 * u:
+                return Estimate(None, f"{text}; TPOT SLO frontier {frontier:.3g}: overloaded, the arrivals need "
+                                      f"{need} (÷ {u:g} utilisation), {n0:.3g} running: a lowering would clip "
+                                      "the peaks only")
+            f = need
+            why = [f"TPOT SLO frontier {frontier:.3g} (overloaded)",
+                   f"not below the {need} the arrivals need (÷ {u:g} utilisation)"]
+        else:
+            why = [f"TPOT SLO frontier {frontier:.3g}"]
         if f < batch * MAX_LOWERING:
             # one step at most halves the batch: TPOT ∝ running^α is measured between 8 and 128 slots (H200)
             # and extrapolates badly far below the window's batch — on the trace family a TPOT p99 of 3.5 × the
