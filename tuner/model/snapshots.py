@@ -33,8 +33,9 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress, count
+from operator import itemgetter, ne
+from sys import intern
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -183,6 +184,7 @@ _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\]*)"[ \t
 _LABELS_CACHE: dict[str, Labels] = {}
 _CANONICAL: dict[tuple[tuple[str, str], ...], Labels] = {}
 _LABELS_CACHE_MAX = 200_000
+_SOURCES_MAX = 10_000  # sources whose last body is remembered (_PREVIOUS)
 _NO_LABELS: Labels = MappingProxyType({})
 
 
@@ -229,6 +231,28 @@ _OTHER: tuple[str, str | None] = ("", None)
 _COMMENTS: dict[tuple[str, ...] | None, dict[str, tuple[str, str | None]]] = {}
 _ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
 
+# Per source (a target's URL) and ``keep_prefixes``: the lines of the body parsed last, what each said on its own
+# (``_fast_parse``'s first pass), and the places of those not skipped. A target's next body holds the same lines in
+# the same places, most of them with the same text (a gauge that did not move, a bucket no request fell in, every
+# HELP and TYPE line, the families not read): found by one comparison of the two lists at C speed, those are not
+# read again, and their Samples are the ones already built (``python -m bench.cycle_cost``, docs/performance.md).
+# Kept from a source's second body on (``_ONCE``: a file read once keeps nothing).
+_PREVIOUS: dict[tuple[str, tuple[str, ...] | None],
+                tuple[list[str], list[Any], list[int], dict[str, tuple[list[int], bool]] | None]] = {}
+_ONCE: dict[tuple[str, tuple[str, ...] | None], None] = {}
+
+
+class _NotFinite(NamedTuple):
+    """A sample line whose value is NaN or ±Inf (or out of the float64 range): named in ``nonfinite``, or refused."""
+
+    name: str
+    labels: Labels
+    value: float
+    text: str
+
+
+_REFUSE = ("", "a line only the reference parser may read")
+
 
 def _comment(line: str, keep_prefixes: tuple[str, ...] | None) -> tuple[str, str | None]:
     if keep_prefixes is not None and not (line.startswith(("# HELP ", "# TYPE ")) and
@@ -265,6 +289,10 @@ def _trim_label_caches() -> None:
         _COMMENTS.clear()
         _ALLOWED.clear()
         _STARTS.clear()
+        _PREVIOUS.clear()  # what it remembers holds the label mappings of before (compared by identity)
+    if len(_PREVIOUS) >= _SOURCES_MAX or len(_ONCE) >= _LABELS_CACHE_MAX:
+        _PREVIOUS.clear()
+        _ONCE.clear()
 
 
 MAX_TIMESTAMP_SKEW_SECONDS = 600.0
@@ -275,20 +303,19 @@ _ALLOWED_SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", 
 
 
 def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
-                nonfinite: set[str] | None = None) -> dict[str, list[Sample]] | None:
+                nonfinite: set[str] | None = None, source: str = "") -> dict[str, list[Sample]] | None:
     """Parse the common exposition shape; None as soon as a line is not plainly of that shape.
 
     Equivalent to prometheus_client's parser on what it accepts (property-tested against it in
     tests/unit/test_snapshots.py); roughly 10× faster on vLLM expositions, which is what keeps one
     cycle over hundreds of targets within budget (docs/performance.md). Names of NaN/±Inf samples go
-    to ``nonfinite``; a value outside the float64 range raises ``_Rejected``.
+    to ``nonfinite``; a value outside the float64 range raises ``_Rejected``. ``source``: where the body
+    came from; only the lines that differ from the last body from there are read again (``_PREVIOUS``).
+
+    Two passes: what each line says on its own (a pure function of its text and ``keep_prefixes``: a Sample, a
+    HELP or TYPE line's family and type, _SKIP, _NotFinite, _REFUSE), then the lines not skipped, in order,
+    through the state a family's lines share.
     """
-    index: dict[str, list[Sample]] = {}
-    isfinite, new_tuple = math.isfinite, tuple.__new__
-    # prometheus_client names a counter's samples `<TYPE name>_total` when they are written without
-    # the suffix, but only for samples that directly follow their TYPE line; track that state.
-    family, family_type = "", "untyped"
-    allowed: tuple[str, ...] = ()
     # A line is read when it starts with one of ``keep_prefixes`` (a HELP or TYPE line: its family does), and
     # that is decided once per series text: a series text ends with the space before the value, so a prefix
     # without whitespace that starts one line with that text starts every such line, or none of them.
@@ -298,83 +325,149 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     if series_cache is None:
         series_cache = _SERIES_CACHE.setdefault(keep_prefixes, {}) if cacheable else {}
     comments = _COMMENTS.setdefault(keep_prefixes, {})
-    for line in text.split("\n"):
-        if not line or line[0] == "#":
-            if not line:
-                continue
-            comment = comments.get(line)
-            if comment is None:
-                comment = comments[line] = _comment(line, keep_prefixes)
-            if comment is _REFUSED:
+    isfinite, new_tuple = math.isfinite, tuple.__new__
+    lines = text.split("\n")
+    key = (source, keep_prefixes)
+    before = _PREVIOUS.get(key) if source else None
+    changed: Iterable[int]
+    plan: dict[str, tuple[list[int], bool]] | None
+    if before is not None and len(before[0]) == len(lines):
+        # the same lines in the same places (the usual next body of a target): only those whose text changed
+        reads, read_lines, plan = before[1].copy(), before[2], before[3]
+        changed = compress(count(), map(ne, lines, before[0]))
+    else:
+        reads, read_lines, plan, changed = [_SKIP] * len(lines), None, None, range(len(lines))
+    read: Any
+    for i in changed:
+        line = lines[i]
+        if not line:
+            read = _SKIP
+        elif line[0] == "#":
+            read = comments.get(line)
+            if read is None:
+                read = comments[line] = _comment(line, keep_prefixes)
+            read = _SKIP if read is _OTHER else _REFUSE if read is _REFUSED else read
+        else:
+            cut = line.rfind(" ") + 1
+            known = series_cache.get(line[:cut]) if cut > 1 else None
+            read = None
+            if known is _SKIP:
+                read = _SKIP
+            else:
+                value_text = line[cut:]
+                if known is not None and value_text and "_" not in value_text and value_text.strip() == value_text:
+                    # a series seen before, its value one word (no whitespace at either end: strip() gives it back
+                    # as it is): float() reads a word as the regex's \S+ does, and refuses any whitespace inside it
+                    # (then the line takes the regex path below, which decides)
+                    try:
+                        value = float(value_text)
+                    except ValueError:
+                        known = None
+                else:
+                    known = None
+                if known is not None:
+                    name, labels = known  # under a filter, never a _created series (those are _SKIP, below)
+                elif keep_prefixes is not None and not line.startswith(keep_prefixes):
+                    if cut > 1 and cacheable:
+                        series_cache[line[:cut]] = _SKIP
+                    read = _SKIP
+                elif keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
+                    if cut > 1 and cacheable and "_created" in line[:cut].split("{", 1)[0]:
+                        series_cache[line[:cut]] = _SKIP  # the name holds it: so does every line with this text
+                    read = _SKIP
+                else:
+                    m = _LINE.fullmatch(line)
+                    if m is None:
+                        read = _REFUSE
+                    else:
+                        name, label_text, value_text, stamp = m.groups()
+                        # a sample with its own timestamp: the reference parser reads it, and parse checks it;
+                        # float() accepts 1_000: leave such oddities to the reference parser
+                        value = _number(value_text) if stamp is None and "_" not in value_text else None
+                        parsed = None if value is None else _NO_LABELS if not label_text else _labels(label_text)
+                        if parsed is None:
+                            read = _REFUSE
+                        else:
+                            name, labels = intern(name), parsed
+                            series_cache[line[:m.start(3)]] = (name, labels)
+                if read is None:
+                    read = (new_tuple(Sample, (name, labels, value)) if isfinite(value)  # Sample() without its __new__
+                            else _NotFinite(name, labels, value, value_text))
+        if read_lines is not None and (read.__class__ is not Sample or (was := reads[i]).__class__ is not Sample
+                                       or read[0] is not was[0]):  # (a sample's name is interned: below)
+            was = reads[i]
+            if (read is _SKIP) != (was is _SKIP):
+                read_lines = plan = None  # a line read now where one was skipped, or the other way round
+            elif (plan is not None and read is not _SKIP and (read.__class__ is not Sample or was.__class__ is not Sample
+                                                               or read[0] != was[0]) and read != was):
+                plan = None  # another name, HELP or TYPE than before in this place
+        reads[i] = read
+    index: dict[str, list[Sample]] = {}
+    if plan is not None:
+        # each line read in its place says what it said before, but for values: the family state goes through the
+        # same steps, and each sample goes where its place's sample went (under the same name, renamed or not)
+        for name, (places, renamed) in plan.items():
+            index[name] = ([new_tuple(Sample, (name, r[1], r[2])) for r in map(reads.__getitem__, places)] if renamed
+                           else list(map(reads.__getitem__, places)))
+    else:
+        if read_lines is None:
+            read_lines = [i for i, r in enumerate(reads) if r is not _SKIP]
+        plan = {} if source else None
+        # prometheus_client names a counter's samples `<TYPE name>_total` when they are written without
+        # the suffix, but only for samples that directly follow their TYPE line; track that state.
+        family, family_type = "", "untyped"
+        allowed: tuple[str, ...] = ()
+        for place in read_lines:
+            read = reads[place]
+            kind = read.__class__
+            if kind is Sample or kind is _NotFinite:
+                name = read[0]
+                if name not in allowed:
+                    family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
+                    renamed = False
+                else:
+                    renamed = family_type == "counter" and not family.endswith("_total")
+                    if renamed:
+                        name += "_total"
+                if kind is _NotFinite:
+                    plan = None  # read again each time: it says why
+                    if read.value == read.value and read.text.lstrip("+-").lower() not in _INF_SPELLINGS:
+                        raise _Rejected(f"the value {read.text} of {name} is out of range for a float64")
+                    if nonfinite is not None:
+                        nonfinite.add(name)
+                    continue
+                sample = new_tuple(Sample, (name, read[1], read[2])) if renamed else read
+                samples = index.get(name)
+                if samples is None:
+                    index[name] = [sample]
+                    if plan is not None:
+                        plan[name] = ([place], renamed)
+                else:
+                    samples.append(sample)
+                    if plan is not None:
+                        plan[name][0].append(place)
+            elif read is _REFUSE:
                 return None
-            if comment is not _OTHER:
-                named, typed = comment
+            else:  # a HELP or TYPE line of a family read
+                named, typed = read
                 if named != family:
                     family, family_type = named, "untyped"
                 if typed is not None:
                     family_type = typed
                 allowed = _allowed(family, family_type)
-            continue
-        cut = line.rfind(" ") + 1
-        known = series_cache.get(line[:cut]) if cut > 1 else None
-        if known is _SKIP:
-            continue
-        value_text = line[cut:]
-        if known is not None and value_text and "_" not in value_text and value_text.strip() == value_text:
-            # a series seen before, its value one word (no whitespace at either end: strip() gives it back as it
-            # is): float() reads a word as the regex's \S+ does, and refuses any whitespace inside it (then the line
-            # takes the regex path below, which decides)
-            try:
-                value = float(value_text)
-            except ValueError:
-                known = None
+    if source:
+        if key in _PREVIOUS or key in _ONCE:
+            _PREVIOUS[key] = (lines, reads, read_lines, plan)
         else:
-            known = None
-        if known is not None:
-            name, labels = known  # under a filter, never a _created series (those are _SKIP, below)
-        else:
-            if keep_prefixes is not None and not line.startswith(keep_prefixes):
-                if cut > 1 and cacheable:
-                    series_cache[line[:cut]] = _SKIP
-                continue
-            if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
-                if cut > 1 and cacheable and "_created" in line[:cut].split("{", 1)[0]:
-                    series_cache[line[:cut]] = _SKIP  # the name holds it: so does every line with this text
-                continue
-            m = _LINE.fullmatch(line)
-            if m is None:
-                return None
-            name, label_text, value_text, stamp = m.groups()
-            if stamp is not None:
-                return None  # a sample with its own timestamp: the reference parser reads it, and parse checks it
-            try:
-                value = float(value_text)
-            except ValueError:
-                return None
-            if "_" in value_text:
-                return None  # float() accepts 1_000; leave such oddities to the reference parser
-            parsed = _NO_LABELS if not label_text else _labels(label_text)
-            if parsed is None:
-                return None
-            labels = parsed
-            series_cache[line[:m.start(3)]] = (name, labels)
-        if name not in allowed:
-            family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
-        elif family_type == "counter" and not family.endswith("_total"):
-            name += "_total"
-        if not isfinite(value):
-            if value == value and value_text.lstrip("+-").lower() not in _INF_SPELLINGS:
-                raise _Rejected(f"the value {value_text} of {name} is out of range for a float64")
-            if nonfinite is not None:
-                nonfinite.add(name)
-            continue
-        sample = new_tuple(Sample, (name, labels, value))  # Sample(name, labels, value) without its Python __new__
-        samples = index.get(name)
-        if samples is None:
-            index[name] = [sample]
-        else:
-            samples.append(sample)
+            _ONCE[key] = None  # a file read once (``replay``) keeps nothing; a target scraped again does
     return index
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def parse(
@@ -401,7 +494,7 @@ def parse(
     _trim_label_caches()
     nonfinite: set[str] = set()
     try:
-        fast = _fast_parse(text, keep_prefixes, nonfinite)
+        fast = _fast_parse(text, keep_prefixes, nonfinite, source)
     except _Rejected as exc:
         return Snapshot.failed(scraped_at, f"not valid Prometheus text exposition: {exc}", source=source)
     if fast == {} and keep_prefixes is not None and not nonfinite:
