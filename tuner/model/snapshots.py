@@ -58,6 +58,8 @@ _STARTS: dict[tuple[str, ...], dict[str, bool]] = {}  # per prefixes: whether a 
 
 
 _EMPTY: Mapping[str, tuple[Sample, ...]] = MappingProxyType({})
+# a run of label mappings, by their identities → (the mappings, kept alive; what ``Snapshot.label_values`` found)
+_VALUES: dict[tuple[int, ...], tuple[tuple[Labels, ...], dict[str, frozenset[str]]]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +114,30 @@ class Snapshot:
                 chosen = inside
             if prefixes is not None and len(inside) == len(series):
                 found = self.label_sets()  # a body parsed under the same filter: every sample's
-            else:
-                found = tuple({id(labels): labels for labels in map(_LABELS_OF, chain.from_iterable(chosen))}.values())
+            else:  # each mapping once, in the order first seen (at C speed)
+                every = list(map(_LABELS_OF, chain.from_iterable(chosen)))
+                found = tuple(dict(zip(map(id, every), every, strict=True)).values())
+            self.memo[key] = found
+        return found
+
+    def label_values(self, label: str, prefixes: tuple[str, ...] | None = None) -> frozenset[str]:
+        """The values ``label`` takes in ``label_sets(prefixes)`` (in those that hold it), computed once per snapshot
+        and per distinct run of label mappings: a target's next scrape holds the same mappings (the parser shares
+        one per label set), so the identity checks (``signals.engine.impossible``, ``planning.identities``) read
+        each one's labels once, not once per scrape."""
+        key = ("label values", label, prefixes)
+        found: frozenset[str] | None = self.memo.get(key)
+        if found is None:
+            sets = self.label_sets(prefixes)
+            ids = tuple(map(id, sets))
+            kept = _VALUES.get(ids)
+            if kept is None:
+                if len(_VALUES) >= _LABELS_CACHE_MAX // 100:
+                    _VALUES.clear()
+                kept = _VALUES.setdefault(ids, (sets, {}))  # the mappings kept: no id in a live key is reused
+            found = kept[1].get(label)
+            if found is None:
+                found = kept[1][label] = frozenset(labels[label] for labels in sets if label in labels)
             self.memo[key] = found
         return found
 

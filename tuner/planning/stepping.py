@@ -204,9 +204,9 @@ def thinned(snaps: tuple[snapshots.Snapshot, ...], *, now: float, window: Window
         out: list[snapshots.Snapshot] = []
         last_old: float | None = None
         for s in snaps:
-            if s.scraped_at >= recent or not s.ok or last_old is None or s.scraped_at - last_old >= spacing:
+            if s.scraped_at >= recent or s.error is not None or last_old is None or s.scraped_at - last_old >= spacing:
                 out.append(s)
-                if s.scraped_at < recent and s.ok:
+                if s.scraped_at < recent and s.error is None:
                     last_old = s.scraped_at
         snaps = tuple(out)
     return snaps[-window.max_snapshots:]
@@ -219,7 +219,7 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     if window.decision_seconds is None:
         return None, None
     since = now - window.decision_seconds
-    good = [s for s in kept if s.ok]
+    good = [s for s in kept if s.error is None]
     if len(good) >= window.min_snapshots:  # scrapes sparser than the decision window: its fewest snapshots
         since = min(since, good[-window.min_snapshots].scraped_at)
     if min_requests > 0 and good:  # a slow engine: back to where the window holds enough finished requests

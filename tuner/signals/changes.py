@@ -51,7 +51,7 @@ def arrivals(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect
     (a failed scrape, a missing series, a counter that went back: the window is not one engine's)."""
     points: list[tuple[float, float, float]] = []  # (time, finished, finished + running + waiting)
     for s in snaps:
-        if not s.ok:
+        if s.error is not None:
             return None
         read = reads.reading(s, dialect)  # counter() and gauge() of the snapshot, read once (reads.Reading)
         done = read.counters["request_success"][0]
