@@ -329,17 +329,16 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     restarted = _restart_between(snaps, readings)
 
     def rate(concept: str) -> Signal:
-        read = [r.counters[concept] for r in readings]
-        unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
-        if unusable is not None:
-            return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
-        series = [v for v, _ in read]
-        if any(v is None for v in series):
+        series, whys = zip(*[r.counters[concept] for r in readings], strict=True)  # (value, why unusable) each
+        if any(whys):  # the first unusable one says why
+            why, at = next((why, s) for why, s in zip(whys, snaps, strict=True) if why)
+            return missing(f"{why} at {at.scraped_at:.0f}")
+        if None in series:
             absent = reads.absent(d, "http_requests" if concept == reads.REJECTED else concept)
             return missing(absent if series[-1] is None else "series missing in part of the window")
         if restarted:
             return missing(restarted)
-        values = [v for v in series if v is not None]
+        values = list(series)
         back = went_down(values)
         if back is not None:
             return missing(f"counter reset between {snaps[back].scraped_at:.0f} and {snaps[back + 1].scraped_at:.0f} "
