@@ -34,7 +34,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain, compress, count
-from operator import itemgetter, ne
+from operator import is_, itemgetter, ne
 from sys import intern
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -58,8 +58,9 @@ _STARTS: dict[tuple[str, ...], dict[str, bool]] = {}  # per prefixes: whether a 
 
 
 _EMPTY: Mapping[str, tuple[Sample, ...]] = MappingProxyType({})
-# a run of label mappings, by their identities → (the mappings, kept alive; what ``Snapshot.label_values`` found)
-_VALUES: dict[tuple[int, ...], tuple[tuple[Labels, ...], dict[str, frozenset[str]]]] = {}
+# a run of label mappings (its first one's id and its length: the value holds them all, to be compared by identity)
+# → (the mappings; what ``Snapshot.label_values`` found in them)
+_VALUES: dict[tuple[int, int], tuple[tuple[Labels, ...], dict[str, frozenset[str]]]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +130,12 @@ class Snapshot:
         found: frozenset[str] | None = self.memo.get(key)
         if found is None:
             sets = self.label_sets(prefixes)
-            ids = tuple(map(id, sets))
+            ids = (id(sets[0]) if sets else 0, len(sets))
             kept = _VALUES.get(ids)
-            if kept is None:
+            if kept is None or not all(map(is_, kept[0], sets)):
                 if len(_VALUES) >= _LABELS_CACHE_MAX // 100:
                     _VALUES.clear()
-                kept = _VALUES.setdefault(ids, (sets, {}))  # the mappings kept: no id in a live key is reused
+                kept = _VALUES[ids] = (sets, {})
             found = kept[1].get(label)
             if found is None:
                 found = kept[1][label] = frozenset(labels[label] for labels in sets if label in labels)
@@ -261,8 +262,11 @@ _ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
 # HELP and TYPE line, the families not read): found by one comparison of the two lists at C speed, those are not
 # read again, and their Samples are the ones already built (``python -m bench.cycle_cost``, docs/performance.md).
 # Kept from a source's second body on (``_ONCE``: a file read once keeps nothing).
-_PREVIOUS: dict[tuple[str, tuple[str, ...] | None],
-                tuple[list[str], list[Any], list[int], dict[str, tuple[list[int], bool]] | None]] = {}
+_PREVIOUS: dict[tuple[str, tuple[str, ...] | None], tuple[list[str], list[Any], list[int],
+                                                           dict[str, tuple[list[int], bool]] | None, dict[Any, Any]]] = {}
+# What a snapshot's memo holds that depends only on its names and label mappings, in order (``Snapshot.label_sets``,
+# ``Snapshot.label_values``): found again for the next body from the same source that has the same ones.
+_CARRIED = frozenset({"label sets", "label values"})
 _ONCE: dict[tuple[str, tuple[str, ...] | None], None] = {}
 
 
@@ -327,7 +331,8 @@ _ALLOWED_SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", 
 
 
 def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
-                nonfinite: set[str] | None = None, source: str = "") -> dict[str, list[Sample]] | None:
+                nonfinite: set[str] | None = None, source: str = "", memo: dict[Any, Any] | None = None
+                ) -> dict[str, list[Sample]] | None:
     """Parse the common exposition shape; None as soon as a line is not plainly of that shape.
 
     Equivalent to prometheus_client's parser on what it accepts (property-tested against it in
@@ -335,6 +340,8 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     cycle over hundreds of targets within budget (docs/performance.md). Names of NaN/±Inf samples go
     to ``nonfinite``; a value outside the float64 range raises ``_Rejected``. ``source``: where the body
     came from; only the lines that differ from the last body from there are read again (``_PREVIOUS``).
+    ``memo``: the new snapshot's; where every sample has the label mapping of the sample in its place last time,
+    what the last snapshot's memo found of its label sets is found here too (``_CARRIED``).
 
     Two passes: what each line says on its own (a pure function of its text and ``keep_prefixes``: a Sample, a
     HELP or TYPE line's family and type, _SKIP, _NotFinite, _REFUSE), then the lines not skipped, in order,
@@ -361,6 +368,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         changed = compress(count(), map(ne, lines, before[0]))
     else:
         reads, read_lines, plan, changed = [_SKIP] * len(lines), None, None, range(len(lines))
+    same_labels = True  # every sample read in its place has the label mapping of the sample there before
     read: Any
     for i in changed:
         line = lines[i]
@@ -418,8 +426,10 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
                     read = (new_tuple(Sample, (name, labels, value)) if isfinite(value)  # Sample() without its __new__
                             else _NotFinite(name, labels, value, value_text))
         if read_lines is not None and (read.__class__ is not Sample or (was := reads[i]).__class__ is not Sample
-                                       or read[0] is not was[0]):  # (a sample's name is interned: below)
+                                       or read[0] is not was[0] or read[1] is not was[1]):  # (names are interned)
             was = reads[i]
+            if read.__class__ is Sample:
+                same_labels = False  # another mapping (or another name, or a sample where none was: no plan)
             if (read is _SKIP) != (was is _SKIP):
                 read_lines = plan = None  # a line read now where one was skipped, or the other way round
             elif (plan is not None and read is not _SKIP and (read.__class__ is not Sample or was.__class__ is not Sample
@@ -433,6 +443,9 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         for name, (places, renamed) in plan.items():
             index[name] = ([new_tuple(Sample, (name, r[1], r[2])) for r in map(reads.__getitem__, places)] if renamed
                            else list(map(reads.__getitem__, places)))
+        if same_labels and memo is not None and before is not None:  # the same names, mappings and order: carried
+            # (list(): a copy at once, though another thread may read that snapshot's signals meanwhile)
+            memo.update((k, v) for k, v in list(before[4].items()) if isinstance(k, tuple) and k[0] in _CARRIED)
     else:
         if read_lines is None:
             read_lines = [i for i, r in enumerate(reads) if r is not _SKIP]
@@ -481,7 +494,7 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
                 allowed = _allowed(family, family_type)
     if source:
         if key in _PREVIOUS or key in _ONCE:
-            _PREVIOUS[key] = (lines, reads, read_lines, plan)
+            _PREVIOUS[key] = (lines, reads, read_lines, plan, {} if memo is None else memo)
         else:
             _ONCE[key] = None  # a file read once (``replay``) keeps nothing; a target scraped again does
     return index
@@ -517,8 +530,9 @@ def parse(
         return Snapshot.failed(scraped_at, "body does not end with a newline (truncated?)", source=source)
     _trim_label_caches()
     nonfinite: set[str] = set()
+    memo: dict[Any, Any] = {}
     try:
-        fast = _fast_parse(text, keep_prefixes, nonfinite, source)
+        fast = _fast_parse(text, keep_prefixes, nonfinite, source, memo)
     except _Rejected as exc:
         return Snapshot.failed(scraped_at, f"not valid Prometheus text exposition: {exc}", source=source)
     if fast == {} and keep_prefixes is not None and not nonfinite:
@@ -528,7 +542,7 @@ def parse(
     elif keep_prefixes is not None and fast is None:
         text = _wanted_lines(text, keep_prefixes)
     if fast is not None:
-        return _snapshot(fast, nonfinite, scraped_at, source=source, limits=limits, shared_labels=True)
+        return _snapshot(fast, nonfinite, scraped_at, source=source, limits=limits, shared_labels=True, memo=memo)
     index: dict[str, list[Sample]] = {}
     nonfinite.clear()
     skew = 0.0  # the largest distance of a sample's own timestamp from the scrape's time
@@ -567,7 +581,7 @@ def parse(
 
 
 def _snapshot(index: dict[str, list[Sample]], nonfinite: set[str], scraped_at: float, *, source: str,
-              limits: SeriesLimits, shared_labels: bool) -> Snapshot:
+              limits: SeriesLimits, shared_labels: bool, memo: dict[Any, Any] | None = None) -> Snapshot:
     """The Snapshot of a parsed index, or an invalid one: too many series, or a series twice.
 
     ``shared_labels``: every label mapping comes from ``_labels`` (one object per label set), so a
@@ -591,7 +605,7 @@ def _snapshot(index: dict[str, list[Sample]], nonfinite: set[str], scraped_at: f
         return Snapshot.failed(scraped_at, f"{total} series in total, more than the limit of {limits.max_series} "
                                "(label churn?)", source=source)
     return Snapshot(scraped_at=scraped_at, series=MappingProxyType(series), source=source,
-                    nonfinite=frozenset(nonfinite) if nonfinite else frozenset())
+                    nonfinite=frozenset(nonfinite) if nonfinite else frozenset(), memo={} if memo is None else memo)
 
 
 def _duplicate(name: str, samples: Iterable[Sample]) -> str:

@@ -81,9 +81,9 @@ def histogram(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histog
 
 _BOUNDS: dict[str, float] = {}  # an ``le`` label's text → its bound (the same few dozen texts in every scrape)
 _LABELS_OF, _VALUE_OF = operator.itemgetter(1), operator.itemgetter(2)  # Sample.labels, Sample.value
-# the label mappings of a histogram's bucket samples (by identity) → their bounds (``_rising_bounds``); the key's
-# mappings are kept in the value, so no id in a live key can be another object's
-_LAYOUTS: dict[tuple[int, ...], tuple[tuple[Labels, ...], list[float] | None]] = {}
+# a histogram's bucket samples' label mappings (their first one's id and their number: the value holds them all, to
+# be compared by identity) → their bounds (``_rising_bounds``)
+_LAYOUTS: dict[tuple[int, int], tuple[tuple[Labels, ...], list[float] | None]] = {}
 
 
 def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
@@ -100,9 +100,9 @@ def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> 
         # values beside their bounds, as summing per bound and sorting would give them (0.0 + each count, as the
         # sum starts; tests/properties/test_window_scans.py holds it to ``_summed``)
         labels = tuple(map(_LABELS_OF, samples))
-        key = tuple(map(id, labels))
+        key = (id(labels[0]), len(labels))
         layout = _LAYOUTS.get(key)
-        if layout is None:
+        if layout is None or not all(map(operator.is_, layout[0], labels)):
             if len(_LAYOUTS) >= 10_000:
                 _LAYOUTS.clear()
             layout = _LAYOUTS[key] = (labels, _rising_bounds(labels))
