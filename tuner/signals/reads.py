@@ -107,12 +107,12 @@ def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> 
                 _LAYOUTS.clear()
             layout = _LAYOUTS[key] = (labels, _rising_bounds(labels))
         bounds = layout[1]
-        cumulative = (list(zip(bounds, map(operator.add, repeat(0.0), map(_VALUE_OF, samples)), strict=True))
-                      if bounds is not None else _summed(samples))
+        values = None if bounds is None else list(map(operator.add, repeat(0.0), map(_VALUE_OF, samples)))
+        cumulative = _summed(samples) if bounds is None else list(zip(bounds, values, strict=True))
         total_sum = sum(map(_VALUE_OF, snap.samples(family + "_sum")))
         counts = snap.samples(family + "_count")
         total_count = sum(map(_VALUE_OF, counts))
-        why = hist.problem(cumulative, total_count if counts else None)
+        why = hist.problem(cumulative, total_count if counts else None, values)
         if why is None and total_sum < 0:
             why = f"_sum {total_sum:g} is negative"
         return f"histogram {family}: {why}" if why else (cumulative, total_sum, total_count)
