@@ -34,7 +34,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain, compress, count
-from operator import is_, itemgetter, ne
+from operator import itemgetter, ne
 from sys import intern
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -58,9 +58,6 @@ _STARTS: dict[tuple[str, ...], dict[str, bool]] = {}  # per prefixes: whether a 
 
 
 _EMPTY: Mapping[str, tuple[Sample, ...]] = MappingProxyType({})
-# a run of label mappings (its first one's id and its length: the value holds them all, to be compared by identity)
-# → (the mappings; what ``Snapshot.label_values`` found in them)
-_VALUES: dict[tuple[int, int], tuple[tuple[Labels, ...], dict[str, frozenset[str]]]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,23 +120,12 @@ class Snapshot:
 
     def label_values(self, label: str, prefixes: tuple[str, ...] | None = None) -> frozenset[str]:
         """The values ``label`` takes in ``label_sets(prefixes)`` (in those that hold it), computed once per snapshot
-        and per distinct run of label mappings: a target's next scrape holds the same mappings (the parser shares
-        one per label set), so the identity checks (``signals.engine.impossible``, ``planning.identities``) read
-        each one's labels once, not once per scrape."""
+        (and carried to a target's next scrape where it has the same label mappings: ``_CARRIED``) for the identity
+        checks (``signals.engine.impossible``, ``planning.identities``)."""
         key = ("label values", label, prefixes)
         found: frozenset[str] | None = self.memo.get(key)
         if found is None:
-            sets = self.label_sets(prefixes)
-            ids = (id(sets[0]) if sets else 0, len(sets))
-            kept = _VALUES.get(ids)
-            if kept is None or not all(map(is_, kept[0], sets)):
-                if len(_VALUES) >= _LABELS_CACHE_MAX // 100:
-                    _VALUES.clear()
-                kept = _VALUES[ids] = (sets, {})
-            found = kept[1].get(label)
-            if found is None:
-                found = kept[1][label] = frozenset(labels[label] for labels in sets if label in labels)
-            self.memo[key] = found
+            found = self.memo[key] = frozenset(lb[label] for lb in self.label_sets(prefixes) if label in lb)
         return found
 
     @classmethod
@@ -256,16 +242,14 @@ _OTHER: tuple[str, str | None] = ("", None)
 _COMMENTS: dict[tuple[str, ...] | None, dict[str, tuple[str, str | None]]] = {}
 _ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
 
-# Per source (a target's URL) and ``keep_prefixes``: the lines of the body parsed last, what each said on its own
-# (``_fast_parse``'s first pass), and the places of those not skipped. A target's next body holds the same lines in
-# the same places, most of them with the same text (a gauge that did not move, a bucket no request fell in, every
-# HELP and TYPE line, the families not read): found by one comparison of the two lists at C speed, those are not
-# read again, and their Samples are the ones already built (``python -m bench.cycle_cost``, docs/performance.md).
+# Per source (a target's URL) and ``keep_prefixes``: the last body's lines, what each said on its own, the places of
+# those read, where each name's samples came from, and its snapshot's memo. A target's next body holds the same lines
+# in the same places, most with the same text (a gauge that did not move, an empty bucket, HELP/TYPE lines, families
+# not read): found by one comparison of the two lists at C speed, those are not read again (docs/performance.md).
 # Kept from a source's second body on (``_ONCE``: a file read once keeps nothing).
 _PREVIOUS: dict[tuple[str, tuple[str, ...] | None], tuple[list[str], list[Any], list[int],
                                                            dict[str, tuple[list[int], bool]] | None, dict[Any, Any]]] = {}
-# What a snapshot's memo holds that depends only on its names and label mappings, in order (``Snapshot.label_sets``,
-# ``Snapshot.label_values``): found again for the next body from the same source that has the same ones.
+# What a snapshot's memo holds that depends only on its names and label mappings, in order: carried (``_fast_parse``)
 _CARRIED = frozenset({"label sets", "label values"})
 _ONCE: dict[tuple[str, tuple[str, ...] | None], None] = {}
 
@@ -310,16 +294,15 @@ def _trim_label_caches() -> None:
     if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
             or sum(map(len, _SERIES_CACHE.values())) >= _LABELS_CACHE_MAX
             or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX
-            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX):
+            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX
+            or len(_PREVIOUS) >= _SOURCES_MAX or len(_ONCE) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
         _SERIES_CACHE.clear()
         _COMMENTS.clear()
         _ALLOWED.clear()
         _STARTS.clear()
-        _PREVIOUS.clear()  # what it remembers holds the label mappings of before (compared by identity)
-    if len(_PREVIOUS) >= _SOURCES_MAX or len(_ONCE) >= _LABELS_CACHE_MAX:
-        _PREVIOUS.clear()
+        _PREVIOUS.clear()  # (its reads hold the label mappings of before: with the others, never alone)
         _ONCE.clear()
 
 
@@ -338,15 +321,13 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     Equivalent to prometheus_client's parser on what it accepts (property-tested against it in
     tests/unit/test_snapshots.py); roughly 10× faster on vLLM expositions, which is what keeps one
     cycle over hundreds of targets within budget (docs/performance.md). Names of NaN/±Inf samples go
-    to ``nonfinite``; a value outside the float64 range raises ``_Rejected``. ``source``: where the body
-    came from; only the lines that differ from the last body from there are read again (``_PREVIOUS``).
-    ``memo``: the new snapshot's; where every sample has the label mapping of the sample in its place last time,
-    what the last snapshot's memo found of its label sets is found here too (``_CARRIED``).
+    to ``nonfinite``; a value outside the float64 range raises ``_Rejected``. ``source``: only the lines that
+    differ from the last body from there are read again (``_PREVIOUS``). ``memo``: the new snapshot's, given what
+    the last one's found of its label sets where each sample has the label mapping its place had (``_CARRIED``).
 
     Two passes: what each line says on its own (a pure function of its text and ``keep_prefixes``: a Sample, a
-    HELP or TYPE line's family and type, _SKIP, _NotFinite, _REFUSE), then the lines not skipped, in order,
-    through the state a family's lines share.
-    """
+    HELP or TYPE line's family and type, _SKIP, _NotFinite, _REFUSE), then the lines read, in order, through the
+    state a family's lines share."""
     # A line is read when it starts with one of ``keep_prefixes`` (a HELP or TYPE line: its family does), and
     # that is decided once per series text: a series text ends with the space before the value, so a prefix
     # without whitespace that starts one line with that text starts every such line, or none of them.
@@ -360,12 +341,11 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     lines = text.split("\n")
     key = (source, keep_prefixes)
     before = _PREVIOUS.get(key) if source else None
-    changed: Iterable[int]
     plan: dict[str, tuple[list[int], bool]] | None
     if before is not None and len(before[0]) == len(lines):
         # the same lines in the same places (the usual next body of a target): only those whose text changed
         reads, read_lines, plan = before[1].copy(), before[2], before[3]
-        changed = compress(count(), map(ne, lines, before[0]))
+        changed: Iterable[int] = compress(count(), map(ne, lines, before[0]))
     else:
         reads, read_lines, plan, changed = [_SKIP] * len(lines), None, None, range(len(lines))
     same_labels = True  # every sample read in its place has the label mapping of the sample there before
@@ -415,12 +395,15 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
                         name, label_text, value_text, stamp = m.groups()
                         # a sample with its own timestamp: the reference parser reads it, and parse checks it;
                         # float() accepts 1_000: leave such oddities to the reference parser
-                        value = _number(value_text) if stamp is None and "_" not in value_text else None
-                        parsed = None if value is None else _NO_LABELS if not label_text else _labels(label_text)
-                        if parsed is None:
+                        try:
+                            number = float(value_text) if stamp is None and "_" not in value_text else None
+                        except ValueError:
+                            number = None
+                        parsed = None if number is None else _NO_LABELS if not label_text else _labels(label_text)
+                        if parsed is None or number is None:
                             read = _REFUSE
                         else:
-                            name, labels = intern(name), parsed
+                            name, labels, value = intern(name), parsed, number
                             series_cache[line[:m.start(3)]] = (name, labels)
                 if read is None:
                     read = (new_tuple(Sample, (name, labels, value)) if isfinite(value)  # Sample() without its __new__
@@ -438,13 +421,11 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
         reads[i] = read
     index: dict[str, list[Sample]] = {}
     if plan is not None:
-        # each line read in its place says what it said before, but for values: the family state goes through the
-        # same steps, and each sample goes where its place's sample went (under the same name, renamed or not)
+        # each line read says what it said before but for values: each sample goes where its place's sample went
         for name, (places, renamed) in plan.items():
             index[name] = ([new_tuple(Sample, (name, r[1], r[2])) for r in map(reads.__getitem__, places)] if renamed
                            else list(map(reads.__getitem__, places)))
-        if same_labels and memo is not None and before is not None:  # the same names, mappings and order: carried
-            # (list(): a copy at once, though another thread may read that snapshot's signals meanwhile)
+        if same_labels and memo is not None and before is not None:  # (list(): a copy at once, whatever reads it)
             memo.update((k, v) for k, v in list(before[4].items()) if isinstance(k, tuple) and k[0] in _CARRIED)
     else:
         if read_lines is None:
@@ -493,18 +474,12 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
                     family_type = typed
                 allowed = _allowed(family, family_type)
     if source:
+        assert read_lines is not None  # (None only while the places of the lines read were being found again)
         if key in _PREVIOUS or key in _ONCE:
             _PREVIOUS[key] = (lines, reads, read_lines, plan, {} if memo is None else memo)
         else:
             _ONCE[key] = None  # a file read once (``replay``) keeps nothing; a target scraped again does
     return index
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 def parse(

@@ -107,8 +107,12 @@ def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> 
                 _LAYOUTS.clear()
             layout = _LAYOUTS[key] = (labels, _rising_bounds(labels))
         bounds = layout[1]
-        values = None if bounds is None else list(map(operator.add, repeat(0.0), map(_VALUE_OF, samples)))
-        cumulative = _summed(samples) if bounds is None else list(zip(bounds, values, strict=True))
+        values: list[float] | None = None
+        if bounds is None:
+            cumulative = _summed(samples)
+        else:
+            values = list(map(operator.add, repeat(0.0), map(_VALUE_OF, samples)))
+            cumulative = list(zip(bounds, values, strict=True))
         total_sum = sum(map(_VALUE_OF, snap.samples(family + "_sum")))
         counts = snap.samples(family + "_count")
         total_count = sum(map(_VALUE_OF, counts))
@@ -121,7 +125,7 @@ def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> 
 
 def _rising_bounds(labels: Sequence[Labels]) -> list[float] | None:
     """Each label set's ``le`` read as a bound, if every one has a bound and they rise strictly (else None)."""
-    bounds = []
+    bounds: list[float] = []
     for lb in labels:
         le = lb.get("le")
         bound = _float_or_none(le) if le is not None else None
