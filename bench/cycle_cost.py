@@ -3,7 +3,8 @@
 Prints figures; asserts nothing. Inputs are copies of real captures (tests/fixtures): a vLLM 0.32
 exposition from the queue-bound scenario and a full dcgm-exporter scrape replicated to 8 GPUs (the
 `gpu`/`UUID` labels changed per copy). Each engine copy gets its own `model_name`, so label sets are
-not shared between targets more than they would be in a real fleet of distinct models.
+not shared between targets more than they would be in a real fleet of distinct models, and is parsed as
+scraped from its own URL (``source``: the daemon's scrape passes the target's URL, ``sources.scraping``).
 
     python -m bench.cycle_cost [--cycles 15] [--targets 512] [--window 10] [--cadence-targets 64] [--split]
 
@@ -56,6 +57,14 @@ def dcgm_8gpu_text() -> str:
     return "\n".join(out) + "\n"
 
 
+DCGM_URL = "http://dcgm-exporter:9400/metrics"
+
+
+def url(target: int) -> str:
+    """The URL target ``target`` is scraped from: what the daemon's scrape passes ``parse`` as ``source``."""
+    return f"http://engine-{target}:8000/metrics"
+
+
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -63,13 +72,14 @@ def rss_mib() -> float:
 def one_engine_cycle(texts: list[str], dcgm_text: str, window: int, cycles: int) -> list[float]:
     prefixes = dialects.VLLM.parse_prefixes()
     dprefixes = dcgm.dcgm_keep_prefixes()
-    hist = [snapshots.parse(texts[i % len(texts)], i * 30.0, keep_prefixes=prefixes) for i in range(window)]
+    hist = [snapshots.parse(texts[i % len(texts)], i * 30.0, keep_prefixes=prefixes, source=url(0))
+            for i in range(window)]
     costs = []
     for c in range(cycles):
         t0 = time.process_time()
-        snap = snapshots.parse(texts[c % len(texts)], (window + c) * 30.0, keep_prefixes=prefixes)
+        snap = snapshots.parse(texts[c % len(texts)], (window + c) * 30.0, keep_prefixes=prefixes, source=url(0))
         hist = [*hist[1:], snap]
-        dsnap = snapshots.parse(dcgm_text, (window + c) * 30.0, keep_prefixes=dprefixes)
+        dsnap = snapshots.parse(dcgm_text, (window + c) * 30.0, keep_prefixes=dprefixes, source=DCGM_URL)
         readings = dcgm.readings_from_snapshot(dsnap, slowdown_temp_c=89.0)
         signals = engine_signals.compute(hist)
         signals.update(gpu_signals.compute(readings))
@@ -83,14 +93,15 @@ def fleet_cycle(texts: list[str], targets: int, window: int, cycles: int) -> tup
     per_target = [[t.replace('model_name="', f'model_name="m{i}-') for t in texts] for i in range(targets)]
     gc.collect()
     before = rss_mib()
-    windows = [[snapshots.parse(per_target[i][k % len(texts)], k * 30.0, keep_prefixes=prefixes)
+    windows = [[snapshots.parse(per_target[i][k % len(texts)], k * 30.0, keep_prefixes=prefixes, source=url(i))
                 for k in range(window)] for i in range(targets)]
     held = rss_mib() - before
     costs = []
     for c in range(cycles):
         t0 = time.process_time()
         for i in range(targets):
-            snap = snapshots.parse(per_target[i][c % len(texts)], (window + c) * 30.0, keep_prefixes=prefixes)
+            snap = snapshots.parse(per_target[i][c % len(texts)], (window + c) * 30.0, keep_prefixes=prefixes,
+                                   source=url(i))
             windows[i] = [*windows[i][1:], snap]
             engine_signals.compute(windows[i])
         costs.append(time.process_time() - t0)
@@ -169,7 +180,7 @@ def cadence_cycle(texts: list[str], targets: int, cycles: int, split: dict[str, 
             t0 = time.process_time()
             for i in range(targets):
                 t1 = time.process_time()
-                snap = snapshots.parse(bodies[i], now, keep_prefixes=prefixes)
+                snap = snapshots.parse(bodies[i], now, keep_prefixes=prefixes, source=url(i))
                 parts["parse"] += time.process_time() - t1
                 d = stepping.step(states[i], snap, info=info, gpus=gpus, now=now, target=f"t{i}", kind="vllm",
                                   args=args, settings=settings, window=window, rules=rules)

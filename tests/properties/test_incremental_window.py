@@ -178,7 +178,7 @@ def typed(rnd: random.Random, body: str) -> str:
 
 def clear_parser_caches() -> None:
     for cache in (snapshots._LABELS_CACHE, snapshots._CANONICAL, snapshots._SERIES_CACHE, snapshots._COMMENTS,
-                  snapshots._ALLOWED):
+                  snapshots._ALLOWED, snapshots._PREVIOUS, snapshots._ONCE):
         cache.clear()
 
 
@@ -201,3 +201,81 @@ def test_a_body_parsed_after_others_equals_it_parsed_with_nothing_remembered(see
         assert snapshots.parse(body, 1.0, keep_prefixes=keep) == snap
     again = [snapshots.parse(b, 1.0, keep_prefixes=k) for b, k in zip(bodies, keeps, strict=False)]
     assert again == warm  # and read once more, every cache now holding all of them
+
+
+def changed_in_place(rnd: random.Random, lines: list[str], *, mild: bool = False) -> list[str]:
+    """``lines`` with a few of them changed in their places, as a target's next body changes: most often a value,
+    sometimes what the line is (another series, a copy of another line, a HELP or TYPE line, a family not read, a
+    counter written without ``_total``, junk, nothing). ``mild``: only values, and now and then a label."""
+    out = list(lines)
+    for _ in range(rnd.choice([1, 3, 10, 40])):
+        i = rnd.randrange(len(out))
+        line = out[i]
+        name = line.partition("{")[0].partition(" ")[0]
+        roll = rnd.random()
+        if mild and line and not line.startswith("#"):
+            value = rnd.choice(["0", "1.5", "27", "1e3", "4.0"])
+            out[i] = (line.replace('model_name="m"', 'model_name="n"') if roll < 0.2
+                      else f"{line.rpartition(' ')[0]} {value}")
+            continue
+        if roll < 0.55 and line and not line.startswith("#"):
+            out[i] = f"{line.rpartition(' ')[0]} {rnd.choice([*WEIRD_VALUES, '0', '1.5', '27', '1e3', '4.0'])}"
+        elif roll < 0.65:
+            out[i] = rnd.choice(out)  # a line twice (the same series twice: refused), or the next family's line
+        elif roll < 0.75:
+            family = name.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").lstrip("# ")
+            kind = rnd.choice(["counter", "gauge", "histogram", "untyped", "bogus"])
+            out[i] = rnd.choice([f"# TYPE {family} {kind}", f"# HELP {family} what it is", "# a comment"])
+        elif roll < 0.8:
+            out[i] = line.replace("_total", "", 1)
+        elif roll < 0.9:
+            out[i] = rnd.choice(['python_gc_objects_collected_total{generation="0"} 14703.0',
+                                 'vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9', "", "junk"])
+        else:
+            out[i] = line.replace('model_name="m"', 'model_name="n"')
+    return out
+
+
+@SETTINGS
+@given(st.integers(0, 2**32), st.lists(st.sampled_from(["in place", "in place", "mild", "mild", "new", "typed"]),
+                                       min_size=2, max_size=12), st.booleans())
+def test_a_body_parsed_after_the_last_from_its_source_equals_it_parsed_on_its_own(seed, steps, filtered):
+    """``parse(source=)`` reads only the lines that differ from the last body from the same source (``_PREVIOUS``):
+    each body of a generated sequence, most of them the last one with a few lines changed in their places, parses
+    as it does without a source (which the test above holds to a parse with nothing remembered)."""
+    rnd = random.Random(seed)
+    keep = dialects.VLLM.parse_prefixes() if filtered else None
+    source = f"http://target-{seed}/metrics"
+    lines: list[str] = []
+    read_before = False  # whether the fast parser read a body from this source before
+    for i, how in enumerate(steps):
+        if how in ("in place", "mild") and lines:
+            lines = changed_in_place(rnd, lines, mild=how == "mild")
+        else:
+            body = vllm_body(rnd, i + 1, 0.02)
+            lines = (typed(rnd, body) if how == "typed" else body).split("\n")
+        body = "\n".join(lines)
+        snap = snapshots.parse(body, 1.0, source=source, keep_prefixes=keep)
+        alone = snapshots.parse(body, 1.0, keep_prefixes=keep)
+        assert dataclasses.replace(snap, source="") == alone
+        assert snap.error == alone.error
+        # what the memo carried from the last snapshot (the label sets and values, where the mappings are the same)
+        # is what reading this one's samples finds, and is carried to the next one
+        for prefixes in (None, keep, ("vllm:",)):
+            assert list(map(id, snap.label_sets(prefixes))) == list(map(id, fresh(snap).label_sets(prefixes)))
+            for label in ("model_name", "engine", "le", "finished_reason"):
+                assert snap.label_values(label, prefixes) == fresh(snap).label_values(label, prefixes)
+        if fast_shape(body, keep):
+            if read_before:
+                assert (source, keep) in snapshots._PREVIOUS  # kept from its second body on: the path is taken
+            read_before = True
+
+
+def fast_shape(body: str, keep: tuple[str, ...] | None) -> bool:
+    """Whether the fast parser reads ``body`` (else the reference parser does, and nothing is kept)."""
+    if body.isspace() or not body.endswith("\n"):
+        return False  # refused before any parser reads it
+    try:
+        return snapshots._fast_parse(body, keep) is not None
+    except snapshots._Rejected:
+        return False

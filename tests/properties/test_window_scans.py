@@ -102,3 +102,86 @@ def test_a_histograms_change_is_what_the_bucket_loop_made(new, old, same_layout)
     if same_layout and old is not None:  # the usual case: the same bounds, the same objects
         old = [(b, o) for (b, _), (_, o) in zip(new, old + [(0.0, 0.0)] * len(new), strict=False)]
     assert repr(hist.delta(new, old)) == repr(oracle_delta(new, old))
+
+
+def oracle_merged_buckets(snap, family):
+    """``reads._merged_buckets`` as it was: every bucket sample summed per bound, then sorted."""
+    samples = snap.samples(family + "_bucket")
+    merged: dict[float, float] = {}
+    for s in samples:
+        le = s.labels.get("le")
+        if le is None:
+            continue
+        try:
+            bound = float(le)
+        except ValueError:
+            continue
+        merged[bound] = merged.get(bound, 0.0) + s.value
+    total_sum = sum(s.value for s in snap.samples(family + "_sum"))
+    counts = snap.samples(family + "_count")
+    total_count = sum(s.value for s in counts)
+    cumulative = sorted(merged.items())
+    why = hist.problem(cumulative, total_count if counts else None)
+    if why is None and total_sum < 0:
+        why = f"_sum {total_sum:g} is negative"
+    return f"histogram {family}: {why}" if why else (cumulative, total_sum, total_count)
+
+
+LES = ["0.1", "0.5", "1", "1.0", "1e0", "2.5", "10", "+Inf", "-0", "0", "NaN", "x", "-1"]
+
+
+RISING = ["0.1", "0.5", "1", "2.5", "10", "+Inf"]
+AGAIN = {"0.1": "1e-1", "0.5": ".5", "1": "1.0", "2.5": "2.50", "10": "1e1", "+Inf": "Inf"}  # one bound, two spellings
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["0", "1"]), st.sampled_from(LES) | st.none(),
+                          st.sampled_from([0.0, -0.0, 1.0, 3.0, 7.5]) | st.floats(0, 1e6)),
+                min_size=1, max_size=10),
+       st.sampled_from(["rising", "rising", "two engines", "a bound twice", "a NaN bound", "any"]), st.integers(0, 3))
+def test_a_histograms_buckets_are_what_the_summing_loop_made(buckets, layout, repeats):
+    """The buckets of one histogram in a snapshot (``reads._merged_buckets``: the usual layout, one sample per bucket in
+    rising order, known by its label mappings) against the loop that summed every sample per bound: generated layouts
+    (two engines, a bound twice, in any order, written two ways, not a number, missing), parsed again and again (the
+    layout found by the mappings' identities)."""
+    family = "vllm:request_queue_time_seconds"
+    values = sorted(v for *_, v in buckets)  # counts that rise with the lines, so the layout, not the counts, decides
+    if layout == "any":
+        buckets = [(e, le, v) for (e, le, _), v in zip(buckets, values, strict=True)]
+    else:  # the usual case, one engine, the bounds in rising order, each once; or two engines; or a bound twice
+        buckets = [("0", le, v) for le, v in zip(RISING, values, strict=False)]
+        if layout == "two engines":
+            buckets += [("1", le, v) for _, le, v in buckets]
+        elif layout == "a bound twice":
+            i = len(values) % len(buckets)
+            buckets.insert(i + 1, ("0", AGAIN[buckets[i][1]], buckets[i][2]))
+        elif layout == "a NaN bound":
+            i = len(values) % len(buckets)
+            buckets[i] = ("0", "NaN", buckets[i][2])
+    les = ["" if le is None else f',le="{le}"' for _, le, _ in buckets]
+    lines = [f'{family}_bucket{{engine="{e}"{le}}} {v!r}' for (e, _, v), le in zip(buckets, les, strict=True)]
+    text = "\n".join([*lines, f"{family}_sum 4.5", f"{family}_count {buckets[-1][2]!r}"]) + "\n"
+    for _ in range(1 + repeats):
+        snap = snapshots.parse(text, 1.0)
+        if not snap.ok:
+            return  # the same series twice: refused before any bucket is read
+        found = es.reads._merged_buckets(snap, dialects.VLLM, "queue_time")
+        assert repr(found) == repr(oracle_merged_buckets(snap, family))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["vllm:a", "vllm:b", "other"]), st.sampled_from(["m", "n", "", None]),
+                          st.sampled_from(["0", "1", None])), min_size=1, max_size=8),
+       st.sampled_from(["model_name", "engine", "job"]), st.booleans())
+def test_a_labels_values_are_what_the_label_sets_hold(series, label, filtered):
+    """``Snapshot.label_values`` (found once per run of shared label mappings) against the label sets read anew."""
+    lines = []
+    for i, (name, model, engine) in enumerate(series):
+        labels = [f'{k}="{v}"' for k, v in (("model_name", model), ("engine", engine), ("i", str(i))) if v is not None]
+        lines.append(f"{name}{{{','.join(labels)}}} {i}")
+    text = "\n".join(lines) + "\n"
+    prefixes = ("vllm:",) if filtered else None
+    for _ in range(2):  # the second time, the same mappings: found by their identities
+        snap = snapshots.parse(text, 1.0, keep_prefixes=prefixes)
+        sets = snap.label_sets(prefixes)
+        assert snap.label_values(label, prefixes) == {lb[label] for lb in sets if label in lb}

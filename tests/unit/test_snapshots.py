@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tuner.model import snapshots
+from tuner.model import dialects, snapshots
 
 # Scheduling (tests/conftest.py): one of the fast tier's longest files, started first on a worker of its own;
 # its rank by measured length (--durations=0), 1 the longest.
@@ -269,3 +269,23 @@ def test_a_snapshots_label_sets_are_its_samples_labels(lines, keep, prefixes):
         found = snap.label_sets(prefixes)
         assert {frozenset(labels.items()) for labels in found} == expected
         assert len({id(labels) for labels in found}) == len(found)
+
+
+def test_the_next_body_from_a_source_is_read_from_its_changed_lines_and_carries_its_label_sets():
+    """A target's next scrape (``parse(source=)``): the lines that did not change are read as before (their samples are
+    the same objects), and where every label mapping is the one in its place last time, the label sets the last
+    snapshot's memo found are the new one's without reading its samples again (tests/properties/
+    test_incremental_window.py holds both to a parse with nothing remembered, on generated bodies)."""
+    keep = dialects.VLLM.parse_prefixes()
+    first = "vllm:num_requests_running{model_name=\"a\"} 1\nvllm:num_requests_waiting{model_name=\"a\"} 2\n"
+    url = "http://carry-test:8000/metrics"
+    snapshots.parse(first, 1.0, source=url, keep_prefixes=keep)  # a first body from there: nothing kept yet
+    one = snapshots.parse(first, 2.0, source=url, keep_prefixes=keep)
+    sets = one.label_sets()
+    two = snapshots.parse(first.replace("} 2", "} 5"), 3.0, source=url, keep_prefixes=keep)
+    assert two.samples("vllm:num_requests_running")[0] is one.samples("vllm:num_requests_running")[0]
+    assert two.samples("vllm:num_requests_waiting")[0].value == 5.0
+    assert two.memo[("label sets", None)] is sets
+    three = snapshots.parse(first.replace('"a"} 2', '"b"} 2'), 4.0, source=url, keep_prefixes=keep)
+    assert ("label sets", None) not in three.memo  # another mapping: read anew
+    assert three.label_values("model_name") == {"a", "b"}

@@ -33,8 +33,9 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress, count
+from operator import itemgetter, ne
+from sys import intern
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -111,9 +112,20 @@ class Snapshot:
                 chosen = inside
             if prefixes is not None and len(inside) == len(series):
                 found = self.label_sets()  # a body parsed under the same filter: every sample's
-            else:
-                found = tuple({id(labels): labels for labels in map(_LABELS_OF, chain.from_iterable(chosen))}.values())
+            else:  # each mapping once, in the order first seen (at C speed)
+                every = list(map(_LABELS_OF, chain.from_iterable(chosen)))
+                found = tuple(dict(zip(map(id, every), every, strict=True)).values())
             self.memo[key] = found
+        return found
+
+    def label_values(self, label: str, prefixes: tuple[str, ...] | None = None) -> frozenset[str]:
+        """The values ``label`` takes in ``label_sets(prefixes)`` (in those that hold it), computed once per snapshot
+        (and carried to a target's next scrape where it has the same label mappings: ``_CARRIED``) for the identity
+        checks (``signals.engine.impossible``, ``planning.identities``)."""
+        key = ("label values", label, prefixes)
+        found: frozenset[str] | None = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = frozenset(lb[label] for lb in self.label_sets(prefixes) if label in lb)
         return found
 
     @classmethod
@@ -183,6 +195,7 @@ _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\]*)"[ \t
 _LABELS_CACHE: dict[str, Labels] = {}
 _CANONICAL: dict[tuple[tuple[str, str], ...], Labels] = {}
 _LABELS_CACHE_MAX = 200_000
+_SOURCES_MAX = 10_000  # sources whose last body is remembered (_PREVIOUS)
 _NO_LABELS: Labels = MappingProxyType({})
 
 
@@ -229,6 +242,29 @@ _OTHER: tuple[str, str | None] = ("", None)
 _COMMENTS: dict[tuple[str, ...] | None, dict[str, tuple[str, str | None]]] = {}
 _ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
 
+# Per source (a target's URL) and ``keep_prefixes``: the last body's lines, what each said on its own, the places of
+# those read, where each name's samples came from, and its snapshot's memo. A target's next body holds the same lines
+# in the same places, most with the same text (a gauge that did not move, an empty bucket, HELP/TYPE lines, families
+# not read): found by one comparison of the two lists at C speed, those are not read again (docs/performance.md).
+# Kept from a source's second body on (``_ONCE``: a file read once keeps nothing).
+_PREVIOUS: dict[tuple[str, tuple[str, ...] | None], tuple[list[str], list[Any], list[int],
+                                                           dict[str, tuple[list[int], bool]] | None, dict[Any, Any]]] = {}
+# What a snapshot's memo holds that depends only on its names and label mappings, in order: carried (``_fast_parse``)
+_CARRIED = frozenset({"label sets", "label values"})
+_ONCE: dict[tuple[str, tuple[str, ...] | None], None] = {}
+
+
+class _NotFinite(NamedTuple):
+    """A sample line whose value is NaN or ±Inf (or out of the float64 range): named in ``nonfinite``, or refused."""
+
+    name: str
+    labels: Labels
+    value: float
+    text: str
+
+
+_REFUSE = ("", "a line only the reference parser may read")
+
 
 def _comment(line: str, keep_prefixes: tuple[str, ...] | None) -> tuple[str, str | None]:
     if keep_prefixes is not None and not (line.startswith(("# HELP ", "# TYPE ")) and
@@ -258,13 +294,16 @@ def _trim_label_caches() -> None:
     if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
             or sum(map(len, _SERIES_CACHE.values())) >= _LABELS_CACHE_MAX
             or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX
-            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX):
+            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX
+            or len(_PREVIOUS) >= _SOURCES_MAX or len(_ONCE) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
         _SERIES_CACHE.clear()
         _COMMENTS.clear()
         _ALLOWED.clear()
         _STARTS.clear()
+        _PREVIOUS.clear()  # (its reads hold the label mappings of before: with the others, never alone)
+        _ONCE.clear()
 
 
 MAX_TIMESTAMP_SKEW_SECONDS = 600.0
@@ -275,20 +314,20 @@ _ALLOWED_SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", 
 
 
 def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
-                nonfinite: set[str] | None = None) -> dict[str, list[Sample]] | None:
+                nonfinite: set[str] | None = None, source: str = "", memo: dict[Any, Any] | None = None
+                ) -> dict[str, list[Sample]] | None:
     """Parse the common exposition shape; None as soon as a line is not plainly of that shape.
 
     Equivalent to prometheus_client's parser on what it accepts (property-tested against it in
     tests/unit/test_snapshots.py); roughly 10× faster on vLLM expositions, which is what keeps one
     cycle over hundreds of targets within budget (docs/performance.md). Names of NaN/±Inf samples go
-    to ``nonfinite``; a value outside the float64 range raises ``_Rejected``.
-    """
-    index: dict[str, list[Sample]] = {}
-    isfinite, new_tuple = math.isfinite, tuple.__new__
-    # prometheus_client names a counter's samples `<TYPE name>_total` when they are written without
-    # the suffix, but only for samples that directly follow their TYPE line; track that state.
-    family, family_type = "", "untyped"
-    allowed: tuple[str, ...] = ()
+    to ``nonfinite``; a value outside the float64 range raises ``_Rejected``. ``source``: only the lines that
+    differ from the last body from there are read again (``_PREVIOUS``). ``memo``: the new snapshot's, given what
+    the last one's found of its label sets where each sample has the label mapping its place had (``_CARRIED``).
+
+    Two passes: what each line says on its own (a pure function of its text and ``keep_prefixes``: a Sample, a
+    HELP or TYPE line's family and type, _SKIP, _NotFinite, _REFUSE), then the lines read, in order, through the
+    state a family's lines share."""
     # A line is read when it starts with one of ``keep_prefixes`` (a HELP or TYPE line: its family does), and
     # that is decided once per series text: a series text ends with the space before the value, so a prefix
     # without whitespace that starts one line with that text starts every such line, or none of them.
@@ -298,82 +337,148 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
     if series_cache is None:
         series_cache = _SERIES_CACHE.setdefault(keep_prefixes, {}) if cacheable else {}
     comments = _COMMENTS.setdefault(keep_prefixes, {})
-    for line in text.split("\n"):
-        if not line or line[0] == "#":
-            if not line:
-                continue
-            comment = comments.get(line)
-            if comment is None:
-                comment = comments[line] = _comment(line, keep_prefixes)
-            if comment is _REFUSED:
+    isfinite, new_tuple = math.isfinite, tuple.__new__
+    lines = text.split("\n")
+    key = (source, keep_prefixes)
+    before = _PREVIOUS.get(key) if source else None
+    plan: dict[str, tuple[list[int], bool]] | None
+    if before is not None and len(before[0]) == len(lines):
+        # the same lines in the same places (the usual next body of a target): only those whose text changed
+        reads, read_lines, plan = before[1].copy(), before[2], before[3]
+        changed: Iterable[int] = compress(count(), map(ne, lines, before[0]))
+    else:
+        reads, read_lines, plan, changed = [_SKIP] * len(lines), None, None, range(len(lines))
+    same_labels = True  # every sample read in its place has the label mapping of the sample there before
+    read: Any
+    for i in changed:
+        line = lines[i]
+        if not line:
+            read = _SKIP
+        elif line[0] == "#":
+            read = comments.get(line)
+            if read is None:
+                read = comments[line] = _comment(line, keep_prefixes)
+            read = _SKIP if read is _OTHER else _REFUSE if read is _REFUSED else read
+        else:
+            cut = line.rfind(" ") + 1
+            known = series_cache.get(line[:cut]) if cut > 1 else None
+            read = None
+            if known is _SKIP:
+                read = _SKIP
+            else:
+                value_text = line[cut:]
+                if known is not None and value_text and "_" not in value_text and value_text.strip() == value_text:
+                    # a series seen before, its value one word (no whitespace at either end: strip() gives it back
+                    # as it is): float() reads a word as the regex's \S+ does, and refuses any whitespace inside it
+                    # (then the line takes the regex path below, which decides)
+                    try:
+                        value = float(value_text)
+                    except ValueError:
+                        known = None
+                else:
+                    known = None
+                if known is not None:
+                    name, labels = known  # under a filter, never a _created series (those are _SKIP, below)
+                elif keep_prefixes is not None and not line.startswith(keep_prefixes):
+                    if cut > 1 and cacheable:
+                        series_cache[line[:cut]] = _SKIP
+                    read = _SKIP
+                elif keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
+                    if cut > 1 and cacheable and "_created" in line[:cut].split("{", 1)[0]:
+                        series_cache[line[:cut]] = _SKIP  # the name holds it: so does every line with this text
+                    read = _SKIP
+                else:
+                    m = _LINE.fullmatch(line)
+                    if m is None:
+                        read = _REFUSE
+                    else:
+                        name, label_text, value_text, stamp = m.groups()
+                        # a sample with its own timestamp: the reference parser reads it, and parse checks it;
+                        # float() accepts 1_000: leave such oddities to the reference parser
+                        try:
+                            number = float(value_text) if stamp is None and "_" not in value_text else None
+                        except ValueError:
+                            number = None
+                        parsed = None if number is None else _NO_LABELS if not label_text else _labels(label_text)
+                        if parsed is None or number is None:
+                            read = _REFUSE
+                        else:
+                            name, labels, value = intern(name), parsed, number
+                            series_cache[line[:m.start(3)]] = (name, labels)
+                if read is None:
+                    read = (new_tuple(Sample, (name, labels, value)) if isfinite(value)  # Sample() without its __new__
+                            else _NotFinite(name, labels, value, value_text))
+        if read_lines is not None and (read.__class__ is not Sample or (was := reads[i]).__class__ is not Sample
+                                       or read[0] is not was[0] or read[1] is not was[1]):  # (names are interned)
+            was = reads[i]
+            if read.__class__ is Sample:
+                same_labels = False  # another mapping (or another name, or a sample where none was: no plan)
+            if (read is _SKIP) != (was is _SKIP):
+                read_lines = plan = None  # a line read now where one was skipped, or the other way round
+            elif (plan is not None and read is not _SKIP and (read.__class__ is not Sample or was.__class__ is not Sample
+                                                               or read[0] != was[0]) and read != was):
+                plan = None  # another name, HELP or TYPE than before in this place
+        reads[i] = read
+    index: dict[str, list[Sample]] = {}
+    if plan is not None:
+        # each line read says what it said before but for values: each sample goes where its place's sample went
+        for name, (places, renamed) in plan.items():
+            index[name] = ([new_tuple(Sample, (name, r[1], r[2])) for r in map(reads.__getitem__, places)] if renamed
+                           else list(map(reads.__getitem__, places)))
+        if same_labels and memo is not None and before is not None:  # (list(): a copy at once, whatever reads it)
+            memo.update((k, v) for k, v in list(before[4].items()) if isinstance(k, tuple) and k[0] in _CARRIED)
+    else:
+        if read_lines is None:
+            read_lines = [i for i, r in enumerate(reads) if r is not _SKIP]
+        plan = {} if source else None
+        # prometheus_client names a counter's samples `<TYPE name>_total` when they are written without
+        # the suffix, but only for samples that directly follow their TYPE line; track that state.
+        family, family_type = "", "untyped"
+        allowed: tuple[str, ...] = ()
+        for place in read_lines:
+            read = reads[place]
+            kind = read.__class__
+            if kind is Sample or kind is _NotFinite:
+                name = read[0]
+                if name not in allowed:
+                    family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
+                    renamed = False
+                else:
+                    renamed = family_type == "counter" and not family.endswith("_total")
+                    if renamed:
+                        name += "_total"
+                if kind is _NotFinite:
+                    plan = None  # read again each time: it says why
+                    if read.value == read.value and read.text.lstrip("+-").lower() not in _INF_SPELLINGS:
+                        raise _Rejected(f"the value {read.text} of {name} is out of range for a float64")
+                    if nonfinite is not None:
+                        nonfinite.add(name)
+                    continue
+                sample = new_tuple(Sample, (name, read[1], read[2])) if renamed else read
+                samples = index.get(name)
+                if samples is None:
+                    index[name] = [sample]
+                    if plan is not None:
+                        plan[name] = ([place], renamed)
+                else:
+                    samples.append(sample)
+                    if plan is not None:
+                        plan[name][0].append(place)
+            elif read is _REFUSE:
                 return None
-            if comment is not _OTHER:
-                named, typed = comment
+            else:  # a HELP or TYPE line of a family read
+                named, typed = read
                 if named != family:
                     family, family_type = named, "untyped"
                 if typed is not None:
                     family_type = typed
                 allowed = _allowed(family, family_type)
-            continue
-        cut = line.rfind(" ") + 1
-        known = series_cache.get(line[:cut]) if cut > 1 else None
-        if known is _SKIP:
-            continue
-        value_text = line[cut:]
-        if known is not None and value_text and "_" not in value_text and value_text.strip() == value_text:
-            # a series seen before, its value one word (no whitespace at either end: strip() gives it back as it
-            # is): float() reads a word as the regex's \S+ does, and refuses any whitespace inside it (then the line
-            # takes the regex path below, which decides)
-            try:
-                value = float(value_text)
-            except ValueError:
-                known = None
+    if source:
+        assert read_lines is not None  # (None only while the places of the lines read were being found again)
+        if key in _PREVIOUS or key in _ONCE:
+            _PREVIOUS[key] = (lines, reads, read_lines, plan, {} if memo is None else memo)
         else:
-            known = None
-        if known is not None:
-            name, labels = known  # under a filter, never a _created series (those are _SKIP, below)
-        else:
-            if keep_prefixes is not None and not line.startswith(keep_prefixes):
-                if cut > 1 and cacheable:
-                    series_cache[line[:cut]] = _SKIP
-                continue
-            if keep_prefixes is not None and "_created" in line.split("{", 1)[0]:
-                if cut > 1 and cacheable and "_created" in line[:cut].split("{", 1)[0]:
-                    series_cache[line[:cut]] = _SKIP  # the name holds it: so does every line with this text
-                continue
-            m = _LINE.fullmatch(line)
-            if m is None:
-                return None
-            name, label_text, value_text, stamp = m.groups()
-            if stamp is not None:
-                return None  # a sample with its own timestamp: the reference parser reads it, and parse checks it
-            try:
-                value = float(value_text)
-            except ValueError:
-                return None
-            if "_" in value_text:
-                return None  # float() accepts 1_000; leave such oddities to the reference parser
-            parsed = _NO_LABELS if not label_text else _labels(label_text)
-            if parsed is None:
-                return None
-            labels = parsed
-            series_cache[line[:m.start(3)]] = (name, labels)
-        if name not in allowed:
-            family, family_type, allowed = "", "untyped", ()  # a stray sample ends the family, as in the reference
-        elif family_type == "counter" and not family.endswith("_total"):
-            name += "_total"
-        if not isfinite(value):
-            if value == value and value_text.lstrip("+-").lower() not in _INF_SPELLINGS:
-                raise _Rejected(f"the value {value_text} of {name} is out of range for a float64")
-            if nonfinite is not None:
-                nonfinite.add(name)
-            continue
-        sample = new_tuple(Sample, (name, labels, value))  # Sample(name, labels, value) without its Python __new__
-        samples = index.get(name)
-        if samples is None:
-            index[name] = [sample]
-        else:
-            samples.append(sample)
+            _ONCE[key] = None  # a file read once (``replay``) keeps nothing; a target scraped again does
     return index
 
 
@@ -400,8 +505,9 @@ def parse(
         return Snapshot.failed(scraped_at, "body does not end with a newline (truncated?)", source=source)
     _trim_label_caches()
     nonfinite: set[str] = set()
+    memo: dict[Any, Any] = {}
     try:
-        fast = _fast_parse(text, keep_prefixes, nonfinite)
+        fast = _fast_parse(text, keep_prefixes, nonfinite, source, memo)
     except _Rejected as exc:
         return Snapshot.failed(scraped_at, f"not valid Prometheus text exposition: {exc}", source=source)
     if fast == {} and keep_prefixes is not None and not nonfinite:
@@ -411,7 +517,7 @@ def parse(
     elif keep_prefixes is not None and fast is None:
         text = _wanted_lines(text, keep_prefixes)
     if fast is not None:
-        return _snapshot(fast, nonfinite, scraped_at, source=source, limits=limits, shared_labels=True)
+        return _snapshot(fast, nonfinite, scraped_at, source=source, limits=limits, shared_labels=True, memo=memo)
     index: dict[str, list[Sample]] = {}
     nonfinite.clear()
     skew = 0.0  # the largest distance of a sample's own timestamp from the scrape's time
@@ -450,7 +556,7 @@ def parse(
 
 
 def _snapshot(index: dict[str, list[Sample]], nonfinite: set[str], scraped_at: float, *, source: str,
-              limits: SeriesLimits, shared_labels: bool) -> Snapshot:
+              limits: SeriesLimits, shared_labels: bool, memo: dict[Any, Any] | None = None) -> Snapshot:
     """The Snapshot of a parsed index, or an invalid one: too many series, or a series twice.
 
     ``shared_labels``: every label mapping comes from ``_labels`` (one object per label set), so a
@@ -474,7 +580,7 @@ def _snapshot(index: dict[str, list[Sample]], nonfinite: set[str], scraped_at: f
         return Snapshot.failed(scraped_at, f"{total} series in total, more than the limit of {limits.max_series} "
                                "(label churn?)", source=source)
     return Snapshot(scraped_at=scraped_at, series=MappingProxyType(series), source=source,
-                    nonfinite=frozenset(nonfinite) if nonfinite else frozenset())
+                    nonfinite=frozenset(nonfinite) if nonfinite else frozenset(), memo={} if memo is None else memo)
 
 
 def _duplicate(name: str, samples: Iterable[Sample]) -> str:

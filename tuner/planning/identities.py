@@ -53,7 +53,7 @@ def of(snapshot: snapshots.Snapshot, dialect: dialects.Dialect) -> Identity | No
     started = engine_signals.gauge(snapshot, dialect, "process_start")
     if started is None:
         return None
-    models = sorted({labels["model_name"] for labels in snapshot.label_sets() if "model_name" in labels})
+    models = sorted(snapshot.label_values("model_name"))
     return Identity(started, ",".join(models))
 
 

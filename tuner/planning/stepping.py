@@ -41,9 +41,9 @@ rollout would (``pooling``) when asked to.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 from tuner.model import dialects, knobs, snapshots
 from tuner.model import live as live_mod
@@ -190,6 +190,7 @@ def _engine_cap(started_args: knobs.EngineArgs | None, live: live_mod.LiveState,
 
 
 THIN_TO = 20  # snapshots per long window outside the recent span (rule 1b)
+_START = attrgetter("start")  # reads.Reading.start: the process start time a snapshot shows
 
 
 def thinned(snaps: tuple[snapshots.Snapshot, ...], *, now: float, window: WindowSettings
@@ -204,9 +205,9 @@ def thinned(snaps: tuple[snapshots.Snapshot, ...], *, now: float, window: Window
         out: list[snapshots.Snapshot] = []
         last_old: float | None = None
         for s in snaps:
-            if s.scraped_at >= recent or not s.ok or last_old is None or s.scraped_at - last_old >= spacing:
+            if s.scraped_at >= recent or s.error is not None or last_old is None or s.scraped_at - last_old >= spacing:
                 out.append(s)
-                if s.scraped_at < recent and s.ok:
+                if s.scraped_at < recent and s.error is None:
                     last_old = s.scraped_at
         snaps = tuple(out)
     return snaps[-window.max_snapshots:]
@@ -219,14 +220,15 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     if window.decision_seconds is None:
         return None, None
     since = now - window.decision_seconds
-    good = [s for s in kept if s.ok]
+    good = [s for s in kept if s.error is None]
     if len(good) >= window.min_snapshots:  # scrapes sparser than the decision window: its fewest snapshots
         since = min(since, good[-window.min_snapshots].scraped_at)
+    read = engine_signals.readings(good, dialect)  # each snapshot's counters and gauges, read once (reads.Reading)
     if min_requests > 0 and good:  # a slow engine: back to where the window holds enough finished requests
-        done = engine_signals.reading(good[-1], dialect).counters["request_success"][0]  # counter(), read once
+        done = read[-1].counters["request_success"][0]
         if done is not None:
-            for s in reversed(good):
-                before = engine_signals.reading(s, dialect).counters["request_success"][0]
+            for s, r in zip(reversed(good), reversed(read), strict=True):
+                before = r.counters["request_success"][0]
                 if before is None or before > done:
                     break
                 if done - before >= min_requests:
@@ -235,11 +237,11 @@ def decision_window(kept: Sequence[snapshots.Snapshot], history: History, *, now
     last_change = max((c.at for c in history.changes.values()), default=None)
     if last_change is not None:
         since = max(since, last_change)
-    starts = [(s.scraped_at, r.start) for s, r in zip(good, engine_signals.readings(good, dialect), strict=True)]
-    if len({start for _, start in starts}) > 1:  # else one process all along (the usual window, found at C speed)
-        for (_, a), (at, b) in itertools.pairwise(starts):
+    starts = list(map(_START, read))
+    if len(set(starts)) > 1:  # else one process all along (the usual window, found at C speed)
+        for a, b, s in zip(starts, starts[1:], good[1:], strict=False):
             if a is not None and b is not None and a != b:  # the engine restarted: its new process is a new regime
-                since = max(since, at)
+                since = max(since, s.scraped_at)
     span = [s for s in kept if s.scraped_at >= since]
     # found as soon as one interval shows it; the window then holds too few snapshots to decide until the new
     # regime has min_snapshots of its own (a decision never mixes the two)

@@ -50,10 +50,9 @@ def arrivals(snaps: Sequence[snapshots.Snapshot], dialect: dialects.Dialect
     """Per scrape interval: (start time, seconds, arrivals) by flow balance; None when a count is unreadable
     (a failed scrape, a missing series, a counter that went back: the window is not one engine's)."""
     points: list[tuple[float, float, float]] = []  # (time, finished, finished + running + waiting)
-    for s in snaps:
-        if not s.ok:
-            return None
-        read = reads.reading(s, dialect)  # counter() and gauge() of the snapshot, read once (reads.Reading)
+    if any(s.error is not None for s in snaps):
+        return None
+    for s, read in zip(snaps, reads.readings(snaps, dialect), strict=True):  # counter() and gauge(), read once
         done = read.counters["request_success"][0]
         running, waiting = read.gauges["running"], read.gauges["waiting"]
         if done is None or running is None or waiting is None:

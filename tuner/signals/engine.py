@@ -45,7 +45,7 @@ CONFIG_SIGNALS = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_ca
                   "gpu_memory_utilization", "max_model_len")
 ALL_SIGNALS = LATEST_SIGNALS + WINDOW_SIGNALS + CONFIG_SIGNALS + INFO_SIGNALS
 _WINDOW_SET = frozenset(WINDOW_SIGNALS)
-_SCRAPED_AT = attrgetter("scraped_at")
+_SCRAPED_AT, _ERROR = attrgetter("scraped_at"), attrgetter("error")
 
 
 # --- the window ------------------------------------------------------------------------------
@@ -69,10 +69,10 @@ def compute(
     signals the caller reads (``planning.stepping`` reads a long window's slow signals only); the window
     signals outside it are left uncomputed (``NOT_COMPUTED``), in their places, and every other value is as
     without ``only``."""
-    window = [_checked_snapshot(s, dialect, max_running) for s in window]
+    window = _checked_window(window, dialect, max_running)
     out = _compute(window, dialect=dialect, info=info, now=now, stale_after_seconds=stale_after_seconds,
                    min_snapshots=min_snapshots, only=only)
-    return {name: checked(name, signal) for name, signal in out.items()}
+    return {name: signal if signal.value is None else checked(name, signal) for name, signal in out.items()}
 
 
 def _compute(
@@ -87,11 +87,13 @@ def _compute(
 ) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
     snaps = sorted(window, key=_SCRAPED_AT)
-    valid = [s for s in snaps if s.ok]
     if not snaps:
         return {name: missing("no snapshots") for name in ALL_SIGNALS}
+    errors = list(map(_ERROR, snaps))
+    bad = [] if errors.count(None) == len(errors) else [i for i, e in enumerate(errors) if e is not None]
+    newest_good = next((s for s in reversed(snaps) if s.error is None), None)
 
-    out.update(_config_signals(valid[-1] if valid else None, dialect, info))
+    out.update(_config_signals(newest_good, dialect, info))
     if info is not None and info.server_load is not None:
         out["server_load"] = Signal(float(info.server_load))
     else:
@@ -110,7 +112,6 @@ def _compute(
 
     out.update(_latest_signals(latest, dialect))
 
-    bad = [i for i, s in enumerate(snaps) if not s.ok]
     if bad:
         # A failed scrape invalidates the window it falls in. Later cycles use only the snapshots
         # after it, so one failure (an engine restarting) does not blind the tuner for a whole window.
@@ -141,9 +142,9 @@ def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | N
     """Why ``snap`` cannot be one engine's exposition, or None: two ``model_name``s or two instances in
     one body (a proxy merging engines: their sums would be believed as one engine's), or more requests
     running than the engine's ``--max-num-seqs`` lets its scheduler run."""
-    label_sets = snap.label_sets(dialect.parse_prefixes())  # each distinct label set once
+    prefixes = dialect.parse_prefixes()
     for label in IDENTITY_LABELS:
-        values = {labels[label] for labels in label_sets if label in labels}
+        values = snap.label_values(label, prefixes)  # each distinct label set read once
         if len(values) > 1:
             shown = ", ".join(sorted(v[:40] for v in values)[:3])
             return (f"one engine per scrape: the body holds {len(values)} values of {label} ({shown}"
@@ -157,16 +158,30 @@ def impossible(snap: Snapshot, dialect: dialects.Dialect, max_running: float | N
     return None
 
 
-def _checked_snapshot(snap: Snapshot, dialect: dialects.Dialect, max_running: float | None) -> Snapshot:
-    if not snap.ok:
-        return snap
-    key = ("impossible", id(dialect), max_running)  # once per snapshot, not once per cycle it is in a window
-    memo = snap.memo
-    found = memo.get(key, memo)  # the memo itself: not computed yet
-    why: str | None = impossible(snap, dialect, max_running) if found is memo else found
-    if found is memo:
-        memo[key] = why
-    return snap if why is None else Snapshot.failed(snap.scraped_at, why, source=snap.source)
+_IMPOSSIBLE_KEYS: dict[tuple[int, float | None], tuple[str, int, float | None]] = {}
+
+
+def _checked_window(window: Sequence[Snapshot], dialect: dialects.Dialect, max_running: float | None
+                    ) -> list[Snapshot]:
+    """Each snapshot of ``window``, or a failed one in its place where it breaks what one engine guarantees
+    (``impossible``): found once per snapshot, not once per cycle it is in a window, and kept in its memo under a
+    key that is one object per dialect and cap (the memo finds it by identity)."""
+    key = _IMPOSSIBLE_KEYS.get((id(dialect), max_running))
+    if key is None:
+        if len(_IMPOSSIBLE_KEYS) >= 1_000:
+            _IMPOSSIBLE_KEYS.clear()
+        key = _IMPOSSIBLE_KEYS.setdefault((id(dialect), max_running), ("impossible", id(dialect), max_running))
+    out = []
+    for snap in window:
+        if snap.error is None:
+            memo = snap.memo
+            why = memo.get(key, memo)  # the memo itself: not computed yet
+            if why is memo:
+                why = memo[key] = impossible(snap, dialect, max_running)
+            if why is not None:
+                snap = Snapshot.failed(snap.scraped_at, why, source=snap.source)
+        out.append(snap)
+    return out
 
 
 def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
@@ -314,17 +329,16 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     restarted = _restart_between(snaps, readings)
 
     def rate(concept: str) -> Signal:
-        read = [r.counters[concept] for r in readings]
-        unusable = next(((why, s) for (_, why), s in zip(read, snaps, strict=True) if why), None)
-        if unusable is not None:
-            return missing(f"{unusable[0]} at {unusable[1].scraped_at:.0f}")
-        series = [v for v, _ in read]
-        if any(v is None for v in series):
+        series, whys = zip(*[r.counters[concept] for r in readings], strict=True)  # (value, why unusable) each
+        if any(whys):  # the first unusable one says why
+            why, at = next((why, s) for why, s in zip(whys, snaps, strict=True) if why)
+            return missing(f"{why} at {at.scraped_at:.0f}")
+        if None in series:
             absent = reads.absent(d, "http_requests" if concept == reads.REJECTED else concept)
             return missing(absent if series[-1] is None else "series missing in part of the window")
         if restarted:
             return missing(restarted)
-        values = [v for v in series if v is not None]
+        values = list(series)
         back = went_down(values)
         if back is not None:
             return missing(f"counter reset between {snaps[back].scraped_at:.0f} and {snaps[back + 1].scraped_at:.0f} "
@@ -472,7 +486,7 @@ def _histogram_window(snaps: Sequence[Snapshot], readings: Sequence[Reading], d:
     went down anywhere inside the window (a reset that came back above the first value by the end)
     voids it, not only one that ends lower."""
     first, last = snaps[0], snaps[-1]
-    new, old = reads.histogram(last, d, concept), reads.histogram(first, d, concept)
+    new, old = readings[-1].histograms[concept], readings[0].histograms[concept]  # reads.histogram(), read once
     for found, at in ((new, last), (old, first)):
         if isinstance(found, str):
             return missing(f"{found} at {at.scraped_at:.0f}")

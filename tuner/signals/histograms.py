@@ -14,10 +14,12 @@ from tuner.signals import EXACT, Signal, missing
 Buckets = Sequence[tuple[float, float]]
 
 
-def problem(buckets: Buckets, count: float | None) -> str | None:
+def problem(buckets: Buckets, count: float | None, counts: list[float] | None = None) -> str | None:
     """Why cumulative ``buckets`` cannot be a Prometheus histogram (None: they can): every count in
-    [0, 2^53] and not below the one before it, and the ``+Inf`` bucket equal to ``_count`` (when given)."""
-    counts = [n for _, n in buckets]
+    [0, 2^53] and not below the one before it, and the ``+Inf`` bucket equal to ``_count`` (when given).
+    ``counts``: the buckets' counts, where the caller has them already."""
+    if counts is None:
+        counts = [n for _, n in buckets]
     if counts and (counts[0] < 0 or sorted(counts) != counts):  # sorted(): C speed on the usual sorted list
         previous, bound_before = 0.0, None
         for bound, n in buckets:

@@ -7,7 +7,9 @@ read once and kept in the snapshot's memo while the snapshot stays in the target
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
 
 from tuner.model import dialects, snapshots
 from tuner.signals import EXACT
@@ -78,6 +80,10 @@ def histogram(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histog
 
 
 _BOUNDS: dict[str, float] = {}  # an ``le`` label's text → its bound (the same few dozen texts in every scrape)
+_LABELS_OF, _VALUE_OF = operator.itemgetter(1), operator.itemgetter(2)  # Sample.labels, Sample.value
+# a histogram's bucket samples' label mappings (their first one's id and their number: the value holds them all, to
+# be compared by identity) → their bounds (``_rising_bounds``)
+_LAYOUTS: dict[tuple[int, int], tuple[tuple[Labels, ...], list[float] | None]] = {}
 
 
 def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | str | None:
@@ -89,29 +95,72 @@ def _merged_buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> 
                 return f"histogram series {bad[0]} holds NaN or ±Inf"
         if not samples:
             continue
-        merged: dict[float, float] = {}
-        for s in samples:
-            le = s.labels.get("le")
-            if le is None:
-                continue
-            bound = _BOUNDS.get(le)
-            if bound is None:
-                try:
-                    bound = float(le)
-                except ValueError:
-                    continue
-                if bound == bound and len(_BOUNDS) < 10_000:  # NaN is no bound to share (NaN ≠ NaN)
-                    _BOUNDS[le] = bound
-            merged[bound] = merged.get(bound, 0.0) + s.value
-        total_sum = sum(s.value for s in snap.samples(family + "_sum"))
+        # the usual layout (one sample per bucket, in rising order: one engine) is known by the label mappings the
+        # parser shares (the same ones in the same order in each scrape of a target): its buckets are its samples'
+        # values beside their bounds, as summing per bound and sorting would give them (0.0 + each count, as the
+        # sum starts; tests/properties/test_window_scans.py holds it to ``_summed``)
+        labels = tuple(map(_LABELS_OF, samples))
+        key = (id(labels[0]), len(labels))
+        layout = _LAYOUTS.get(key)
+        if layout is None or not all(map(operator.is_, layout[0], labels)):
+            if len(_LAYOUTS) >= 10_000:
+                _LAYOUTS.clear()
+            layout = _LAYOUTS[key] = (labels, _rising_bounds(labels))
+        bounds = layout[1]
+        values: list[float] | None = None
+        if bounds is None:
+            cumulative = _summed(samples)
+        else:
+            values = list(map(operator.add, repeat(0.0), map(_VALUE_OF, samples)))
+            cumulative = list(zip(bounds, values, strict=True))
+        total_sum = sum(map(_VALUE_OF, snap.samples(family + "_sum")))
         counts = snap.samples(family + "_count")
-        total_count = sum(s.value for s in counts)
-        cumulative = sorted(merged.items())
-        why = hist.problem(cumulative, total_count if counts else None)
+        total_count = sum(map(_VALUE_OF, counts))
+        why = hist.problem(cumulative, total_count if counts else None, values)
         if why is None and total_sum < 0:
             why = f"_sum {total_sum:g} is negative"
         return f"histogram {family}: {why}" if why else (cumulative, total_sum, total_count)
     return None
+
+
+def _rising_bounds(labels: Sequence[Labels]) -> list[float] | None:
+    """Each label set's ``le`` read as a bound, if every one has a bound and they rise strictly (else None)."""
+    bounds: list[float] = []
+    for lb in labels:
+        le = lb.get("le")
+        bound = _float_or_none(le) if le is not None else None
+        if bound is None or bound != bound or (bounds and bound <= bounds[-1]):
+            return None
+        bounds.append(bound)
+    return bounds
+
+
+def _float_or_none(text: str) -> float | None:
+    """``float(text)``; None where it reads no number."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _summed(samples: Iterable[snapshots.Sample]) -> list[tuple[float, float]]:
+    """The buckets of ``samples`` summed per bound (data-parallel engines each report theirs), sorted by bound;
+    a sample without an ``le`` label, or with one that is not a number, is left out."""
+    merged: dict[float, float] = {}
+    for s in samples:
+        le = s.labels.get("le")
+        if le is None:
+            continue
+        bound = _BOUNDS.get(le)
+        if bound is None:
+            try:
+                bound = float(le)
+            except ValueError:
+                continue
+            if bound == bound and len(_BOUNDS) < 10_000:  # NaN is no bound to share (NaN ≠ NaN)
+                _BOUNDS[le] = bound
+        merged[bound] = merged.get(bound, 0.0) + s.value
+    return sorted(merged.items())
 
 
 def buckets(snap: Snapshot, dialect: dialects.Dialect, concept: str) -> Histogram | None:
@@ -154,7 +203,7 @@ class Reading:
     Each field is what the per-snapshot function named beside it returns, so a window folded from readings
     is the window recomputed from the samples (tests/properties/test_incremental_window.py)."""
 
-    __slots__ = ("broken", "counters", "gauges", "hist_counts", "start")
+    __slots__ = ("broken", "counters", "gauges", "hist_counts", "histograms", "start")
 
     def __init__(self, snap: Snapshot, d: dialects.Dialect) -> None:
         self.gauges = {c: gauge(snap, d, c, how=how) for c, how in _GAUGES}  # gauge()
@@ -166,14 +215,27 @@ class Reading:
         if handlers:
             self.counters[REJECTED] = _counter(
                 snap, d, "http_requests", lambda lb: lb.get("handler") in handlers and lb.get("status") == "4xx")
+        self.histograms = {c: histogram(snap, d, c) for c in _HISTOGRAMS}  # histogram()
         self.hist_counts = {c: (b[2] if isinstance(b, tuple) else None)  # histogram()' _count
-                            for c in _HISTOGRAMS for b in (histogram(snap, d, c),)}
+                            for c, b in self.histograms.items()}
         self.start = gauge(snap, d, "process_start")
+
+
+_READING_KEYS: dict[int, tuple[str, int]] = {}
+
+
+def _reading_key(d: dialects.Dialect) -> tuple[str, int]:
+    """The memo key of ``d``'s readings: one object per dialect, so that a snapshot's memo finds it by identity
+    (a key made anew is compared item by item with the one stored, in a memo no other step touched lately)."""
+    key = _READING_KEYS.get(id(d))
+    if key is None:
+        key = _READING_KEYS.setdefault(id(d), ("reading", id(d)))
+    return key
 
 
 def reading(snap: Snapshot, d: dialects.Dialect) -> Reading:
     """``snap``'s ``Reading`` for dialect ``d``, taken at the first call and kept in ``snap.memo``."""
-    key = ("reading", id(d))
+    key = _reading_key(d)
     found = snap.memo.get(key)
     if found is None:
         found = snap.memo[key] = Reading(snap, d)
@@ -182,8 +244,8 @@ def reading(snap: Snapshot, d: dialects.Dialect) -> Reading:
 
 
 def readings(snaps: Iterable[Snapshot], d: dialects.Dialect) -> list[Reading]:
-    """``reading`` of each snapshot of a window (its key made once, not once per snapshot)."""
-    key = ("reading", id(d))
+    """``reading`` of each snapshot of a window (its key found once, not once per snapshot)."""
+    key = _reading_key(d)
     out: list[Reading] = []
     for snap in snaps:
         memo = snap.memo
