@@ -289,3 +289,23 @@ def test_the_next_body_from_a_source_is_read_from_its_changed_lines_and_carries_
     three = snapshots.parse(first.replace('"a"} 2', '"b"} 2'), 4.0, source=url, keep_prefixes=keep)
     assert ("label sets", None) not in three.memo  # another mapping: read anew
     assert three.label_values("model_name") == {"a", "b"}
+
+
+def test_the_bodies_kept_per_source_are_bounded_and_the_least_recent_goes(monkeypatch):
+    """A Kubernetes leader sees pods come and go: each new pod's URL is a new source. The bodies kept for the
+    next parse are bounded (``_SOURCES_MAX``), the least recently parsed source going first, and a source
+    whose body was dropped is simply read in full again."""
+    monkeypatch.setattr(snapshots, "_SOURCES_MAX", 3)
+    monkeypatch.setattr(snapshots, "_PREVIOUS", {})
+    monkeypatch.setattr(snapshots, "_ONCE", {})
+    keep = dialects.VLLM.parse_prefixes()
+    body = "vllm:num_requests_running{model_name=\"a\"} 1\n"
+    urls = [f"http://pod-{i}:8000/metrics" for i in range(5)]
+    for url in urls:
+        for t in (1.0, 2.0):  # kept from a source's second body on
+            snapshots.parse(body, t, source=url, keep_prefixes=keep)
+    snapshots.parse(body, 3.0, source=urls[2], keep_prefixes=keep)  # pod-2 parsed again: the most recent
+    assert [url for url, _ in snapshots._PREVIOUS] == [urls[3], urls[4], urls[2]]
+    again = snapshots.parse(body.replace("} 1", "} 7"), 4.0, source=urls[0], keep_prefixes=keep)
+    assert again.samples("vllm:num_requests_running")[0].value == 7.0  # dropped: read in full
+    assert len(snapshots._PREVIOUS) == 3 and urls[3] not in {url for url, _ in snapshots._PREVIOUS}

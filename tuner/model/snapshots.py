@@ -195,7 +195,7 @@ _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\]*)"[ \t
 _LABELS_CACHE: dict[str, Labels] = {}
 _CANONICAL: dict[tuple[tuple[str, str], ...], Labels] = {}
 _LABELS_CACHE_MAX = 200_000
-_SOURCES_MAX = 10_000  # sources whose last body is remembered (_PREVIOUS)
+_SOURCES_MAX = 1_024  # sources whose last body is remembered (_PREVIOUS; ~28 KiB each), the least recent evicted
 _NO_LABELS: Labels = MappingProxyType({})
 
 
@@ -242,15 +242,13 @@ _OTHER: tuple[str, str | None] = ("", None)
 _COMMENTS: dict[tuple[str, ...] | None, dict[str, tuple[str, str | None]]] = {}
 _ALLOWED: dict[tuple[str, str], tuple[str, ...]] = {}
 
-# Per source (a target's URL) and ``keep_prefixes``: the last body's lines, what each said on its own, the places of
-# those read, where each name's samples came from, and its snapshot's memo. A target's next body holds the same lines
-# in the same places, most with the same text (a gauge that did not move, an empty bucket, HELP/TYPE lines, families
-# not read): found by one comparison of the two lists at C speed, those are not read again (docs/performance.md).
-# Kept from a source's second body on (``_ONCE``: a file read once keeps nothing).
+# Per source (a target's URL) and ``keep_prefixes``: the last body's lines, what each said, the places of those read,
+# where each name's samples came from, its snapshot's memo. The next body's lines with the same text in the same place
+# (a gauge that did not move, an empty bucket, HELP/TYPE, families not read) are found at C speed and not read again
+# (docs/performance.md). Kept from a source's second body on (``_ONCE``: a file read once keeps nothing).
 _PREVIOUS: dict[tuple[str, tuple[str, ...] | None], tuple[list[str], list[Any], list[int],
                                                            dict[str, tuple[list[int], bool]] | None, dict[Any, Any]]] = {}
-# What a snapshot's memo holds that depends only on its names and label mappings, in order: carried (``_fast_parse``)
-_CARRIED = frozenset({"label sets", "label values"})
+_CARRIED = frozenset({"label sets", "label values"})  # a memo's, by names and mappings only
 _ONCE: dict[tuple[str, tuple[str, ...] | None], None] = {}
 
 
@@ -294,8 +292,7 @@ def _trim_label_caches() -> None:
     if (len(_LABELS_CACHE) >= _LABELS_CACHE_MAX or len(_CANONICAL) >= _LABELS_CACHE_MAX
             or sum(map(len, _SERIES_CACHE.values())) >= _LABELS_CACHE_MAX
             or sum(map(len, _COMMENTS.values())) >= _LABELS_CACHE_MAX or len(_ALLOWED) >= _LABELS_CACHE_MAX
-            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX
-            or len(_PREVIOUS) >= _SOURCES_MAX or len(_ONCE) >= _LABELS_CACHE_MAX):
+            or sum(map(len, _STARTS.values())) >= _LABELS_CACHE_MAX or len(_ONCE) >= _LABELS_CACHE_MAX):
         _LABELS_CACHE.clear()
         _CANONICAL.clear()
         _SERIES_CACHE.clear()
@@ -475,8 +472,11 @@ def _fast_parse(text: str, keep_prefixes: tuple[str, ...] | None = None,
                 allowed = _allowed(family, family_type)
     if source:
         assert read_lines is not None  # (None only while the places of the lines read were being found again)
-        if key in _PREVIOUS or key in _ONCE:
+        if key in _PREVIOUS or key in _ONCE:  # (re)entered last: the order is recency, the least recent goes
+            _PREVIOUS.pop(key, None)
             _PREVIOUS[key] = (lines, reads, read_lines, plan, {} if memo is None else memo)
+            if len(_PREVIOUS) > _SOURCES_MAX:
+                del _PREVIOUS[next(iter(_PREVIOUS))]
         else:
             _ONCE[key] = None  # a file read once (``replay``) keeps nothing; a target scraped again does
     return index
