@@ -476,17 +476,16 @@ def test_live_signals_match_the_benchmark(engine):
     assert signals["prompt_tokens_per_s"].value * span == pytest.approx(result["total_input_tokens"], abs=1e-6)
     assert signals["generation_tokens_per_s"].value * span == pytest.approx(result["total_output_tokens"], abs=1e-6)
 
-    # gauges seen during the load: slots pinned at the cap, the rest waiting. A scrape reads the gauges of the
-    # engine's last step, and a step that finishes a request shows a slot free until the next step admits the
-    # next one: a CI run under load 6.5 saw 3 running at every scrape, never 4. So: never above the cap, and
-    # at most one slot free (the finishing step's) in the typical scrape that found requests waiting.
+    # gauges seen during the load: never above the cap, the rest waiting. Not "pinned at the cap": a scrape
+    # reads the gauges of the engine's last step, taken after its finished requests left and before the next
+    # step admits others, and the benchmark's requests all stream 32 tokens, so the four admitted together
+    # finish together. Under a full run's load, CI (load 6.5) saw at most 3 running in every scrape, and a run
+    # here (running, waiting) = (1, 11) in 7 of 11 loaded scrapes, (4, 12) in 2.
     loaded = [(r.gauges["running"], r.gauges["waiting"]) for r in reads.readings(
         [s for s in during if s.ok], dialects.VLLM)]
-    queued = sorted(run for run, wait in loaded if wait and run is not None)
     evidence = f"{len([s for s in during if s.ok])}/{len(during)} scrapes read; (running, waiting): {loaded}"
-    assert signals["requests_running_max"].value <= SIGNALS_CAP, evidence
-    assert queued and queued[len(queued) // 2] >= SIGNALS_CAP - 1, evidence
-    assert signals["requests_waiting_max"].value >= SIGNALS_CONCURRENCY - SIGNALS_CAP - 2
+    assert 1 <= signals["requests_running_max"].value <= SIGNALS_CAP, evidence
+    assert signals["requests_waiting_max"].value >= SIGNALS_CONCURRENCY - SIGNALS_CAP - 2, evidence
     assert 0 <= signals["kv_cache_usage_max"].value <= 1
     assert signals["requests_running"].value == 0  # all done at the last scrape
 
