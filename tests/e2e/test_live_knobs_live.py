@@ -476,12 +476,12 @@ def test_live_signals_match_the_benchmark(engine):
     assert signals["prompt_tokens_per_s"].value * span == pytest.approx(result["total_input_tokens"], abs=1e-6)
     assert signals["generation_tokens_per_s"].value * span == pytest.approx(result["total_output_tokens"], abs=1e-6)
 
-    # gauges seen during the load: never above the cap, the rest waiting. Not "pinned at the cap" (why is not
-    # proven; the likely cause): a scrape
-    # reads the gauges of the engine's last step, taken after its finished requests left and before the next
-    # step admits others, and the benchmark's requests all stream 32 tokens, so the four admitted together
-    # finish together. Under a full run's load, CI (load 6.5) saw at most 3 running in every scrape, and a run
-    # here (running, waiting) = (1, 11) in 7 of 11 loaded scrapes, (4, 12) in 2.
+    # gauges seen during the load: never above the cap, the rest waiting. Not "pinned at the cap", most likely
+    # (not proven) because a scrape reads the gauges of the engine's last step, taken after its finished
+    # requests left and before the next step admits others, and the benchmark's requests all stream 32 tokens,
+    # so the four admitted together finish together. Under a full run's load, CI (load 6.5) saw at most 3
+    # running in every scrape, and a run here (running, waiting) = (1, 11) in 7 of 11 loaded scrapes, (4, 12)
+    # in 2.
     loaded = [(r.gauges["running"], r.gauges["waiting"]) for r in reads.readings(
         [s for s in during if s.ok], dialects.VLLM)]
     evidence = f"{len([s for s in during if s.ok])}/{len(during)} scrapes read; (running, waiting): {loaded}"
