@@ -128,19 +128,24 @@ def _rising_bounds(labels: Sequence[Labels]) -> list[float] | None:
     bounds: list[float] = []
     for lb in labels:
         le = lb.get("le")
-        bound = _float_or_none(le) if le is not None else None
+        bound = _bound(le) if le is not None else None
         if bound is None or bound != bound or (bounds and bound <= bounds[-1]):
             return None
         bounds.append(bound)
     return bounds
 
 
-def _float_or_none(text: str) -> float | None:
-    """``float(text)``; None where it reads no number."""
-    try:
-        return float(text)
-    except ValueError:
-        return None
+def _bound(le: str) -> float | None:
+    """An ``le`` label's bound (None: not a number), kept in ``_BOUNDS`` but for NaN (NaN ≠ NaN: no bound to share)."""
+    bound = _BOUNDS.get(le)
+    if bound is None:
+        try:
+            bound = float(le)
+        except ValueError:
+            return None
+        if bound == bound and len(_BOUNDS) < 10_000:
+            _BOUNDS[le] = bound
+    return bound
 
 
 def _summed(samples: Iterable[snapshots.Sample]) -> list[tuple[float, float]]:
@@ -149,16 +154,9 @@ def _summed(samples: Iterable[snapshots.Sample]) -> list[tuple[float, float]]:
     merged: dict[float, float] = {}
     for s in samples:
         le = s.labels.get("le")
-        if le is None:
-            continue
-        bound = _BOUNDS.get(le)
+        bound = _bound(le) if le is not None else None
         if bound is None:
-            try:
-                bound = float(le)
-            except ValueError:
-                continue
-            if bound == bound and len(_BOUNDS) < 10_000:  # NaN is no bound to share (NaN ≠ NaN)
-                _BOUNDS[le] = bound
+            continue
         merged[bound] = merged.get(bound, 0.0) + s.value
     return sorted(merged.items())
 
