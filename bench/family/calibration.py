@@ -7,7 +7,7 @@ each). The simulator's ``GpuModel`` (``tuner/sim/config.py``) was fitted on one 
 by ``PREFILL_SHARE``. ``python -m bench.family --calibrate`` replays each committed arm's own trace (its
 ``trace.json.gz``, request for request) through the simulated pool at the arm's cap — and the tuner arms
 through the whole simulated loop — and prints the real and simulated goodput and TTFT p50/p99 side by side;
-``--calibrate --fit`` prints the grid the two factors were chosen on.
+``--calibrate --fit`` prints the grid the three factors were chosen on.
 
 The fit (``fit``: every committed static arm, the worst |sim/real − 1| of its goodput, and of its ITL p50 beside
 it): decode 2.0, prefill 2.5 and the decode attention at 57.5 % of the HBM bandwidth put every goodput within
