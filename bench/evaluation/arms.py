@@ -138,7 +138,31 @@ def write_run(ctx: Context, *, command: str) -> None:
                 "engine_args": ctx.engine_flags(None), "commands": commands,
                 "trace_digest": ctx.trace["digest"]})
     run.setdefault("engine_version", None)  # filled in by the first pool that answers GET /version
+    run["gpus"] = gpu_names() or run.get("gpus") or []
     path.write_text(json.dumps(run, indent=1))
+
+
+def gpu_names() -> list[str]:
+    """The GPUs this run measured on, by NVML's name (read-only calls), or [] where NVML is not there. A
+    profile's description names the GPU it was written for; the report says which one it ran on, so a
+    profile written for an H200 and run on an H100 cannot pass for an H200 measurement."""
+    try:
+        import pynvml  # noqa: PLC0415 - optional: only the GPU machine has it
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no library, no driver, no GPU: all mean "unknown"
+        return []
+    try:
+        names = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
+    except Exception:  # noqa: BLE001
+        return []
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
 
 
 def record_engine_version(ctx: Context, base_url: str) -> None:

@@ -132,6 +132,18 @@ def render(results: Path, *, plots: bool = True) -> Path:
     return results / "report.md"
 
 
+def _measured_on(run: Mapping[str, Any]) -> str:
+    """The report's "Measured on: …" from run.json's ``gpus`` (NVML's names, recorded at the run); nothing for
+    runs that predate the record."""
+    gpus = run.get("gpus") or []
+    if not gpus:
+        return ""
+    counts: dict[str, int] = {}
+    for g in gpus:
+        counts[g] = counts.get(g, 0) + 1
+    return " Measured on: " + ", ".join(f"{n} × {g}" if n > 1 else g for g, n in counts.items()) + "."
+
+
 def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[Arm],
               all_goals: Mapping[str, Sequence[analysis.Goal]], pngs: Sequence[str], plot_note: str) -> str:
     slo = run["slo"]
@@ -142,7 +154,7 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
         f"SLO: TTFT ≤ {slo['ttft_seconds']:g} s and mean ITL ≤ {slo['itl_mean_seconds']:g} s per request "
         f"(and no error). Goodput = requests meeting it per second of the trace ({trace['duration']:g} s). "
         f"{run['replicas']} replicas behind nginx. Engine: {run.get('engine_version') or '?'}, "
-        f"`{' '.join(run.get('engine_args', []))}`.",
+        f"`{' '.join(run.get('engine_args', []))}`.{_measured_on(run)}",
         "",
         f"Trace (seed {trace['seed']}, digest `{trace['digest']}`, {len(trace['requests'])} requests):",
         "",

@@ -115,7 +115,10 @@ SKIPPED = {
     ("docs/kubernetes.md", "helm install vllm dist/"): "helm and a Kubernetes cluster",
     ("docs/kubernetes.md", "helm plugin install"): "helm and a Kubernetes cluster",
     ("docs/evaluation.md", "bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each \\"): "a GPU machine",
-    ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench'): "a GPU machine",
+    ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
+                           'profiles/h200-family'): "a GPU machine",
+    ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
+                           'profiles/h200-rise'): "a GPU machine",
     ("docs/evaluation.md", "python -m bench.family --calibrate"): "a minute of simulation: "
         "tests/unit/test_family.py holds the twin to the committed H200 static arms",
     ("docs/evaluation.md", "python -m bench.family --traces 20"): "minutes of simulation on 2 cores: "

@@ -269,3 +269,64 @@ def test_the_tuner_settings_compose_into_a_valid_apply_configuration(settings: s
         assert settings_obj.scrape == config.ScrapeSettings() and settings_obj.rule_files is None
     else:
         assert all(Path(f).is_absolute() and Path(f).exists() for f in settings_obj.rule_files or [])
+
+
+def test_the_report_says_which_gpu_measured_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile's description names the GPU it was written for; run.json records the one it ran on (NVML's
+    names, read-only calls), and the report prints it — an H200 profile run on an H100 says so."""
+    import types
+
+    from bench.evaluation import arms
+
+    class Nvml(types.ModuleType):
+        def __init__(self) -> None:
+            super().__init__("pynvml")
+            self.calls: list[str] = []
+
+        def nvmlInit(self) -> None:
+            self.calls.append("init")
+
+        def nvmlDeviceGetCount(self) -> int:
+            return 2
+
+        def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+            return i
+
+        def nvmlDeviceGetName(self, handle: int) -> bytes | str:
+            return b"NVIDIA H100 80GB HBM3" if handle == 0 else "NVIDIA H100 80GB HBM3"
+
+        def nvmlShutdown(self) -> None:
+            self.calls.append("shutdown")
+
+    fake = Nvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert arms.gpu_names() == ["NVIDIA H100 80GB HBM3"] * 2
+    assert fake.calls == ["init", "shutdown"]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML here: unknown, not an error
+    assert arms.gpu_names() == []
+    out = results_dir(tmp_path)
+    run = json.loads((out / "run.json").read_text())
+    text = reporting.render(out, plots=False).read_text()
+    assert "Measured on" not in text  # a run from before the record says nothing rather than guess
+    (out / "run.json").write_text(json.dumps({**run, "gpus": ["NVIDIA H100 80GB HBM3"] * 2}))
+    text = reporting.render(out, plots=False).read_text()
+    assert "Measured on: 2 × NVIDIA H100 80GB HBM3." in text
+
+
+def test_the_committed_h100_rise_run_rerenders_to_its_report(tmp_path: Path) -> None:
+    """tests/fixtures/evaluation/h100-rise (h200-rise's trace on a lent H100, docs/evaluation.md): its report
+    is what its raw data says, the tuner within 0.95 × the best static there, no failure, no restart."""
+    import shutil
+
+    src = ROOT / "tests" / "fixtures" / "evaluation" / "h100-rise"
+    out = tmp_path / "h100-rise"
+    shutil.copytree(src, out)
+    (out / "report.md").unlink()
+    text = reporting.render(out, plots=False).read_text()
+    assert text.split("## Plots")[0] == (src / "report.md").read_text().split("## Plots")[0]
+    assert "Measured on: NVIDIA H100 80GB HBM3." in text
+    summary = json.loads((src / "summary.json").read_text())
+    live = summary["arms"]["tuner-live"]
+    best = max(a["goodput"] for name, a in summary["arms"].items() if name != "tuner-live")
+    assert live["goodput"] >= 0.95 * best and live["failed"] == 0
+    assert all(n == 0 for n in live["restarts"].values())
