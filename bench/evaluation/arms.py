@@ -147,10 +147,10 @@ def gpu_names() -> list[str]:
     profile's description names the GPU it was written for; the report says which one it ran on, so a
     profile written for an H200 and run on an H100 cannot pass for an H200 measurement."""
     try:
-        import pynvml  # noqa: PLC0415 - optional: only the GPU machine has it
+        import pynvml  # optional: only the GPU machine has it
 
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no library, no driver, no GPU: all mean "unknown"
+    except Exception:  # no library, no driver, no GPU: all mean "unknown"
         return []
     try:
         names = []
@@ -158,7 +158,7 @@ def gpu_names() -> list[str]:
             name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
             names.append(name.decode() if isinstance(name, bytes) else str(name))
         return names
-    except Exception:  # noqa: BLE001
+    except Exception:  # a device that vanished: unknown
         return []
     finally:
         with contextlib.suppress(Exception):
