@@ -21,6 +21,7 @@ from tuner.sim import engine as sim
 
 RULES = tuple(loading.load(loading.default_rules_path()))
 H200 = planner.DecisionSettings(engine=planner.EngineFacts(platform="cuda", gpu_memory_gib=139, gpu_name="H200"))
+ENGINE_CAP = 256  # the envelope: the engine was started with --max-num-seqs 256
 ENGINE = ["--max-num-seqs", "256", "--max-model-len", "4096", "--sim-prompt-tokens", "512", "--sim-output-tokens",
           "256", "--sim-max-tokens", "512"]
 T0 = 1_000_000.0
@@ -104,14 +105,16 @@ def test_a_load_rise_gets_live_steps_to_the_right_band_within_seconds():
     assert all(b.from_value == a.to_value for a, b in itertools.pairwise(steps))
     assert len(steps) <= 3 and last.t <= onset + 12
     final = steps[-1].to_value
-    # the right band: after the steps the engine keeps up (the queue drains and stays drained) with its slots
-    # busy at least 0.3 of the time — a live raise at least doubles the cap (live_raise_factor), so the last
-    # step lands within twice the sizing's 0.8 utilisation target — not an overshoot to the backlog
+    # the right band: a raise the arrivals call for goes live to the envelope's ceiling (the engine's 256,
+    # under what the KV cache holds: docs/rules.md#live-sizing), and after it the engine keeps up (the queue
+    # drains and stays drained) with the batch the arrivals set, well inside the cap — a cap above the demand
+    # costs nothing in an open loop, a step short of it leaves a backlog
+    assert len(steps) == 1 and final == ENGINE_CAP, steps
     steady = [s for s in run if s.t >= last.t + 20]
     assert all(s.cap == final for s in steady)
     assert max(s.waiting for s in steady) <= 10 and sum(s.waiting for s in steady) / len(steady) < 1
     busy = sum(s.running for s in steady) / len(steady) / final
-    assert 0.3 <= busy <= 0.95, (busy, final)
+    assert 0.05 <= busy <= 0.5, (busy, final)  # the arrivals' batch: 20/s × ~1 s of slot time, not the cap
     # and a quiet phase after it: the rules hold no more evidence of a bad start
     assert all(s.decision.plan.summary().endswith("no action (no rule matched)") for s in steady[5:])
 

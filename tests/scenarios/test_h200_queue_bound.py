@@ -109,18 +109,24 @@ def test_a_live_admission_cap_makes_one_step_on_the_first_loaded_window():
     assert n0 == pytest.approx(16 / 3) and lam == pytest.approx(11.16, abs=0.01)
     little = (lam * s0 * n0 ** -0.3) ** (1 / 0.7)
     assert little == pytest.approx(24.0, abs=0.1)
-    assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 30,
+    # The model's size is 30, above today's 8: the arrivals call for more, so the live raise goes to the
+    # envelope's ceiling (512), capped by what the KV cache holds for the observed request sizes (445) —
+    # docs/rules.md#live-sizing: a cap above the demand costs nothing, the 64 clients set the batch
+    assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 445,
                                                                            "queue-slot-bound")
     assert "(for 1 windows)" in change.reason and "÷ 0.8 utilisation → 30" in change.reason
+    assert "the arrivals need more than 8: a live raise goes to the envelope's 512" in change.reason
+    assert "capped at 445 by kv_concurrency_observed" in change.reason
     assert "tpot_p99_s 0.0099 < 0.1 (SLO tpot_p99_s)" in change.reason  # the gate: the price inside its SLO
-    # booked: the cap is 30 from then on; the recording still shows 8 running, fewer than 0.9 × 30, and the
+    # booked: the cap is 445 from then on; the recording still shows 8 running, fewer than 0.9 × 445, and the
     # decision window restarts at the change (007 has too few scrapes since): no second step
     applied = [ch for c in run(live=WIDE, apply=True) for ch in c.plan.changes]
-    assert [(ch.flag, ch.from_value, ch.to_value, ch.live) for ch in applied] == [("--max-num-seqs", 8, 30, True)]
+    assert [(ch.flag, ch.from_value, ch.to_value, ch.live) for ch in applied] == [("--max-num-seqs", 8, 445, True)]
     # unbooked (the cap still 8 at 007): the window 005-007 holds only the closed loop's pace, the queue is
-    # stable and the 64 requests inside are the demand: 8 → 80
+    # stable and the 64 requests inside are the demand (80 ÷ 0.8), and the raise goes to the ceiling again
     (again,) = run(live=WIDE)[-1].plan.changes
-    assert again.to_value == 80 and "the queue is stable, 64 requests inside" in again.reason
+    assert again.to_value == 445 and "the queue is stable, 64 requests inside (running + waiting) are the " \
+        "demand → 80" in again.reason
 
 
 def test_on_the_restart_path_the_step_is_held_by_sustained_evidence():

@@ -105,14 +105,16 @@ def test_queue_bound_restarts_once_its_evidence_is_sustained():
 
 
 def test_queue_bound_with_a_live_cap_steps_on_the_first_window_once():
-    """The same engine with a live path: the cap moves on the first decided window (000-002, `for_live: 1`),
-    to the 32 clients ÷ 0.8, with no restart; booked, it is the one step of the recording."""
+    """The same engine with a live path: the cap moves on the first decided window (000-002, `for_live: 1`):
+    the 32 clients ÷ 0.8 (40) are more than today's 4, so the raise goes to the envelope's ceiling (64,
+    docs/rules.md#live-sizing), with no restart; booked, it is the one step of the recording."""
     args, live = live_engine("queue-bound", 64)
     cycles = replay("queue-bound", args=args, live=live, apply=True)
     changes = [(i, ch.flag, ch.from_value, ch.to_value, ch.live) for i, c in enumerate(cycles) for ch in c.plan.changes]
-    assert changes == [(2, "--max-num-seqs", 4, 40, True)]
+    assert changes == [(2, "--max-num-seqs", 4, 64, True)]
     (change,) = cycles[2].plan.changes
     assert "(for 1 windows)" in change.reason and "the queue is stable, 31.3 requests inside" in change.reason
+    assert "→ 40; the arrivals need more than 4: a live raise goes to the envelope's 64" in change.reason
     assert not cycles[2].plan.restart_needed and cycles[2].plan.args_after == args
 
 

@@ -203,3 +203,34 @@ def test_a_step_past_the_frontier_is_live_overloaded_and_short_of_the_median_cli
     light = models.concurrency({**s, "arrival_rate_per_s": Signal(10.0), "in_system_growth_per_s": Signal(0.0)},
                                ms, slo=slo, at_least=116, past_frontier=True)
     assert light.value is None and "not overloaded" in light.text
+
+
+def test_a_live_raise_the_arrivals_call_for_goes_to_the_envelope_past_the_frontier() -> None:
+    """docs/rules.md#live-sizing: in an open loop the arrivals set the batch and a cap above them costs nothing,
+    so a live raise the model calls for (its size above today's cap) goes to the envelope's ceiling, past the TPOT
+    p99 frontier measured on the pinned batch; one the model does not call for goes × live_raise_factor under
+    the frontier, as does every raise with ``live_raise_to_ceiling`` off; a restart never takes it."""
+    # live-020 of seed 7: 23 requests/s per replica of 748/30 tokens, 58 slots pinned with a queue, TPOT p99 at
+    # the SLO: the model needs 69 (÷ 0.8), the p99 frontier is 58
+    s = sig(arrival_rate_per_s=22.0, slot_seconds_mean=2.5, requests_running_mean=56.0, requests_waiting_mean=20.0,
+            in_system_growth_per_s=0.0, requests_running=58.0, requests_waiting=30.0, requests_running_max=58.0,
+            tpot_p99_s=0.1, tpot_p50_s=0.085)
+    slo, ms = models.SloSettings(), models.ModelSettings()
+    up = models.concurrency(s, ms, slo=slo, at_least=116, live_ceiling=1024, current=58)
+    assert up.value == 1024 and "the arrivals need more than 58: a live raise goes to the envelope's 1024" in up.text
+    assert "past the TPOT SLO frontier 58" in up.text
+    # the law before: × 2 under the p99 frontier, i.e. no move at all (the frontier is today's batch)
+    old = models.concurrency(s, models.ModelSettings(live_raise_to_ceiling=False), slo=slo, at_least=116, current=58)
+    assert old.value == 58 and "frontier" in old.text
+    # the model does not call for more (a TTFT tail at a cap the arrivals fit): × 2, under the frontier
+    fits = models.concurrency({**s, "arrival_rate_per_s": Signal(2.0), "in_system_growth_per_s": Signal(-1.0),
+                               "requests_waiting": Signal(0.0)}, ms, slo=slo, at_least=116, live_ceiling=1024,
+                              current=58)
+    assert fits.value == 58 and "envelope" not in fits.text
+    # a restart raise is never live: to the frontier (restart_to_frontier), not to any ceiling
+    restart = models.concurrency(s, ms, slo=slo, restart_from=58, current=58)
+    assert restart.value == 58 and "envelope" not in restart.text
+    # a step past the frontier (slots-past-frontier) keeps its own one-step-at-a-time sizing
+    past = models.concurrency({**s, "arrival_rate_per_s": Signal(46.0)}, ms, slo=slo, at_least=116,
+                              past_frontier=True, live_ceiling=1024, current=58)
+    assert past.value is not None and past.value <= 116

@@ -83,8 +83,8 @@ def test_queue_bound_raises_max_num_seqs_after_sustaining():
     d = p.as_dict()
     assert d["recommendations"][0] | {"reason": ""} == {
         "flag": "--max-num-seqs", "from": "8", "to": "118", "rule": "queue-slot-bound", "reason": "",
-        # how the rollout will judge it (rules/default.yaml's verify:): the price within the per-request TPOT SLO
-        "verify": [{"signal": "tpot_p99_s", "expect": "at-most", "slo": "tpot_p99_s",
+        # how the rollout will judge it (rules/default.yaml's verify:): the median request's TPOT within the SLO
+        "verify": [{"signal": "tpot_p50_s", "expect": "at-most", "slo": "tpot_p99_s",
                     "unless_above": {"signal": "ttft_p99_s", "slo": "ttft_p99_s"}}]}
     assert d["restart_needed"] and d["args"] == ["--max-num-seqs", "118"]
 

@@ -93,31 +93,32 @@ def queue_slot_checks(slo: SloSettings | None = None) -> tuple[verification.Chec
 
 def test_the_queue_slot_raise_is_judged_on_per_request_tpot_not_on_every_token_gap():
     # H200, --max-num-seqs 8 → 72 live: one-off prefill stalls put the p99 of all token gaps at 0.143-0.146 s,
-    # while 99 % of requests streamed at ≤ 0.084 s per token — inside the 0.1 s SLO, so the raise stays
+    # while the requests streamed at 0.084 s per token or less — inside the 0.1 s SLO, so the raise stays. The
+    # price is the median request's TPOT (a live raise goes past the p99 frontier: docs/rules.md#live-sizing)
     checks = queue_slot_checks()
     assert [(c.verify.signal, c.verify.expect, c.bound, c.experimental) for c in checks] == [
-        ("tpot_p99_s", "at-most", 0.1, False)]
-    before = {"tpot_p99_s": 0.0052, "itl_p99_s": 0.0093}
-    kept = verification.judge(checks, before, {"tpot_p99_s": 0.084, "itl_p99_s": 0.146}, errors=0)
+        ("tpot_p50_s", "at-most", 0.1, False)]
+    before = {"tpot_p50_s": 0.0052, "itl_p99_s": 0.0093}
+    kept = verification.judge(checks, before, {"tpot_p50_s": 0.084, "itl_p99_s": 0.146}, errors=0)
     assert kept.ok, kept.reason
-    assert kept.reason.startswith("tpot_p99_s (queue-slot-bound) 0.084 ≤ 0.1: ok")
+    assert kept.reason.startswith("tpot_p50_s (queue-slot-bound) 0.084 ≤ 0.1: ok")
     assert "itl_p99_s" not in kept.reason  # the stalls are not this rule's price
     # requests really slower than the SLO: put back, whatever the token gaps say
-    slow = verification.judge(checks, before, {"tpot_p99_s": 0.12, "itl_p99_s": 0.09}, errors=0)
-    assert not slow.ok and slow.reason.startswith("tpot_p99_s (queue-slot-bound) 0.12 > 0.1: failed")
-    # the bound is decisions.slo.tpot_p99_s, resolved when the change was decided
+    slow = verification.judge(checks, before, {"tpot_p50_s": 0.12, "itl_p99_s": 0.09}, errors=0)
+    assert not slow.ok and slow.reason.startswith("tpot_p50_s (queue-slot-bound) 0.12 > 0.1: failed")
+    # the bound is decisions.slo.tpot_p99_s (the SLO the median is held to), resolved when the change was decided
     strict = queue_slot_checks(SloSettings(tpot_p99_s=0.05))
-    assert not verification.judge(strict, before, {"tpot_p99_s": 0.084}, errors=0).ok
+    assert not verification.judge(strict, before, {"tpot_p50_s": 0.084}, errors=0).ok
 
 
 def test_the_queue_slot_raise_without_a_tpot_value_is_not_judged_like_any_established_check():
     # an engine without the per-request histogram (SGLang), or no request finished in the window: the rule is
     # established (not experimental), so the raise stays with the reason said; errors still fail it
     checks = queue_slot_checks()
-    v = verification.judge(checks, {"tpot_p99_s": None}, {"tpot_p99_s": None, "itl_p99_s": 0.3}, errors=0,
-                           why_missing={"tpot_p99_s": "sglang does not expose this"})
+    v = verification.judge(checks, {"tpot_p50_s": None}, {"tpot_p50_s": None, "itl_p99_s": 0.3}, errors=0,
+                           why_missing={"tpot_p50_s": "sglang does not expose this"})
     assert v.ok
-    assert v.reason.startswith("tpot_p99_s (queue-slot-bound): no value in the verification window "
+    assert v.reason.startswith("tpot_p50_s (queue-slot-bound): no value in the verification window "
                                "(sglang does not expose this); not judged")
     assert not verification.judge(checks, {}, {}, errors=2).ok
 

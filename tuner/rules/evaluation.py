@@ -380,15 +380,19 @@ def propose(rule: Rule, ctx: Context, *, when_text: str, streak: int) -> Outcome
     elif then.op == "model":
         if then.model == "concurrency":
             down = then.direction == "down"
-            at_least = None
+            at_least = live_ceiling = None
             factor = ctx.model.live_raise_factor
             live = ctx.live.can_move(knob.name, c + 1) is None
-            if not down and factor > 1 and live:
+            if not down and live:
                 ceiling = ctx.live.envelope.get(knob.name)
-                at_least = c * factor if ceiling is None else min(c * factor, ceiling)
+                if factor > 1:
+                    at_least = c * factor if ceiling is None else min(c * factor, ceiling)
+                if ctx.model.live_raise_to_ceiling and not then.past_frontier:
+                    live_ceiling = ceiling if ceiling is not None else then.max  # the bounds below cap it still
             estimate = models.concurrency(ctx.signals, ctx.model, utilisation=then.utilisation, slo=ctx.slo,
                                           down=down, at_least=at_least, past_frontier=then.past_frontier,
-                                          restart_from=None if down or live else c)
+                                          restart_from=None if down or live else c,
+                                          live_ceiling=live_ceiling, current=c)
             intent = -1 if down else 1  # a model that finds enough is a no-op, never a move the other way
         else:
             estimate = models.step_budget(ctx.signals, ctx.slo, current=c)

@@ -28,7 +28,9 @@ arithmetic that produced it out.
   the cooldown until the next change may come, not for this window;
 - the frontier: the largest batch whose predicted TPOT stays inside the SLO, n₁ · (SLO / TPOT₁)^(1/α) from
   the per-request TPOT p99 (``tpot_p99_s``) measured at the window's batch n₁ (``requests_running_max``: the
-  rules that use it fire with the slots pinned) and the same α; the target never passes it, and
+  rules that use it fire with the slots pinned) and the same α; a restart's target never passes it (a live
+  raise the arrivals call for goes on to the envelope's ceiling, ``live_ceiling``: the frontier is measured on
+  a batch pinned at its cap with a queue behind it, and above the demand the arrivals set the batch), and
   when even the frontier cannot carry λ the estimate says **overloaded** (more slots would only trade one
   SLO for the other). With ``direction: down`` the model returns the frontier itself: an engine whose
   requests breach the TPOT SLO at today's batch comes down to it, never below what Little's law needs
@@ -101,6 +103,17 @@ class ModelSettings(_Model):
     that a pool near its capacity never drains: on the trace family the sizing of ramps and closed loops from
     a window measured at the old cap crept 8 → 13 → 15 → 33 → 48 → 57 → 78 while the queue grew (live-001
     of seed 1: 0.42 × the best static). 1: the model's size alone."""
+    live_raise_to_ceiling: bool = True
+    """A live raise the arrivals call for (the model's size above today's cap) goes to the live envelope's
+    ceiling — the cap the engine was started with, vLLM's 1,024 by default; the rule's ``max``, otherwise —
+    under the rule's bounds (what the KV cache holds among them), past the TPOT frontier. In an open loop the
+    batch in service is set by the arrivals, not by a cap above them, so a cap above the demand costs nothing;
+    every step short of it leaves a backlog that a pool near its capacity drains for minutes, and every request
+    behind it misses its TTFT. On the trace family (seed 7, 200 traces) vLLM's default cap alone was 0.952 × the
+    best static cap at p5 (median 1.0), while the law that climbed ×2 at a time under the TPOT p99 frontier kept
+    p5 0.608 (median 0.967); to the ceiling, 0.78 (median 0.98) (docs/rules.md#live-sizing). A raise the
+    model does not call for (a TTFT tail at a cap the arrivals fit) still goes × ``live_raise_factor`` only.
+    False: × ``live_raise_factor`` under the TPOT frontier, the law before 2026-12-05."""
     restart_to_frontier: bool = True
     """A raise that needs a restart goes to the TPOT SLO frontier (under the rule's bounds and what the KV cache
     holds), not to the window's Little's-law size: the next change is a cooldown (15 min) and a start-up per
@@ -140,14 +153,16 @@ def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
 
 def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
                 slo: SloSettings | None = None, down: bool = False, growth_share: float = 0.1,
-                at_least: float | None = None, past_frontier: bool = False, restart_from: float | None = None
-                ) -> Estimate:
+                at_least: float | None = None, past_frontier: bool = False, restart_from: float | None = None,
+                live_ceiling: float | None = None, current: float | None = None) -> Estimate:
     """The sequence slots the traffic needs (see the module docstring). ``growth_share``: the queue counts
     as growing (open loop) when running + waiting rises faster than this share of the arrival rate. ``slo``:
     the TPOT SLO the frontier keeps (None: no frontier). ``down``: the frontier itself (a lowering).
     ``at_least``: a raise goes at least this far, the frontier permitting (a live raise: live_raise_factor).
     ``past_frontier``: only the overloaded case, one live step past the frontier to ``at_least`` (None
-    otherwise: not overloaded, or no live step). ``restart_from``: today's value, where a raise needs a
+    otherwise: not overloaded, or no live step). ``live_ceiling``: a live raise, and where the arrivals need more
+    than ``current`` (today's value) it goes to this ceiling, past the TPOT frontier (the rule's bounds cap it
+    afterwards; ``ModelSettings.live_raise_to_ceiling``). ``restart_from``: today's value, where a raise needs a
     restart; with ``settings.restart_to_frontier`` a raise the arrivals call for (a target above it) goes on to
     the frontier (the rule's bounds and what the KV cache holds cap it afterwards)."""
     u = settings.utilisation if utilisation is None else utilisation
@@ -213,6 +228,17 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
                     target = math.ceil(absorb - 1e-9)
                     text += (f"; the queue grows: a backlog of {backlog:.3g} served within "
                              f"{settings.backlog_seconds:g} s needs {target}")
+    if live_ceiling is not None and not down and not past_frontier and current is not None and target > current:
+        # the arrivals need more than today's cap: in an open loop a cap above the demand costs nothing (the
+        # arrivals set the batch), and a step short of it leaves a backlog (settings.live_raise_to_ceiling)
+        if target < live_ceiling:
+            target = math.ceil(live_ceiling - 1e-9)
+            text += f"; the arrivals need more than {current:g}: a live raise goes to the envelope's {target}"
+        frontier = _frontier(signals, slo, alpha)
+        if not isinstance(frontier, str) and target > frontier:
+            text += (f" (past the TPOT SLO frontier {frontier:.3g}: the arrivals, not the cap, set the batch; "
+                     "the verification judges the median request's TPOT)")
+        return Estimate(float(target), text)
     if at_least is not None and not down and target < at_least:
         target = math.ceil(at_least - 1e-9)
         text += f"; a live raise goes at least ×{settings.live_raise_factor:g} → {target}"
