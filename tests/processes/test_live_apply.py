@@ -86,20 +86,22 @@ def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Pat
         # it can come before this poll does); that it started from 8 is the decision's `before`, below. (A run
         # under load 9 read a simulator's startup ack, its envelope 256, before it had read control.json.)
         first = wait_for(acks, 30, "both engines to acknowledge their control directory's request")
-        assert all(a[0].effective["max_num_active_seqs"] in (8, 80) for a in first.values()), first
+        assert all(a[0].effective["max_num_active_seqs"] in (8, 256) for a in first.values()), first
 
         (end,) = wait_for(lambda: finished_live(journal), 150,
                           "a live change to be judged: " + (tmp_path / "tuner.log").read_text()[-3000:])
         assert machine.outcome(end) is machine.Outcome.DONE, machine.describe(end)
-        assert end.new_values == {n: {"max_num_seqs": 80} for n in names}
+        assert end.new_values == {n: {"max_num_seqs": 256} for n in names}
         decision = next(r for r in records(journal) if r["kind"] == "decision" and r.get("live"))
         (change,) = decision["changes"]
-        # one measured step: 64 simulated users, all inside, ÷ 0.8 utilisation
-        assert (change["flag"], change["from"], change["to"], change["live"]) == ("--max-num-seqs", "8", "80", True)
+        # one step: 64 simulated users, all inside, ÷ 0.8 utilisation is 80, more than today's 8, so the live raise
+        # goes to the envelope's ceiling, the engine's --max-num-seqs 256 (docs/rules.md#live-sizing)
+        assert (change["flag"], change["from"], change["to"], change["live"]) == ("--max-num-seqs", "8", "256", True)
+        assert "→ 80; the arrivals need more than 8: a live raise goes to the envelope's 256" in change["reason"]
         assert decision["before"] == {n: {"max_num_seqs": 8} for n in names}
         for n in names:
             (ack,) = live_knobs.read_acks(tmp_path / "live" / n)
-            assert ack.effective["max_num_active_seqs"] == 80 and ack.envelope["max_num_seqs"] == 256
+            assert ack.effective["max_num_active_seqs"] == 256 and ack.envelope["max_num_seqs"] == 256
         assert pids() == started  # no restart: the same engine processes throughout
         # the machine's live path only: nothing drained, stopped or started
         assert {r["to"] for r in records(journal) if r["kind"] == "event"} == {"requesting", "verifying", "done"}
@@ -108,11 +110,11 @@ def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Pat
             args = state["targets"][n]["args"]
             assert args[args.index("--max-num-seqs") + 1] == "256"  # the command line is untouched
             assert state["targets"][n]["history"]["restarts"] == []  # the restart budget is untouched
-        def status_shows_80() -> bool:
+        def status_shows_256() -> bool:
             status = httpx.get(f"http://127.0.0.1:{cfg['daemon']['listen_port']}/status", timeout=5).json()
-            return status["targets"][names[0]]["live"]["values"]["max_num_seqs"] == 80
+            return status["targets"][names[0]]["live"]["values"]["max_num_seqs"] == 256
 
-        wait_for(status_shows_80, 30, "/status to show the live cap the next cycle read")
+        wait_for(status_shows_256, 30, "/status to show the live cap the next cycle read")
     finally:
         try:
             children.stop(tuner, timeout_seconds=30, group=True)  # SIGTERM to its group, SIGKILL after 30 s
@@ -135,7 +137,7 @@ def test_a_live_change_a_killed_tuner_left_in_verification_is_taken_up_at_the_ne
 
         wait_for(verifying, 150, "a live change to be acknowledged: " + (tmp_path / "tuner.log").read_text()[-3000:])
         children.stop(tuner, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL inside its verification window
-        assert {live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] for n in names} == {80}
+        assert {live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] for n in names} == {256}
         tuner = subprocess.Popen(run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         (end,) = wait_for(lambda: finished_live(journal), 90,
                           "the live change to be taken up and judged: " + (tmp_path / "tuner.log").read_text()[-3000:])
@@ -144,7 +146,7 @@ def test_a_live_change_a_killed_tuner_left_in_verification_is_taken_up_at_the_ne
         assert all((r["from"], r["to"]) == ("verifying", "requesting") for r in resumed)
         assert machine.outcome(end) is machine.Outcome.DONE, machine.describe(end)
         for n in names:
-            assert live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] == 80
+            assert live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] == 256
     finally:
         try:
             children.stop(tuner, timeout_seconds=30, group=True)  # SIGTERM to its group, SIGKILL after 30 s

@@ -110,10 +110,10 @@ def test_status_history_pause_and_pins_on_a_running_tuner(tuner: Tuner) -> None:
 
     (entry,) = wait_for(judged, 150, lambda: "a live change to be judged: " + tuner.tail())
     assert entry["kind"] == "live"
-    assert [(c["flag"], c["from"], c["to"]) for c in entry["changes"]] == [("--max-num-seqs", "8", "80")]
+    assert [(c["flag"], c["from"], c["to"]) for c in entry["changes"]] == [("--max-num-seqs", "8", "256")]
     text = cli("history", "--config", cfg)
     assert text.returncode == 0
-    assert f"{entry['rollout']} live: --max-num-seqs 8→80 (" in text.stdout and text.stdout.rstrip().endswith(": done")
+    assert f"{entry['rollout']} live: --max-num-seqs 8→256 (" in text.stdout and text.stdout.rstrip().endswith(": done")
 
     out = cli("status", "--config", cfg)
     assert out.returncode == 0, out.stderr
