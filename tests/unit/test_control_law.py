@@ -234,3 +234,19 @@ def test_a_live_raise_the_arrivals_call_for_goes_to_the_envelope_past_the_fronti
     past = models.concurrency({**s, "arrival_rate_per_s": Signal(46.0)}, ms, slo=slo, at_least=116,
                               past_frontier=True, live_ceiling=1024, current=58)
     assert past.value is not None and past.value <= 116
+
+
+def test_a_live_raise_on_a_broken_ttft_goes_to_the_envelope_even_where_the_mean_rate_fits() -> None:
+    """Bursts the mean rate does not show (live-072 of seed 7: 2,720/37-token prompts at 6-11 req/s, b0.7): the
+    model's size fits today's cap, but the TTFT p99 breaks its SLO there, so the live raise goes to the envelope
+    (p5 0.778 → 0.814 over seed 7's 200 traces); on an expected wait alone it doubles (live-189)."""
+    s = sig(arrival_rate_per_s=2.0, slot_seconds_mean=1.2, requests_running_mean=6.0, requests_waiting_mean=0.5,
+            in_system_growth_per_s=-1.0, requests_running=8.0, requests_waiting=0.0, requests_running_max=8.0,
+            tpot_p99_s=0.05, tpot_p50_s=0.03, ttft_p99_s=1.9)
+    slo, ms = models.SloSettings(), models.ModelSettings()
+    up = models.concurrency(s, ms, slo=slo, at_least=16, live_ceiling=1024, current=8)
+    assert up.value == 1024 and "the TTFT p99 1.9 s breaks its SLO at 8: a live raise goes to the envelope's 1024" \
+        in up.text
+    waits = models.concurrency({**s, "ttft_p99_s": Signal(0.8)}, ms, slo=slo, at_least=16, live_ceiling=1024,
+                               current=8)
+    assert waits.value == 16 and "envelope" not in waits.text
