@@ -39,7 +39,7 @@ from harness import nginx as nginx_support
 from harness import vllm
 from tuner.actuators import children
 from tuner.model import snapshots
-from tuner.sources import live_knobs
+from tuner.sources import live_knobs, nvml
 
 PLAYER = Path(__file__).resolve().parent / "player.py"
 NAMES = "abcdefghijklmnop"
@@ -143,26 +143,17 @@ def write_run(ctx: Context, *, command: str) -> None:
 
 
 def gpu_names() -> list[str]:
-    """The GPUs this run measured on, by NVML's name (read-only calls), or [] where NVML is not there. A
-    profile's description names the GPU it was written for; the report says which one it ran on, so a
-    profile written for an H200 and run on an H100 cannot pass for an H200 measurement."""
+    """The GPUs this run measured on, by NVML's name (the tuner's one NVML reader, read-only calls), or [] where
+    NVML is not there or a GPU did not answer. A profile's description names the GPU it was written for; the
+    report says which one it ran on, so a profile written for an H200 and run on an H100 cannot pass for an
+    H200 measurement."""
+    source = nvml.NvmlSource()
     try:
-        import pynvml  # optional: only the GPU machine has it
-
-        pynvml.nvmlInit()
-    except Exception:  # no library, no driver, no GPU: all mean "unknown"
-        return []
-    try:
-        names = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            names.append(name.decode() if isinstance(name, bytes) else str(name))
-        return names
-    except Exception:  # a device that vanished: unknown
-        return []
+        readings = source.read()
     finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
+        source.close()
+    names = [r.name.decode() if isinstance(r.name, bytes) else r.name for r in readings if r.name]
+    return names if len(names) == len(readings) else []
 
 
 def record_engine_version(ctx: Context, base_url: str) -> None:

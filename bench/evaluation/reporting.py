@@ -8,6 +8,7 @@ extra has it; the GPU machine does not need it: render there without plots, or c
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 from collections.abc import Mapping, Sequence
@@ -135,12 +136,9 @@ def render(results: Path, *, plots: bool = True) -> Path:
 def _measured_on(run: Mapping[str, Any]) -> str:
     """The report's "Measured on: …" from run.json's ``gpus`` (NVML's names, recorded at the run); nothing for
     runs that predate the record."""
-    gpus = run.get("gpus") or []
-    if not gpus:
+    counts = collections.Counter(run.get("gpus") or [])
+    if not counts:
         return ""
-    counts: dict[str, int] = {}
-    for g in gpus:
-        counts[g] = counts.get(g, 0) + 1
     return " Measured on: " + ", ".join(f"{n} × {g}" if n > 1 else g for g, n in counts.items()) + "."
 
 
