@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tests.support import fake_schedulers as fakes
 from tests.support.plugin import engines, live, protocol, vllm_tuner_plugin
+from tuner.sources import live_knobs
 
 V032, V026 = "0.32.0", "0.26.0"
 
@@ -262,6 +263,22 @@ def test_token_budget_lowered_and_restored_on_a_checked_engine(control_dir):
     sched.fill(4, prompt_len=300, output_len=4)
     step(sched)
     assert sched.max_num_scheduled_tokens == 512 and sched.step_tokens[-1] > 64
+
+
+def test_the_tuners_step_budget_change_leaves_its_cap_in_force(control_dir):
+    """The tuner's own channel into the plugin: a live change of the step budget after one of the cap. On a
+    lent H100 the second request, sent as the one knob, put the cap back to the envelope (115 → 1024)."""
+    channel = live_knobs.Files(control_dir)
+    sched = make(control_dir, max_num_seqs=64, max_num_batched_tokens=512)
+    assert channel.request(1, {"max_num_seqs": 8}) is None
+    step(sched)
+    assert ack(control_dir)["effective"]["max_num_active_seqs"] == 8
+    assert channel.request(2, {"max_num_batched_tokens": 128}) is None
+    sched.fill(20, prompt_len=300, output_len=4)
+    step(sched, 3)
+    effective = ack(control_dir)["effective"]
+    assert effective["max_num_active_seqs"] == 8 and effective["max_num_batched_tokens"] == 128
+    assert max(sched.step_running) <= 8
 
 
 @pytest.mark.parametrize(("config", "attr", "why"), [

@@ -18,8 +18,10 @@ as its ``protocol.py`` (the tuner never imports the plugin, which lives in vLLM'
 knobs, fields and the request document come from there, and ``tests/contract/test_live_knobs_protocol.py``
 runs both sides against the same files.
 
-Requests are the whole desired state: a knob left out or ``None`` means "the engine's startup value".
-Stdlib only, no HTTP.
+``control.json`` is the whole desired state: a knob left out or ``None`` means "the engine's startup
+value". A ``Channel``'s request is a change to it, as every engine API's is: the knobs it names, the others
+kept as the request in force asks (``Files.request``; a live change of the step budget must not put the cap
+back to the startup envelope). Stdlib only, no HTTP.
 
 A ``Channel`` is where one engine's plugin is reached: its control directory on this host (``Files``,
 the daemon), or, on Kubernetes, through the agent of the engine's pod, which alone sees the pod's files
@@ -321,8 +323,8 @@ class Channel(Protocol):
         """What the plugin acknowledges now."""
 
     def request(self, seq: int, values: Mapping[str, int | None]) -> str | None:
-        """Hand request ``seq`` over (tuner knob → value, None: the startup value); None once handed over,
-        else why not."""
+        """Hand request ``seq`` over (tuner knob → value, None: the startup value; a knob not named keeps the
+        value it has); None once handed over, else why not."""
 
 
 class Files:
@@ -340,11 +342,25 @@ class Files:
         return state(acks)
 
     def request(self, seq: int, values: Mapping[str, int | None]) -> str | None:
+        """``values`` written over the request in force (``requested``): the file is the whole state, a
+        request the change the tuner decided."""
         try:
-            write_request(self.control_dir, seq, **{live.LIVE_NAMES[k]: v for k, v in values.items()})
+            named = {live.LIVE_NAMES[k]: v for k, v in values.items()}
+            write_request(self.control_dir, seq, **{**requested(self.control_dir), **named})
         except (SourceError, ValueError, KeyError) as exc:
             return str(exc)
         return None
+
+
+def requested(control_dir: str | os.PathLike[str]) -> dict[str, int | None]:
+    """The knobs of the request in ``control.json`` now (protocol names; ``{}`` when there is none, or it does
+    not read: the plugin refuses such a file and keeps the last request it applied, which only the scheduler's
+    ``effective`` values in its acks still show)."""
+    try:
+        raw = untrusted.read_bytes(Path(control_dir) / CONTROL_FILE, max_bytes=live_protocol.MAX_CONTROL_BYTES)
+        return live_protocol.parse_request(raw).knobs()
+    except (OSError, untrusted.Untrusted, live_protocol.ProtocolError):
+        return {}
 
 
 def request_seq(control_dir: str | os.PathLike[str]) -> int | None:
