@@ -116,7 +116,10 @@ SKIPPED = {
     ("docs/kubernetes.md", "helm plugin install"): "helm and a Kubernetes cluster",
     ("docs/evaluation.md", "bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each \\"): "a GPU machine",
     ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
-                           'profiles/h200-family'): "a GPU machine",
+                           'profiles/h200-family-2026-124.yaml --arms tuner-live,sweep,bad'): "a GPU machine",
+    ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
+                           'profiles/h200-family-2026-124.yaml --arms tuner-live,sweep --sweep-values 256 --out'):
+        "a GPU machine",
     ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
                            'profiles/h200-rise'): "a GPU machine",
     ("docs/evaluation.md", "python -m bench.family --calibrate"): "a minute of simulation: "

@@ -313,13 +313,14 @@ def test_the_report_says_which_gpu_measured_it(tmp_path: Path, monkeypatch: pyte
     assert "Measured on: 2 × NVIDIA H100 80GB HBM3." in text
 
 
-def test_the_committed_h100_rise_run_rerenders_to_its_report(tmp_path: Path) -> None:
-    """tests/fixtures/evaluation/h100-rise (h200-rise's trace on a lent H100, docs/evaluation.md): its report
-    is what its raw data says, the tuner within 0.95 × the best static there, no failure, no restart."""
+@pytest.mark.parametrize("run", ["h100-rise", "h100-rise-run2", "h100-family-2026-5", "h100-family-2026-124"])
+def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: str) -> None:
+    """tests/fixtures/evaluation/h100-* (the H200 profiles on a lent H100, docs/evaluation.md): each report
+    is what its raw data says, the tuner within 0.95 × the best static beside it, no failure, no restart."""
     import shutil
 
-    src = ROOT / "tests" / "fixtures" / "evaluation" / "h100-rise"
-    out = tmp_path / "h100-rise"
+    src = ROOT / "tests" / "fixtures" / "evaluation" / run
+    out = tmp_path / run
     shutil.copytree(src, out)
     (out / "report.md").unlink()
     text = reporting.render(out, plots=False).read_text()
