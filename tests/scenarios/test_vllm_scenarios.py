@@ -191,7 +191,7 @@ def test_never_a_max_model_len_below_observed_need(name):
                 assert v is None or ch.to_value > v
             floored += 1
         for h in holds:
-            assert h.guard in ("floor", "cooldown", "hysteresis"), h
+            assert h.guard in ("floor", "cooldown", "hysteresis", "idle"), h  # idle: a thin window lets only a cap raise out
             held += h.guard == "floor"
     assert fired > 0 and floored + held > 0
 

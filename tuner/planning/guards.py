@@ -271,6 +271,21 @@ def idle(signals: SignalSet, settings: IdleSettings) -> Ruling:
     return allow("idle", f"{n:.0f} requests in the window")
 
 
+def backlog_at_cap(signals: SignalSet, cap: float | None) -> str | None:
+    """Why the window is not idle whatever finished in it: requests wait, and waited through the window, while
+    every slot of the admission cap is busy (a closed loop of long requests, or a bad cap under a full load,
+    finishes few in its first seconds); None when that is not so. Only a raise of the cap may go out on it
+    (``planner.plan``): the idle guard is there for thin evidence, and a queue at the cap is not thin."""
+    waiting, mean = _v(signals, "requests_waiting"), _v(signals, "requests_waiting_mean")
+    running = _v(signals, "requests_running_max")
+    if cap is None or cap <= 0 or waiting is None or mean is None or running is None:
+        return None
+    if waiting >= 1 and mean >= 1 and running >= 0.9 * cap:
+        return (f"{waiting:.0f} requests wait ({mean:.3g} on average over the window) while {running:.0f} run at "
+                f"a cap of {cap:.0f}")
+    return None
+
+
 def idle_since(signals: SignalSet, history: History, *, now: float) -> float | None:
     """When the engine went idle, carried across windows (a window only sees its own span)."""
     seconds = signals.get("idle_seconds")

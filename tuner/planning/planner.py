@@ -270,8 +270,16 @@ def plan(
     stop = guards.paused(settings.paused)
     if not stop.allowed:  # said first, whatever else holds
         held.append(Held("*", stop.guard, stop.reason))
+    raise_only: guards.Ruling | None = None  # the idle guard, waived for a raise of the cap alone
     if gate.allowed:
         gate = guards.idle(signals, settings.idle)
+        if not gate.allowed:
+            cap = ctx.flag_value("--max-num-seqs").value
+            backlog = guards.backlog_at_cap(signals, float(cap) if isinstance(cap, int | float) else None)
+            if backlog is not None:
+                raise_only = guards.deny(gate.guard, f"{gate.reason}; only a raise of the cap goes out on a "
+                                                     f"queue at the cap ({backlog})")
+                gate = guards.allow("idle", backlog)
     if not gate.allowed:
         held.append(Held("*", gate.guard, gate.reason))
     else:
@@ -289,6 +297,10 @@ def plan(
         step_down = thermal_step_down(signals, ctx, settings.thermal)
         if step_down is not None:
             proposals.insert(0, step_down)
+        if raise_only is not None:
+            held.extend(Held(p.rule, raise_only.guard, raise_only.reason, (p.flag, p.from_value, p.to_value))
+                        for p in proposals if not _raises_cap(p))
+            proposals = [p for p in proposals if _raises_cap(p)]
         accepted, args_after, more_held = _choose(proposals, ctx, signals, history, settings, now=now)
         held.extend(more_held)
 
@@ -407,6 +419,11 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
             yield guards.sustained(p.rule, signals, history, settings.safety, now=now)
             yield guards.payback(signals, settings.safety, knob=p.knob, from_value=float(p.from_value),
                                  to_value=float(p.to_value), alpha=settings.model.tpot_exponent)
+
+
+def _raises_cap(p: evaluation.Proposal) -> bool:
+    """A raise of the admission cap (``--max-num-seqs``; SGLang's ``--max-running-requests``)."""
+    return p.knob == "max_num_seqs" and p.direction > 0
 
 
 def _choose(
