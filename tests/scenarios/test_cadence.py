@@ -92,9 +92,9 @@ def test_a_load_rise_gets_live_steps_to_the_right_band_within_seconds():
     stepped = [s for s in run if s.changes]
     first, last = stepped[0], stepped[-1]
     (change,) = first.changes
-    # within two scrapes of the onset: the window restarted at the arrivals' change point, not diluted by the
-    # quiet half minute before it
-    assert onset < first.t <= onset + 2 * INTERVAL
+    # at the first scrape that shows the rise (a window of one interval decides, scrape.min_snapshots 2): the
+    # window restarted at the arrivals' change point, not diluted by the quiet half minute before it
+    assert onset <= first.t <= onset + INTERVAL
     point = first.decision.change_point
     assert point is not None and point.before_per_s == 0 and point.after_per_s > 10
     assert first.decision.decided_since == point.at >= T0 + onset - INTERVAL

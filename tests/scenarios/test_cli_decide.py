@@ -123,13 +123,13 @@ def test_replay_prints_the_timeline(capsys, tmp_path):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("replay ") and "--max-num-seqs 4" in lines[0]
-    # 004-008 held for the restart's evidence (each a summary line and a "later" line with the value); from 009
+    # 003-008 held for the restart's evidence (each a summary line and a "later" line with the value); from 009
     # the clients' 96 prompts run out and the queue drains: 4 slots serve the rest within the backlog horizon
-    assert sum("more of sustained evidence (a restart needs 1m" in line for line in lines) == 5
-    assert sum("[sustained]: after" in line and "s more of sustained evidence" in line for line in lines) == 5
+    assert sum("more of sustained evidence (a restart needs 1m" in line for line in lines) == 6
+    assert sum("[sustained]: after" in line and "s more of sustained evidence" in line for line in lines) == 6
     # the frontier each window's TPOT allows (419-428): a restart goes on to it
     assert sum(re.search(r"later: --max-num-seqs 4→4[12]\d \(queue-slot-bound\)", line) is not None
-               for line in lines) == 7  # 002-008
+               for line in lines) == 7  # 002-008 (001's window, one interval of the fill, says 440)
     assert sum("the queue drains" in line for line in lines) == 3
     assert lines[-1].endswith("--max-num-seqs 4")
     rc, out = run(["replay", str(scenario_dir("queue-bound")), "--decisions", evidence(tmp_path, 30)], capsys)
@@ -141,7 +141,7 @@ def test_replay_prints_the_timeline(capsys, tmp_path):
 def test_replay_json_and_verbose(capsys):
     rc, out = run(["replay", str(scenario_dir("idle")), "--format", "json"], capsys)
     data = json.loads(out)
-    assert [c["held"][0]["guard"] for c in data["cycles"]] == ["window", "window", "idle"]
+    assert [c["held"][0]["guard"] for c in data["cycles"]] == ["window", "idle", "idle"]
     rc, out = run(["replay", str(scenario_dir("latency-bound")), "-v", "--rules",
                    str(REPO / "rules" / "seed-h100.yaml")], capsys)
     assert rc == 0 and "UNKNOWN" in out

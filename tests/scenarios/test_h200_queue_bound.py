@@ -70,15 +70,15 @@ def test_the_capture_is_a_real_h200_queue_bound_start():
 def test_idle_scrapes_decide_nothing_and_the_load_restarts_the_decision_window():
     cycles = run()
     t = times()
-    assert [c.plan.held[0].guard for c in cycles[:LOAD]] == ["window", "window", "idle", "idle", "idle"]
+    assert [c.plan.held[0].guard for c in cycles[:LOAD]] == ["window", "idle", "idle", "idle", "idle"]
     assert all(c.change_point is None for c in cycles[:LOAD])
     # 005: the arrivals jump 0 → 80 in 004-005 (16 finished + 64 inside): the change point is found at once, at
-    # 004 (the start of the first loaded interval), and the window 004-005 holds too few snapshots to decide
+    # 004 (the start of the first loaded interval), and the window 004-005 (the new regime's own min_snapshots,
+    # 2) is the first decided one: on the restart path the rule starts to sustain there
     first = cycles[LOAD]
     assert first.change_point is not None and first.change_point.at == t[4] == first.decided_since
     assert first.change_point.before_per_s == 0 and first.change_point.after_per_s == pytest.approx(80 / (t[5] - t[4]))
-    assert [h.guard for h in first.plan.held] == ["window"] and "too few snapshots: 2" in first.plan.held[0].reason
-    # 006: the first decided window, 004-006 (the new regime's own min_snapshots)
+    assert [h.guard for h in first.plan.held] == ["sustain"]
     assert cycles[LOAD + 1].decided_since == t[4]
     # 007: the 64 clients' fill (80 arrivals in 004-005) against the closed loop's pace after it (32 per 5 s):
     # a fall found at 005, so the decision reads only the loaded scrapes 005-007
@@ -94,27 +94,28 @@ def test_idle_scrapes_decide_nothing_and_the_load_restarts_the_decision_window()
 
 def test_a_live_admission_cap_makes_one_step_on_the_first_loaded_window():
     """With a live path (the admission cap can go up to 512 without a restart) the rule fires on its first
-    true window (`for_live: 1`): 006, the first window of the new regime, and the replay makes ONE step."""
+    true window (`for_live: 1`): 005, the first window of the new regime, and the replay makes ONE step."""
     cycles = run(live=WIDE)
     first = next(i for i, c in enumerate(cycles) if c.plan.changes)
-    assert first == LOAD + 1
+    assert first == LOAD
     (change,) = cycles[first].plan.changes
     assert change.live and not cycles[first].plan.restart_needed
     s = cycles[first].signals
-    # window 004-006, 10.04 s: 112 arrived by flow balance (finished + the growth of running + waiting) → λ = 11.2/s; slot time
-    # S₀ = 1.37 s at n₀ = 16/3 running (004 is the last idle scrape, the window's start); Little's law
-    # (λ S₀ n₀^-0.3)^(1/0.7) = 24 in service → ⌈24 / 0.8⌉ = 30. The queue is stable by 006 (64 inside at 005 and
-    # 006): the requests inside are not more than that demand ÷ 0.8 — no second sizing.
+    # window 004-005, 5.02 s, one interval: 80 arrived by flow balance (16 finished + 64 inside; the 64 clients'
+    # fill) → λ = 15.9/s; slot time S₀ = 1.38 s at n₀ = 4 running (the mean of 004, idle, and 005); Little's law
+    # (λ S₀ n₀^-0.3)^(1/0.7) = 45.8 in service → ⌈45.8 / 0.8⌉ = 58. One interval is noisier than two (the
+    # window 004-006 read 11.2/s and sized 30), and a live raise the arrivals call for goes to the envelope
+    # whatever the size, so the noise does not reach the step.
     lam, s0, n0 = s["arrival_rate_per_s"].value, s["slot_seconds_mean"].value, s["requests_running_mean"].value
-    assert n0 == pytest.approx(16 / 3) and lam == pytest.approx(11.16, abs=0.01)
+    assert n0 == pytest.approx(4) and lam == pytest.approx(80 / (times()[5] - times()[4]))
     little = (lam * s0 * n0 ** -0.3) ** (1 / 0.7)
-    assert little == pytest.approx(24.0, abs=0.1)
-    # The model's size is 30, above today's 8: the arrivals call for more, so the live raise goes to the
+    assert little == pytest.approx(45.8, abs=0.1)
+    # The model's size is 58, above today's 8: the arrivals call for more, so the live raise goes to the
     # envelope's ceiling (512), capped by what the KV cache holds for the observed request sizes (445) —
     # docs/rules.md#live-sizing: a cap above the demand costs nothing, the 64 clients set the batch
     assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 445,
                                                                            "queue-slot-bound")
-    assert "(for 1 windows)" in change.reason and "÷ 0.8 utilisation → 30" in change.reason
+    assert "(for 1 windows)" in change.reason and "÷ 0.8 utilisation → 58" in change.reason
     assert "the arrivals need more than 8: a live raise goes to the envelope's 512" in change.reason
     assert "capped at 445 by kv_concurrency_observed" in change.reason
     assert "tpot_p99_s 0.0099 < 0.1 (SLO tpot_p99_s)" in change.reason  # the gate: the price inside its SLO
@@ -131,21 +132,24 @@ def test_a_live_admission_cap_makes_one_step_on_the_first_loaded_window():
 
 def test_on_the_restart_path_the_step_is_held_by_sustained_evidence():
     """Without a live path the same start needs a restart: `for: 3` windows of the new regime AND 60 s of
-    sustained evidence (restart_evidence_seconds). The capture holds two decided windows (006, 007): nothing
-    is restarted; what the loaded window would size is the 8 → 80 of the live test above."""
+    sustained evidence (restart_evidence_seconds). The capture holds three decided windows (005-007), 16 s of
+    evidence: nothing is restarted; what the loaded window would size is the 8 → 80 of the live test above,
+    on to the TPOT frontier (restart_to_frontier) under what the KV cache holds."""
     cycles = run()
     assert not any(c.plan.changes for c in cycles)
-    assert [h.guard for c in cycles[LOAD:] for h in c.plan.held] == ["window", "sustain", "sustain"]
+    assert [h.guard for c in cycles[LOAD:] for h in c.plan.held] == ["sustain", "sustain", "sustained"]
     last = cycles[-1]
     (outcome,) = [o for o in last.plan.outcomes if o.rule == "queue-slot-bound"]
-    assert outcome.status == "sustaining" and "true in 2 of 3 consecutive windows (a restart needs them all" in \
-        outcome.reason
+    (held,) = last.plan.held
+    assert outcome.status == "fired" and held.would == ("--max-num-seqs", 8, 445)
+    assert "a restart needs 1m; true for 16s so far" in held.reason
     # window 005-007: running 8 and waiting 56 in every scrape, so the queue is stable (growth 0 ≤ 0.1 × λ) and
     # the 8 + 56 = 64 requests inside are the demand — more than Little's law on the throttled arrivals
     # (λ = 64 / 10.04 s = 6.38/s × S₀ 1.36 s at 8 running → 9.01); ⌈64 / 0.8 utilisation⌉ = 80
     s = last.signals
     assert s["requests_running_mean"].value + s["requests_waiting_mean"].value == 64
     assert s["in_system_growth_per_s"].value == 0
-    # the evidence guard is not what holds it here: with it off, two windows are still fewer than `for: 3`
+    # the evidence guard is what holds it: with it off, the third window restarts
     quick = H200.model_copy(update={"safety": H200.safety.model_copy(update={"restart_evidence_seconds": 0})})
-    assert not [ch for c in run(apply=True, settings=quick) for ch in c.plan.changes]
+    changes = [(i, ch.to_value, ch.live) for i, c in enumerate(run(apply=True, settings=quick)) for ch in c.plan.changes]
+    assert changes == [(LOAD + 2, 445, False)]

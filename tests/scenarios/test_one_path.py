@@ -112,7 +112,7 @@ def test_the_daemon_and_replay_decide_alike_on_a_recorded_real_scenario(name: st
     if overrides:
         assert any("→" in line for line in replayed)  # a scenario where something is decided
     else:  # the defaults: held by the restart's sustained evidence, alike
-        assert sum("more of sustained evidence (a restart needs 1m" in line for line in replayed) == 5  # 004-008
+        assert sum("more of sustained evidence (a restart needs 1m" in line for line in replayed) == 6  # 003-008
 
 
 def test_replay_prints_those_decisions() -> None:

@@ -306,16 +306,17 @@ def test_the_good_paths_exit_0() -> None:
 
 
 def test_recommend_says_what_it_needs_to_decide() -> None:
-    ran = run(["recommend", *FILES[:4]])  # two files: a window of two snapshots, three needed
-    assert ran.rc == 0
+    ran = run(["recommend", *FILES[:2]])  # one file: one snapshot, never a window
+    assert ran.rc == 2 and "give --engine-metrics once per file" in ran.err
+    ran = run(["recommend", "--min-snapshots", "3", *FILES[:4]])  # two files, three asked for
     needs = [line for line in ran.out.splitlines() if line.lstrip().startswith("NEEDS")]
-    assert len(needs) == 1 and "--engine-metrics" in needs[0] and "--min-snapshots" in needs[0], ran.out
+    assert len(needs) == 1 and "--engine-metrics" in needs[0] and "--min-snapshots 2" in needs[0], ran.out
 
 
 def test_replay_says_what_it_needs_when_nothing_changed(tmp_path: Path) -> None:
     for p in sorted(SCENARIO.glob("*.prom"))[:2]:  # two snapshots: never a window of three
         (tmp_path / p.name).write_bytes(p.read_bytes())
-    ran = run(["replay", str(tmp_path)])
+    ran = run(["replay", "--min-snapshots", "3", str(tmp_path)])
     assert ran.rc == 0 and ran.err == ""
     last = ran.out.splitlines()[-1]
     assert last.startswith("needs: at least 3 snapshots in the window to decide, got 2") and "--min-snapshots" in last

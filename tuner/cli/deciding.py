@@ -217,8 +217,8 @@ def needs(decision: stepping.Decision, *, more: str) -> str | None:
         reasons += [h.reason for h in decision.plan.held if h.guard in ("window", "idle", "sustain", "sustained")]
     for reason in reasons:
         if m := _TOO_FEW.search(reason):
-            return (f"at least {m.group(2)} snapshots in the window to decide, got {m.group(1)}: {more}, or "
-                    "--min-snapshots 2")
+            fewer = ", or --min-snapshots 2" if int(m.group(2)) > 2 else ""
+            return f"at least {m.group(2)} snapshots in the window to decide, got {m.group(1)}: {more}{fewer}"
         if m := _STREAK.search(reason):
             return f"the evidence in {m.group(2)} consecutive windows to restart, got {m.group(1)}: {more}"
         if "more of sustained evidence" in reason:

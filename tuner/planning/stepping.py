@@ -76,7 +76,7 @@ class WindowSettings:
     """How a target's window of snapshots is kept and read (config ``scrape:``)."""
 
     window_seconds: float = 300.0
-    min_snapshots: int = 3
+    min_snapshots: int = 2
     stale_after_seconds: float | None = None  # None: no staleness limit
     max_snapshots: int = 100_000
     decision_seconds: float | None = None  # None: rules read the whole window (rule 1a)
