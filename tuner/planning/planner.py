@@ -274,8 +274,8 @@ def plan(
     if gate.allowed:
         gate = guards.idle(signals, settings.idle)
         if not gate.allowed:
-            cap = ctx.flag_value("--max-num-seqs").value
-            backlog = guards.backlog_at_cap(signals, float(cap) if isinstance(cap, int | float) else None)
+            slots = ctx.flag_value("--max-num-seqs").value
+            backlog = guards.backlog_at_cap(signals, float(slots) if isinstance(slots, int | float) else None)
             if backlog is not None:
                 raise_only = guards.deny(gate.guard, f"{gate.reason}; only a raise of the cap goes out on a "
                                                      f"queue at the cap ({backlog})")
