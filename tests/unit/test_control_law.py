@@ -250,3 +250,26 @@ def test_a_live_raise_on_a_broken_ttft_goes_to_the_envelope_even_where_the_mean_
     waits = models.concurrency({**s, "ttft_p99_s": Signal(0.8)}, ms, slo=slo, at_least=16, live_ceiling=1024,
                                current=8)
     assert waits.value == 16 and "envelope" not in waits.text
+
+
+def test_a_queue_growing_before_any_request_finished_is_raised_live_to_the_envelope() -> None:
+    """Long outputs at a small cap: nothing finished in the window, so no slot time for Little's law, but
+    requests wait and what is inside the engine grows — the arrivals need more than today's cap by observation.
+    A live raise goes to the envelope (the rule's KV bound caps it: with no size seen, what the cache holds of
+    max_model_len requests); a restart, a lowering, or a queue that does not grow is not sized on it."""
+    s = sig(arrival_rate_per_s=3.75, slot_seconds_mean=None, requests_running_mean=7.5, requests_waiting_mean=2.3,
+            in_system_growth_per_s=3.75, requests_running=8.0, requests_waiting=7.0, request_rate=0.0)
+    ms = models.ModelSettings()
+    up = models.concurrency(s, ms, slo=models.SloSettings(), at_least=16, live_ceiling=1024, current=8)
+    assert up.value == 1024 and "no request finished in the window" in up.text and "7 wait" in up.text
+    for why, other in (("restart", {"live_ceiling": None, "restart_from": 8}), ("lowering", {"down": True}),
+                       ("past the frontier", {"past_frontier": True})):
+        kw = {"at_least": 16, "live_ceiling": 1024, "current": 8, **other}
+        est = models.concurrency(s, ms, slo=models.SloSettings(), **kw)  # type: ignore[arg-type]
+        assert est.value is None and "slot_seconds_mean unknown" in est.text, why
+    for why, change in (("not growing", {"in_system_growth_per_s": Signal(0.0)}),
+                        ("nobody waits", {"requests_waiting": Signal(0.0)}),
+                        ("a request finished", {"request_rate": Signal(0.5)})):
+        est = models.concurrency({**s, **change}, ms, slo=models.SloSettings(), at_least=16, live_ceiling=1024,
+                                 current=8)
+        assert est.value is None, why

@@ -363,7 +363,6 @@ def test_the_expected_wait_reads_the_queue_now_not_the_admitted_requests():
 @pytest.mark.parametrize(("running", "waiting", "done", "expect"), [
     (8, 0, 4, 0.0),                        # no queue: no wait
     (0, 5, 4, "none running"),             # nothing frees a slot
-    (8, 5, 0, "slot time unknown"),        # no request finished: the slot time is not known
 ])
 def test_the_expected_wait_says_why_it_is_unknown(running, waiting, done, expect):
     w = [snap(0, running=running, waiting=waiting, extra=_inference(0, 0.0)),
@@ -374,3 +373,29 @@ def test_the_expected_wait_says_why_it_is_unknown(running, waiting, done, expect
         assert got.value == expect
     else:
         assert got.value is None and expect in got.reason
+
+
+def test_where_nothing_finished_the_expected_wait_reads_how_long_the_slots_were_held():
+    """No request finished in the window (long outputs at a small cap), so no slot time: the requests running
+    since a scrape still hold their slots, and have held them at least that long — a lower bound of the slot
+    time, and of the wait (the trace family, live-013 of seed 7: 7 → 14 → 20 waiting while no histogram had a
+    value, and the raise waited for the first request to finish, 6 s later; 0.81 → 0.98 × the best static)."""
+    w = [snap(0, running=0, waiting=0, extra=_inference(0, 0.0)),
+         snap(2, running=7, waiting=0, extra=_inference(0, 0.0)),
+         snap(4, running=8, waiting=7, extra=_inference(0, 0.0))]
+    got = es.compute(w)["queue_wait_expected_s"]
+    assert got.value == pytest.approx(7 * 2.0 / 8) and got.reason.startswith("at least")
+    # held since the window's first scrape: the whole span
+    held = es.compute([snap(t, running=8, waiting=5, extra=_inference(0, 0.0)) for t in (0, 2, 4)])
+    assert held["queue_wait_expected_s"].value == pytest.approx(5 * 4.0 / 8)
+    # running at the last scrape only: nothing has held a slot for a known time
+    fresh = es.compute([snap(0, running=0, waiting=0, extra=_inference(0, 0.0)),
+                        snap(2, running=0, waiting=3, extra=_inference(0, 0.0)),
+                        snap(4, running=8, waiting=5, extra=_inference(0, 0.0))])["queue_wait_expected_s"]
+    assert fresh.value is None and "slot time unknown" in fresh.reason
+    # a request finished: the slot time is measured, never the bound
+    done = es.compute([snap(0, running=8, waiting=5, extra=_inference(0, 0.0)),
+                       snap(2, running=8, waiting=5, success=1, extra=_inference(1, 9.0)),
+                       snap(4, running=8, waiting=5, success=1, extra=_inference(1, 9.0))])
+    assert done["queue_wait_expected_s"].value == pytest.approx(5 * 9.0 / 8)
+    assert done["queue_wait_expected_s"].reason is None

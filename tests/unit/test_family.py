@@ -71,3 +71,16 @@ def test_the_twin_serves_the_committed_h200_static_arms_within_ten_percent(run: 
         assert sim.goodput == pytest.approx(real["goodput"], rel=0.10), (run, arm, sim.goodput, real["goodput"])
         if real.get("itl_p50"):  # the step time at the arm's batch: what put cap 256 past the ITL SLO
             assert sim.itl_p50 == pytest.approx(real["itl_p50"], rel=0.10), (run, arm, sim.itl_p50, real["itl_p50"])
+
+
+def test_a_queue_of_long_outputs_is_raised_before_the_first_request_finishes() -> None:
+    """live-013 of seed 7 (907-token outputs at 6 requests/s on a cap of 8): no request finishes for 10 s, and
+    the raise waited for one (0.81 × the best static); read off the queue that grows at the cap, it goes out on
+    the second scrape, bounded by what the cache holds of max_model_len requests (docs/rules.md#nothing-finished-yet)."""
+    rng = random.Random(7)
+    trace = [traces.draw(rng, index=i, mode="live", capacity=calibration.capacity) for i in range(14)][13]
+    arm = runs.tuner(trace, runs.BAD_START, gpu=calibration.GPU)
+    best = runs.static(trace, 64, gpu=calibration.GPU)
+    first = min(at for at, _, what in arm.changes if what.startswith("cap"))
+    print(f"{trace.name}: {trace.describe()}: first raise at {first:g} s, {arm.goodput:.3f} vs {best.goodput:.3f}")
+    assert first <= 4.0 and arm.goodput >= 0.95 * best.goodput

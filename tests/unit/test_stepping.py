@@ -134,3 +134,24 @@ def test_the_kv_bound_is_the_regime_s_own_not_the_long_window_s():
         state = d.state
     assert d.signals["kv_concurrency_observed"].value == 65536 / 450  # this regime's sizes
     assert d.signals["prompt_tokens_mean"].value > 1000  # the sizes themselves stay the long window's
+
+
+def test_with_no_request_finished_anywhere_the_kv_bound_is_what_the_cache_holds_of_the_longest():
+    """No request finished in either window (an engine's first seconds under long outputs): no size is known, so
+    the bound a raise is capped at is what the cache holds of max_model_len requests (65,536 / 4,096 = 16), the
+    most it could ever need per request; once requests finish, their size bounds it."""
+    window = config.ScrapeSettings().window_settings()
+    state, rules = stepping.TargetState(), tuple(loading.load(loading.default_rules_path()))
+    for t in (0.0, 2.0, 4.0):
+        s = _sized(t, 0, 0, 0)
+        d = stepping.step(state, s, info=EngineInfo(max_model_len=4096), gpus=GpuInputs(unavailable="none"),
+                          now=t, target="t", kind="vllm", args=knobs.EngineArgs.parse(["--max-num-seqs", "8"]),
+                          settings=planner.DecisionSettings(), window=window, rules=rules)
+        state = d.state
+    kv = d.signals["kv_concurrency_observed"]
+    assert kv.value == 65536 / 4096 and "max_model_len requests" in (kv.reason or "")
+    d = stepping.step(state, _sized(6.0, 10, 10 * 500, 10 * 300), info=EngineInfo(max_model_len=4096),
+                      gpus=GpuInputs(unavailable="none"), now=6.0, target="t", kind="vllm",
+                      args=knobs.EngineArgs.parse(["--max-num-seqs", "8"]), settings=planner.DecisionSettings(),
+                      window=window, rules=rules)
+    assert d.signals["kv_concurrency_observed"].value == 65536 / 800

@@ -159,6 +159,7 @@ def step(
         kv = fresh.get("kv_concurrency_observed")
         if kv is not None and kv.value is not None:
             signals["kv_concurrency_observed"] = kv
+    _kv_bound_unseen(signals)
     signals.update(gpu_signals.compute(gpus.readings, unavailable=gpus.unavailable, now=now,
                                        stale_after_seconds=window.gpu_stale_after_seconds
                                        or window.stale_after_seconds))
@@ -176,6 +177,19 @@ def step(
                         restarted_at=restarted_at, power_control=power_control, live=live)
     return Decision(target, now, signals, plan, replace(after, history=plan.history), decided_since=since,
                     change_point=point)
+
+
+def _kv_bound_unseen(signals: dict[str, Signal]) -> None:
+    """No request has finished in either window (an engine's first seconds, long outputs at a small cap), so no
+    request size is known: the KV bound a raise is capped at is then what the cache holds of the longest request
+    the engine admits (``kv_cache_max_concurrency``, ``max_model_len`` tokens each), never more than the cache
+    holds whatever the sizes turn out to be. The next window with finished requests bounds it by their size."""
+    kv = signals.get("kv_concurrency_observed")
+    worst = signals.get("kv_cache_max_concurrency")
+    if (kv is None or kv.value is None) and worst is not None and worst.value is not None:
+        why = kv.reason if kv is not None and kv.reason else "request sizes unknown"
+        signals["kv_concurrency_observed"] = Signal(
+            worst.value, f"{why}: as many max_model_len requests as the KV cache holds (kv_cache_max_concurrency)")
 
 
 def _engine_cap(started_args: knobs.EngineArgs | None, live: live_mod.LiveState, *, kind: knobs.EngineKind

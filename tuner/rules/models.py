@@ -153,6 +153,16 @@ def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
     return float((throughput * s0 * n0 ** -alpha) ** (1 / (1 - alpha)))
 
 
+def _growing_unfinished(signals: Mapping[str, Signal], growth: float | None) -> str | None:
+    """Why the arrivals need more than today's cap though no request finished in the window (no slot time):
+    requests wait now and what is inside the engine grows; None otherwise."""
+    finished, waiting = _v(signals, "request_rate"), _v(signals, "requests_waiting")
+    if finished is None or finished > 0 or waiting is None or waiting < 1 or growth is None or growth <= 0:
+        return None
+    return (f"no request finished in the window (no slot time to size with) while {waiting:.0f} wait and the "
+            f"requests inside grow {growth:.3g}/s")
+
+
 def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utilisation: float | None = None,
                 slo: SloSettings | None = None, down: bool = False, growth_share: float = 0.1,
                 at_least: float | None = None, past_frontier: bool = False, restart_from: float | None = None,
@@ -173,6 +183,16 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
              "in_system_growth_per_s")
     values = {n: _v(signals, n) for n in names}
     missing = [n for n, v in values.items() if v is None]
+    if missing == ["slot_seconds_mean"] and live_ceiling is not None and not down and not past_frontier \
+            and current is not None and live_ceiling > current:
+        unseen = _growing_unfinished(signals, values["in_system_growth_per_s"])
+        if unseen is not None:
+            # no request finished yet, so no slot time to size with, but the queue grows at the cap: the arrivals
+            # need more than today's cap by observation, and a live raise that the arrivals call for goes to
+            # the ceiling (the rule's bounds — with no request size seen, what the cache holds of max_model_len
+            # requests — cap it, and the first finished requests size the next step)
+            target = math.ceil(live_ceiling - 1e-9)
+            return Estimate(float(target), f"{unseen}: a live raise goes to the envelope's {target}")
     if missing:
         return Estimate(None, "; ".join(_why(signals, n) for n in missing))
     lam, s0, n0 = values["arrival_rate_per_s"], values["slot_seconds_mean"], values["requests_running_mean"]

@@ -168,14 +168,17 @@ VOCABULARY: Mapping[str, Definition] = {
     "queue_wait_expected_s": Definition(
         "s", "requests_waiting, requests_running, slot_seconds_mean",
         "latest waiting × slot_seconds_mean / latest running: how long a request arriving now waits for a slot "
-        "(leads the queue-time and TTFT histograms, which observe a request once it is admitted)"),
+        "(leads the queue-time and TTFT histograms, which observe a request once it is admitted); where no request "
+        "finished in the window, a lower bound: the slot time is at least how long the running requests have held "
+        "their slots"),
     "prompt_tokens_mean": Definition(
         "tokens", "vllm:request_prompt_tokens | sglang:prompt_tokens_histogram", "Δsum / Δcount"),
     "generation_tokens_mean": Definition(
         "tokens", "vllm:request_generation_tokens | sglang:generation_tokens_histogram", "Δsum / Δcount"),
     "kv_concurrency_observed": Definition(
         "requests", "kv_cache_size_tokens / (prompt_tokens_mean + generation_tokens_mean)",
-        "how many requests of the window's mean size the KV cache holds at once"),
+        "how many requests of the window's mean size the KV cache holds at once; where no request finished in "
+        "either window, kv_cache_max_concurrency (the most any size could need)"),
     # --- engine live configuration ----------------------------------------------------------
     "block_size": Definition("tokens", "vllm:cache_config_info{block_size}", "label value", "config"),
     "num_gpu_blocks": Definition("blocks", "vllm:cache_config_info{num_gpu_blocks}", "label value",

@@ -372,7 +372,10 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
             continue
         out[signal] = mean_of(concept)
     if wanted("queue_wait_expected_s"):
-        out["queue_wait_expected_s"] = _expected_wait(readings[-1], mean_of("inference_time"))
+        slot = mean_of("inference_time")
+        if slot.value is None and not isinstance(histogram_window("inference_time"), Signal):
+            slot = _slot_held(snaps, readings) or slot  # nothing finished: how long the slots have been held
+        out["queue_wait_expected_s"] = _expected_wait(readings[-1], slot)
     else:
         skip("queue_wait_expected_s")
 
@@ -402,6 +405,27 @@ def _window_signals(snaps: Sequence[Snapshot], d: dialects.Dialect, span: float,
     return {k: v for k, v in out.items() if k in _WINDOW_SET}
 
 
+def _slot_held(snaps: Sequence[Snapshot], readings: Sequence[Reading]) -> Signal | None:
+    """A lower bound of the slot time where no request finished in the window: the requests running at the
+    earliest scrape from which some ran without a break still hold their slots (none finished), so each has held
+    one at least that long. None where no two scrapes show requests running. The trace family's live-013 of
+    seed 7 (907-token outputs at a cap of 8, 3.5 arrivals/s a replica): 7 → 14 → 20 waiting over 6 s while no
+    histogram had a value, the rule held until the first request finished at 10 s."""
+    first = None
+    for i in range(len(readings) - 1, -1, -1):
+        running = readings[i].gauges["running"]
+        if running is None or running < 1:
+            break
+        first = i
+    if first is None:
+        return None
+    held = snaps[-1].scraped_at - snaps[first].scraped_at
+    if held <= 0:
+        return None
+    return Signal(held, "at least: no request finished in the window, and those running have held their slots "
+                  f"{held:.3g} s")
+
+
 def _expected_wait(latest: Reading, slot: Signal) -> Signal:
     """How long a request arriving now waits for a slot: the W waiting ahead of it are admitted as slots free,
     and N running requests that each hold one S seconds on average free one every S / N: W · S / N. It reads
@@ -418,7 +442,7 @@ def _expected_wait(latest: Reading, slot: Signal) -> Signal:
         return Signal(0.0)
     if running < 1:
         return missing(f"{waiting:.0f} waiting and none running: no slot frees to serve them")
-    return Signal(waiting * slot.value / running)
+    return Signal(waiting * slot.value / running, slot.reason)
 
 
 def _gauges(out: dict[str, Signal], snaps: Sequence[Snapshot], readings: Sequence[Reading], d: dialects.Dialect,
