@@ -74,8 +74,12 @@ def test_default_decode_rules_read_the_p99():
         (itl,) = [c for c in by_id[rid].when.all if getattr(c, "signal", None) == "itl_p99_s"]
         assert (itl.op, itl.value, itl.slo, itl.max_resolution) == (">", 1.5, "itl_p99_s", 0.05)  # 1.5 × SLO
     (gate,) = [c for c in by_id["queue-slot-bound"].when.all if "tpot_p99_s" in str(c)]
-    head, unseen = gate.any  # the price inside its SLO, or (nothing finished yet) the median token gap
+    # the price inside its SLO; or, while the queue breaks the TTFT, the median request's (what the raise is
+    # verified on then); or, nothing finished yet, the median token gap
+    head, queued, unseen = gate.any
     assert (head.signal, head.op, head.factor, head.slo) == ("tpot_p99_s", "<", 1.0, "tpot_p99_s")
+    assert [(c.signal, c.op, c.factor, c.slo) for c in queued.all] == [("ttft_p99_s", ">", 1.0, "ttft_p99_s"),
+                                                                        ("tpot_p50_s", "<", 0.5, "tpot_p99_s")]
     assert [(c.signal, c.op, c.slo or c.value) for c in unseen.all] == [
         ("request_rate", "<=", 0), ("itl_p50_s", "<", "tpot_p99_s")]
     assert not [c for c in by_id["queue-slot-bound"].when.all if getattr(c, "signal", None) == "itl_p99_s"]
@@ -561,3 +565,26 @@ def test_absurd_cooldowns_are_refused_not_an_overflow(given):
     # found by tests/fuzz: timedelta(seconds=8.64e13), and float(10**400), raised OverflowError out of the loader
     found = problems({"rules": [with_(cooldown=given)]})
     assert any(w == "rules[0] (id: ok).cooldown" and "duration" in what for w, what in found), found
+
+
+@pytest.mark.parametrize(("tpot_p99", "tpot_p50", "ttft_p99", "finished", "itl_p50", "expect"), [
+    (0.05, 0.02, 0.3, 5.0, 0.02, True),     # the price inside its SLO
+    (0.19, 0.02, 4.9, 40.0, 0.02, True),    # the tail is the last regime's, the queue breaks the TTFT
+    (0.19, 0.02, 0.3, 40.0, 0.02, False),   # the tail misses and nothing else does: no raise
+    (0.19, 0.12, 4.9, 40.0, 0.02, False),   # the median request misses too: past the frontier, not this rule's
+    (0.15, 0.066, 1.8, 7.0, 0.02, False),   # the median has no room for a tenfold batch (live-189 of seed 7)
+    (None, None, None, 0.0, 0.01, True),    # nothing finished yet: the median token gap
+    (None, None, None, 0.0, 0.12, False),
+])
+def test_the_queue_rules_price_gate(tpot_p99, tpot_p50, ttft_p99, finished, itl_p50, expect):
+    """live-141 of seed 13: a closed loop of 768 clients after a phase of 2,269-token prompts at a cap of 149; the
+    TPOT p99 of the window read the last phase's requests (0.19 s, their prefill stalls) while the median
+    request streamed at 0.02 s and the queue broke the TTFT (4.9 s): the raise waited 18 s for that tail to
+    roll out of the window (0.77 × the best static; 0.98 × gated on the median while the TTFT misses). The median
+    must have room for a tenfold batch (half the SLO: TPOT ∝ batch^0.3, 10^0.3 ≈ 2): on live-189 of seed 7 it
+    read 0.066 s with the TTFT tail at 1.8 s, and a raise there cost 0.6 % against staying at 8."""
+    (r,) = [x for x in loading.load(REPO / "rules" / "default.yaml") if x.id == "queue-slot-bound"]
+    (gate,) = [c for c in r.when.all if "tpot_p99_s" in str(c)]
+    c = ctx({"tpot_p99_s": tpot_p99, "tpot_p50_s": tpot_p50, "ttft_p99_s": ttft_p99, "request_rate": finished,
+             "itl_p50_s": itl_p50})
+    assert (evaluation.check(gate, c).value is True) is expect
