@@ -99,6 +99,9 @@ def reference_step(state: stepping.TargetState, decision: stepping.Decision, *, 
     if since is not None:
         recent = es.compute([s for s in kept if s.scraped_at >= since], **args)
         signals.update({k: v for k, v in recent.items() if k not in stepping.SLOW_SIGNALS})
+        if recent["kv_concurrency_observed"].value is not None:  # the KV bound of this regime (rule 1a)
+            signals["kv_concurrency_observed"] = recent["kv_concurrency_observed"]
+    stepping._kv_bound_unseen(signals)  # none finished anywhere: what the cache holds of max_model_len requests
     return signals
 
 
