@@ -7,20 +7,24 @@ files"), and ``/status`` answered any ``Host``, so a DNS-rebinding page could re
 Generated floods of hostile clients (silent, trickling a byte at a time, a head that never ends, a head
 over the size limit, connect-and-close) are held open against a real server on a real socket while a
 scraper asks for ``/metrics`` and ``/healthz`` the way Prometheus and a probe do. The promise, for every
-flood: every scrape is answered, each within ``SCRAPE_SECONDS``; the descriptors the server holds stay
-below a bound that does not grow with the flood; every trickling client is cut off by the whole-request
-deadline. And generated ``Host`` names: a name that is not the server's gets 421 and no document; an
-address, a loopback name or an allowed name gets the document.
+flood: every scrape is answered, and while every slow client that came before it still waits (none is cut
+to make way); the descriptors the server holds stay below a bound that does not grow with the flood; every
+trickling client is cut off by the whole-request deadline. A server that is itself late (starved of CPU
+past the deadline, or pushed over its cap by a burst) still answers every head that came in time. And
+generated ``Host`` names: a name that is not the server's gets 421 and no document; an address, a loopback
+name or an allowed name gets the document.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import unittest.mock
+from collections.abc import Callable, Iterator
 
 import httpx
 from hypothesis import given, settings
@@ -30,7 +34,7 @@ from tuner.actuators import children
 from tuner.runtime import httpserver, selfmetrics
 from tuner.runtime.state import TunerState
 
-SCRAPE_SECONDS = 1.0
+ANSWER_SECONDS = 30.0  # a scraper's deadline: a loaded machine is slow, a blocked server never answers
 DEADLINE_SECONDS = 1.5  # the server's whole-request deadline in this test (5 s in the daemon)
 
 
@@ -101,29 +105,115 @@ class Flood:
             t.join(5)
 
 
+def _wait(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
+    """Polls ``condition`` until it holds or ``seconds`` pass (a deadline for a loaded machine, not a bound)."""
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 @settings(max_examples=12, deadline=None)
 @given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=160))
-def test_a_flood_of_slow_clients_never_delays_a_scrape_nor_holds_descriptors(kinds: list[str]) -> None:
+def test_a_flood_of_slow_clients_never_stops_a_scrape_nor_holds_descriptors(kinds: list[str]) -> None:
     with _server(request_deadline_seconds=DEADLINE_SECONDS) as server:
         before = _fds()
-        with Flood(server.port, kinds) as flood, httpx.Client(timeout=SCRAPE_SECONDS + 1) as client:
+        with Flood(server.port, kinds) as flood, httpx.Client(timeout=ANSWER_SECONDS) as client:
             time.sleep(0.2)  # the flood is connected
-            worst = 0.0
             held = 0
-            end = time.monotonic() + DEADLINE_SECONDS + 1.0  # past the deadline of every hostile client
+            end = time.monotonic() + DEADLINE_SECONDS + 1.0  # while hostile clients connect, wait and are cut
             while time.monotonic() < end:
                 for path in ("/metrics", "/healthz"):
-                    t = time.monotonic()
                     r = client.get(server.url + path, headers={"Connection": "close"})
-                    worst = max(worst, time.monotonic() - t)
                     assert r.status_code == 200, (path, r.status_code)
                 held = max(held, _fds() - before)
                 time.sleep(0.05)
+            all_cut = _wait(lambda: flood.cut_trickling == flood.trickling)
             trickling, cut_trickling = flood.trickling, flood.cut_trickling
-        assert worst < SCRAPE_SECONDS, f"a scrape took {worst:.2f}s during a flood of {len(kinds)}"
         # the flood's own client sockets are in this process too: the server's share is what exceeds them
         assert held - len(kinds) <= httpserver.MAX_PENDING + httpserver.WORKERS + 8, held
-        assert cut_trickling == trickling, f"{trickling - cut_trickling} trickling clients were never cut off"
+        assert all_cut, f"{trickling - cut_trickling} trickling clients were never cut off"
+
+
+SLOW = ("silent", "trickle", "endless-head")
+
+
+@settings(max_examples=8, deadline=None)
+@given(kinds=st.lists(st.sampled_from(SLOW), min_size=1, max_size=httpserver.MAX_PENDING - 1))
+def test_a_scrape_is_answered_while_every_slow_client_ahead_of_it_still_waits(kinds: list[str]) -> None:
+    """Not a latency bound (a starved process on 2 cores is slow whatever the design): the scrapes are answered
+    while every slow client that connected before them still holds its connection — none was cut to make way."""
+    with _server(request_deadline_seconds=600) as server:
+        with Flood(server.port, kinds) as flood, httpx.Client(timeout=ANSWER_SECONDS) as client:
+            assert _wait(lambda: server.waiting >= len(kinds)), (server.waiting, len(kinds))
+            codes = [client.get(server.url + path, headers={"Connection": "close"}).status_code
+                     for _ in range(4) for path in ("/metrics", "/healthz")]
+            cut, closed_by_server, waiting = flood.cut, server.closed_unanswered, server.waiting
+        assert codes == [200] * 8, codes
+        assert (cut, closed_by_server) == (0, 0), f"{closed_by_server} slow clients were closed to answer a scrape"
+        assert waiting == len(kinds), (waiting, len(kinds))
+
+
+HEADS = {"complete": b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
+         "partial": b"GET /healthz HTTP/1.1\r\nHost: loc", "none": b"", "closed": b""}
+
+
+@settings(max_examples=30, deadline=None)
+@given(heads=st.lists(st.sampled_from(sorted(HEADS)), min_size=1, max_size=12),
+       late_by=st.sampled_from(["deadline", "cap"]))
+def test_a_head_that_came_in_time_is_answered_when_the_server_itself_is_late(heads: list[str],
+                                                                           late_by: str) -> None:
+    """The server's reader is late: every waiting connection is past its deadline (``deadline``: a process
+    starved of CPU longer than it, as under `make test` on 2 cores, where a scrape once got "Server
+    disconnected without sending a response"), or a burst of new connections pushes each over the cap
+    (``cap``). A connection whose whole head is already there is answered; a partial or empty one is closed."""
+    server = _server(request_deadline_seconds=DEADLINE_SECONDS)
+    bounded = server._server  # driven by hand: the reader runs exactly when the test says
+    bounded.start_workers()
+    clients = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in heads]
+    extra: list[socket.socket] = []
+    try:
+        assert _wait(lambda: (bounded._accept(), bounded.waiting == len(heads))[1])
+        peers = {sock.getpeername()[1]: sock for sock in bounded._pending}
+        for client, kind in zip(clients, heads, strict=True):
+            if kind == "closed":
+                client.close()
+            elif HEADS[kind]:
+                client.sendall(HEADS[kind])
+        for client, kind in zip(clients, heads, strict=True):  # what was sent is there to read
+            if kind != "none":
+                theirs = peers[client.getsockname()[1]] if kind != "closed" else None
+                if theirs is not None:
+                    assert select.select([theirs], [], [], 10)[0]
+        if late_by == "deadline":
+            bounded._expire(time.monotonic() + DEADLINE_SECONDS + 60)
+        else:
+            with unittest.mock.patch.object(httpserver, "MAX_PENDING", len(heads)):
+                extra = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in heads]
+                mine = {c.getsockname()[1] for c in extra}
+                assert _wait(lambda: (bounded._accept(), mine <= {s.getpeername()[1] for s in bounded._pending})[1])
+        assert all(peers.get(c.getsockname()[1]) not in bounded._pending for c, k in zip(clients, heads, strict=True)
+                   if k != "closed")
+        for client, kind in zip(clients, heads, strict=True):
+            if kind == "closed":
+                continue
+            got = b""
+            with contextlib.suppress(ConnectionResetError):  # closed with bytes unread: a reset, not an answer
+                while chunk := client.recv(65536):
+                    got += chunk
+            if kind == "complete":
+                assert got.startswith(b"HTTP/1.0 200 "), (late_by, kind, got[:40])
+            else:
+                assert got == b"", (late_by, kind, got[:40])
+    finally:
+        for sock in clients + extra:
+            sock.close()
+        bounded.shutdown()
+        for sock in list(bounded._pending):
+            bounded._drop(sock)
+        bounded.server_close()
 
 
 def _names() -> st.SearchStrategy[str]:

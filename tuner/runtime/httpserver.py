@@ -21,7 +21,8 @@ Bounded against the clients it cannot trust (a slow client, a flood of them, a w
   wait at most ``REQUEST_DEADLINE_SECONDS`` in all for its head (not per read: a byte every 3 s does not
   keep it), and at most ``MAX_PENDING`` wait at once — a new one evicts the oldest, so a flood of slow
   clients costs ``MAX_PENDING`` descriptors and never stands in front of a scrape that sends its request
-  at once.
+  at once. Before a connection is closed for either, what has arrived on it is read: a head that came in
+  time is answered even when the server itself was late (a process starved of CPU past the deadline).
 - A complete request is answered by one of ``WORKERS`` threads (``MAX_QUEUED`` may wait for one; beyond
   that: 503). Nothing else makes a thread, so the tuner's descriptors stay for its engines.
 - ``Host`` must name this server: a loopback name, an IP address, the listen address, this machine's
@@ -121,6 +122,16 @@ class TunerHttpServer:
         except ValueError:
             return False
         return True
+
+    @property
+    def waiting(self) -> int:
+        """Connections whose request head is still arriving."""
+        return self._server.waiting
+
+    @property
+    def closed_unanswered(self) -> int:
+        """Connections closed without an answer: evicted, past their deadline, a head too large, or 503."""
+        return self._server.evicted
 
     @property
     def url(self) -> str:
@@ -298,6 +309,10 @@ class _BoundedServer:
         self._accept_failing = False
         self.evicted = 0  # connections closed unanswered: evicted, past their deadline, or over the queue
 
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
     def start_workers(self) -> None:
         for i in range(WORKERS):
             t = threading.Thread(target=self._work, name=f"tuner-http-{i}", daemon=True)
@@ -330,37 +345,43 @@ class _BoundedServer:
                     log.warning("status endpoint: accept failed: %s (said once until it succeeds)", exc.strerror or exc)
                 self._accept_failing = True
                 if self._pending:
-                    self._drop(next(iter(self._pending)))
+                    self._shed(next(iter(self._pending)))
                 else:
                     self._stop.wait(0.05)  # the listener stays readable: no busy loop while nothing can be freed
                 return
             self._accept_failing = False
             if len(self._pending) >= MAX_PENDING:  # the oldest waiting head is the slowest client
-                self._drop(next(iter(self._pending)))
+                self._shed(next(iter(self._pending)))
             sock.setblocking(False)
             self._pending[sock] = _Connection(sock, address, time.monotonic() + self._deadline)
             self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, sock: socket.socket) -> None:
+        """Takes everything that has arrived on ``sock``: a complete head goes to the workers; an ended
+        connection or a head over ``MAX_HEAD_BYTES`` is closed; a partial head waits for more."""
         conn = self._pending.get(sock)
         if conn is None:
             return
-        try:
-            chunk = sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._drop(sock)
-            return
-        conn.head += chunk
-        end = conn.head.find(b"\r\n\r\n")
-        if end < 0 and len(conn.head) > MAX_HEAD_BYTES:
-            self._drop(sock)
-            return
-        if end < 0:
-            return
+        while True:
+            try:
+                chunk = sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._drop(sock)
+                return
+            conn.head += chunk
+            end = conn.head.find(b"\r\n\r\n")
+            if end >= 0:
+                self._answer(sock, conn, end)
+                return
+            if len(conn.head) > MAX_HEAD_BYTES:
+                self._drop(sock)
+                return
+
+    def _answer(self, sock: socket.socket, conn: _Connection, end: int) -> None:
         self._selector.unregister(sock)
         del self._pending[sock]
         try:
@@ -376,6 +397,14 @@ class _BoundedServer:
             sock, conn = next(iter(self._pending.items()))
             if conn.deadline > now:
                 return
+            self._shed(sock)
+
+    def _shed(self, sock: socket.socket) -> None:
+        """Closes a waiting connection (past its deadline, the oldest over the cap, or out of descriptors)
+        unless its whole head has already arrived: then the server was late, not the client (a process
+        starved of CPU for longer than the deadline, a burst of accepts), and the request is answered."""
+        self._read(sock)
+        if sock in self._pending:
             self._drop(sock)
 
     def _drop(self, sock: socket.socket) -> None:
