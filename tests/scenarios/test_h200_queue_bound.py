@@ -111,22 +111,23 @@ def test_a_live_admission_cap_makes_one_step_on_the_first_loaded_window():
     little = (lam * s0 * n0 ** -0.3) ** (1 / 0.7)
     assert little == pytest.approx(45.8, abs=0.1)
     # The model's size is 58, above today's 8: the arrivals call for more, so the live raise goes to the
-    # envelope's ceiling (512), capped by what the KV cache holds for the observed request sizes (445) —
-    # docs/rules.md#live-sizing: a cap above the demand costs nothing, the 64 clients set the batch
-    assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 445,
+    # envelope's ceiling (512), under what the KV cache holds of requests of the observed sizes (533: the prompt
+    # and half the output each, signals.engine._kv_concurrency) — docs/rules.md#live-sizing: a cap above the
+    # demand costs nothing, the 64 clients set the batch
+    assert (change.flag, change.from_value, change.to_value, change.rule) == ("--max-num-seqs", 8, 512,
                                                                            "queue-slot-bound")
     assert "(for 1 windows)" in change.reason and "÷ 0.8 utilisation → 58" in change.reason
     assert "the arrivals need more than 8: a live raise goes to the envelope's 512" in change.reason
-    assert "capped at 445 by kv_concurrency_observed" in change.reason
+    assert "capped at" not in change.reason and s["kv_concurrency_observed"].value == pytest.approx(533, abs=1)
     assert "tpot_p99_s 0.0099 < 0.1 (SLO tpot_p99_s)" in change.reason  # the gate: the price inside its SLO
-    # booked: the cap is 445 from then on; the recording still shows 8 running, fewer than 0.9 × 445, and the
+    # booked: the cap is 512 from then on; the recording still shows 8 running, fewer than 0.9 × 512, and the
     # decision window restarts at the change (007 has too few scrapes since): no second step
     applied = [ch for c in run(live=WIDE, apply=True) for ch in c.plan.changes]
-    assert [(ch.flag, ch.from_value, ch.to_value, ch.live) for ch in applied] == [("--max-num-seqs", 8, 445, True)]
+    assert [(ch.flag, ch.from_value, ch.to_value, ch.live) for ch in applied] == [("--max-num-seqs", 8, 512, True)]
     # unbooked (the cap still 8 at 007): the window 005-007 holds only the closed loop's pace, the queue is
     # stable and the 64 requests inside are the demand (80 ÷ 0.8), and the raise goes to the ceiling again
     (again,) = run(live=WIDE)[-1].plan.changes
-    assert again.to_value == 445 and "the queue is stable, 64 requests inside (running + waiting) are the " \
+    assert again.to_value == 512 and "the queue is stable, 64 requests inside (running + waiting) are the " \
         "demand → 80" in again.reason
 
 
@@ -141,7 +142,7 @@ def test_on_the_restart_path_the_step_is_held_by_sustained_evidence():
     last = cycles[-1]
     (outcome,) = [o for o in last.plan.outcomes if o.rule == "queue-slot-bound"]
     (held,) = last.plan.held
-    assert outcome.status == "fired" and held.would == ("--max-num-seqs", 8, 445)
+    assert outcome.status == "fired" and held.would == ("--max-num-seqs", 8, 533)
     assert "a restart needs 1m; true for 16s so far" in held.reason
     # window 005-007: running 8 and waiting 56 in every scrape, so the queue is stable (growth 0 ≤ 0.1 × λ) and
     # the 8 + 56 = 64 requests inside are the demand — more than Little's law on the throttled arrivals
@@ -152,4 +153,4 @@ def test_on_the_restart_path_the_step_is_held_by_sustained_evidence():
     # the evidence guard is what holds it: with it off, the third window restarts
     quick = H200.model_copy(update={"safety": H200.safety.model_copy(update={"restart_evidence_seconds": 0})})
     changes = [(i, ch.to_value, ch.live) for i, c in enumerate(run(apply=True, settings=quick)) for ch in c.plan.changes]
-    assert changes == [(LOAD + 2, 445, False)]
+    assert changes == [(LOAD + 2, 533, False)]

@@ -61,4 +61,4 @@ def test_recommend_prints_the_one_step_of_the_recorded_h200_bad_start_as_a_value
     assert out[0] == ("# servingEngineSpec.modelSpec[name=llama-8b].vllmConfig — apply by hand or in review; "
                       "Helm then")
     # the 64 clients inside ÷ 0.8 → 80, then on to the TPOT frontier (a restart is sized for the cooldown)
-    assert out[2:] == ["-  maxNumSeqs: 8", "+  maxNumSeqs: 445"]
+    assert out[2:] == ["-  maxNumSeqs: 8", "+  maxNumSeqs: 533"]

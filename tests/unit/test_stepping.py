@@ -117,8 +117,8 @@ def _sized(t: float, done: float, prompt: float, generated: float) -> snapshots.
 
 
 def test_the_kv_bound_is_the_regime_s_own_not_the_long_window_s():
-    """Four minutes of 2,000/600-token requests, then 150/300-token ones: the cache's 65,536 tokens hold 25 of the
-    old and 145 of the new. Over the 300 s window the old ones capped the new phase's raises (live-181 of seed 7:
+    """Four minutes of 2,000/600-token requests, then 150/300-token ones: the cache's 65,536 tokens hold 28 of the
+    old and 218 of the new (each the prompt and half the output at once). Over the 300 s window the old ones capped the new phase's raises (live-181 of seed 7:
     132, 166, 186, 212… slots with the cache 16 % full); the bound a raise reads is the decision window's."""
     snaps, done, prompt, generated = [], 0.0, 0.0, 0.0
     for i in range(131):  # a scrape every 2 s, 10 requests finished per scrape
@@ -132,7 +132,7 @@ def test_the_kv_bound_is_the_regime_s_own_not_the_long_window_s():
                           now=s.scraped_at, target="t", kind="vllm", args=knobs.EngineArgs.parse(["--max-num-seqs", "8"]),
                           settings=planner.DecisionSettings(), window=window, rules=rules)
         state = d.state
-    assert d.signals["kv_concurrency_observed"].value == 65536 / 450  # this regime's sizes
+    assert d.signals["kv_concurrency_observed"].value == 65536 / (150 + 300 / 2)  # this regime's sizes
     assert d.signals["prompt_tokens_mean"].value > 1000  # the sizes themselves stay the long window's
 
 
@@ -154,4 +154,4 @@ def test_with_no_request_finished_anywhere_the_kv_bound_is_what_the_cache_holds_
                       gpus=GpuInputs(unavailable="none"), now=6.0, target="t", kind="vllm",
                       args=knobs.EngineArgs.parse(["--max-num-seqs", "8"]), settings=planner.DecisionSettings(),
                       window=window, rules=rules)
-    assert d.signals["kv_concurrency_observed"].value == 65536 / 800
+    assert d.signals["kv_concurrency_observed"].value == 65536 / (500 + 300 / 2)

@@ -176,9 +176,10 @@ VOCABULARY: Mapping[str, Definition] = {
     "generation_tokens_mean": Definition(
         "tokens", "vllm:request_generation_tokens | sglang:generation_tokens_histogram", "Δsum / Δcount"),
     "kv_concurrency_observed": Definition(
-        "requests", "kv_cache_size_tokens / (prompt_tokens_mean + generation_tokens_mean)",
-        "how many requests of the window's mean size the KV cache holds at once; where no request finished in "
-        "either window, kv_cache_max_concurrency (the most any size could need)"),
+        "requests", "kv_cache_size_tokens / (prompt_tokens_mean + generation_tokens_mean / 2)",
+        "how many requests of the window's mean size the KV cache holds at once (a running request holds its "
+        "prompt and what it generated so far: on average over its life, half its output); where no request "
+        "finished in either window, kv_cache_max_concurrency (the most any size could need)"),
     # --- engine live configuration ----------------------------------------------------------
     "block_size": Definition("tokens", "vllm:cache_config_info{block_size}", "label value", "config"),
     "num_gpu_blocks": Definition("blocks", "vllm:cache_config_info{num_gpu_blocks}", "label value",

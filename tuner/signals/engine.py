@@ -185,7 +185,15 @@ def _checked_window(window: Sequence[Snapshot], dialect: dialects.Dialect, max_r
 
 
 def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
-    """How many requests of the window's mean size (prompt + generated tokens) the KV cache holds."""
+    """How many requests of the window's mean size the KV cache holds at once: a running request holds its
+    prompt and the tokens generated so far (vLLM allocates blocks as it decodes), over its life on average
+    the prompt and half its output. The H200's KV-bound run (docs/evidence-h200.md: 112,976 tokens of cache,
+    3,072/512-token requests) ran 31-39 at once with the cache 97-99.9 % full: 34 = 112,976 ÷ (3,072 + 256),
+    where the final size (3,584) says 31.5. On the trace family the final size held raises at 227-257 where the
+    batch needed more than 384 (seed 13: p5 0.889 → 0.912; docs/rules.md, "The KV bound is the mean
+    footprint"). A moment
+    when more requests than that are near their end preempts one; the raise's gates (KV < 95 %, no
+    preemptions) then hold the next step."""
     size = out.get("kv_cache_size_tokens")
     prompt, generated = out.get("prompt_tokens_mean"), out.get("generation_tokens_mean")
     for s in (size, prompt, generated):
@@ -193,7 +201,7 @@ def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
             return missing((s.reason if s is not None else None) or "KV size or request sizes unknown")
     assert size is not None and prompt is not None and generated is not None
     assert size.value is not None and prompt.value is not None and generated.value is not None
-    per_request = prompt.value + generated.value
+    per_request = prompt.value + generated.value / 2
     if per_request <= 0:
         return missing("no tokens per request in the window")
     return Signal(size.value / per_request)
