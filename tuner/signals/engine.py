@@ -191,9 +191,8 @@ def _kv_concurrency(out: Mapping[str, Signal]) -> Signal:
     3,072/512-token requests) ran 31-39 at once with the cache 97-99.9 % full: 34 = 112,976 ÷ (3,072 + 256),
     where the final size (3,584) says 31.5. On the trace family the final size held raises at 227-257 where the
     batch needed more than 384 (seed 13: p5 0.889 → 0.912; docs/rules.md, "The KV bound is the mean
-    footprint"). A moment
-    when more requests than that are near their end preempts one; the raise's gates (KV < 95 %, no
-    preemptions) then hold the next step."""
+    footprint"). A moment when more requests than that are near their end preempts one; the raise's gates
+    (KV < 95 %, no preemptions) then hold the next step."""
     size = out.get("kv_cache_size_tokens")
     prompt, generated = out.get("prompt_tokens_mean"), out.get("generation_tokens_mean")
     for s in (size, prompt, generated):
