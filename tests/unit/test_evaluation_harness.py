@@ -314,7 +314,7 @@ def test_the_report_says_which_gpu_measured_it(tmp_path: Path, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("run", ["h100-rise", "h100-rise-run2", "h100-rise-run3", "h100-family-2026-5",
-                                 "h100-family-2026-124"])
+                                 "h100-family-2026-124", "h100-family-2026-124-run2"])
 def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: str) -> None:
     """tests/fixtures/evaluation/h100-* (the H200 profiles on a lent H100, docs/evaluation.md): each report
     is what its raw data says, the tuner within 0.95 × the best static beside it, no failure, no restart."""
@@ -332,3 +332,27 @@ def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: 
     best = max(a["goodput"] for name, a in summary["arms"].items() if name != "tuner-live")
     assert live["goodput"] >= 0.95 * best and live["failed"] == 0
     assert all(n == 0 for n in live["restarts"].values())
+
+
+def test_the_restarting_arm_on_a_lent_h100_cost_nothing_the_bad_start_met(tmp_path: Path) -> None:
+    """tests/fixtures/evaluation/h100-family-2026-124-run2 (docs/evaluation.md, "A lent H100, fourth time"): the
+    restarting arm's only restart was decided after the last request the bad start met had arrived, and after
+    the decision neither arm met any; before it they differ by the timing of the trace's first seconds."""
+    import gzip
+
+    src = ROOT / "tests" / "fixtures" / "evaluation" / "h100-family-2026-124-run2"
+    summary = json.loads((src / "summary.json").read_text())
+    bad, tuner = summary["arms"]["bad"], summary["arms"]["tuner"]
+    assert sum(tuner["restarts"].values()) == 1 and max(tuner["restarts"].values()) == 1
+    slo = {"ttft_s": summary["slo"]["ttft_seconds"], "itl_mean_s": summary["slo"]["itl_mean_seconds"]}
+
+    def met_arrivals(arm: str) -> list[float]:
+        meta = json.loads((src / "arms" / arm / "meta.json").read_text())
+        with gzip.open(src / "arms" / arm / "requests.jsonl.gz", "rt") as f:
+            rows = [json.loads(line) for line in f]
+        return [r["arrival"] - meta["start_at"] for r in rows if analysis.meets_slo(r, **slo)]
+
+    decided = tuner["decided_s"]
+    assert met_arrivals("bad") and max(met_arrivals("bad")) < decided
+    assert [t for t in met_arrivals("tuner") if t >= decided] == []
+    assert tuner["met_slo"] >= bad["met_slo"] - 1
