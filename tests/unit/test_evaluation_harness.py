@@ -352,7 +352,7 @@ def test_the_restarting_arm_on_a_lent_h100_cost_nothing_the_bad_start_met(tmp_pa
             rows = [json.loads(line) for line in f]
         return [r["arrival"] - meta["start_at"] for r in rows if analysis.meets_slo(r, **slo)]
 
-    decided = tuner["decided_s"]
-    assert met_arrivals("bad") and max(met_arrivals("bad")) < decided
+    decided, bad_met = tuner["decided_s"], met_arrivals("bad")
+    assert bad_met and max(bad_met) < decided
     assert [t for t in met_arrivals("tuner") if t >= decided] == []
     assert tuner["met_slo"] >= bad["met_slo"] - 1

@@ -28,11 +28,12 @@ class Draining(FakeProber):
         return max(0, math.ceil(self.load0 - self.rate * self.now - 1e-9))
 
 
-def wait(load0: int, rate: float, timeout: float) -> tuple[float, Event, str]:
+def wait(load0: int, rate: float, timeout: float, prober_type: type[Draining] = Draining
+         ) -> tuple[float, Event, str]:
     """Poll the idle wait once a second from the drain until it answers: when, what and why."""
     replica = base.Replica("a", "http://127.0.0.1:9000")
     actuator = fake.FakeActuator([replica], running={"a": ("--max-num-seqs", "8")})
-    prober = Draining(actuator, load0, rate)
+    prober = prober_type(actuator, load0, rate)
     with tempfile.TemporaryDirectory() as tmp:
         driver = driving.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=prober,
                                        journal=journal.Journal(Path(tmp) / "j.jsonl"), idle_settle_seconds=0)
@@ -71,18 +72,8 @@ def test_long_requests_that_have_not_finished_yet_are_waited_for() -> None:
         def load(self, replica: base.Replica) -> int | None:
             return 8 if self.now < 40 else 0
 
-    replica = base.Replica("a", "http://127.0.0.1:9000")
-    actuator = fake.FakeActuator([replica], running={"a": ("--max-num-seqs", "8")})
-    prober = Together(actuator, 8, 0.0)
-    with tempfile.TemporaryDirectory() as tmp:
-        driver = driving.RolloutDriver(actuator=actuator, drainer=fake.FakeDrainer(), prober=prober,
-                                       journal=journal.Journal(Path(tmp) / "j.jsonl"), idle_settle_seconds=0)
-        action = machine.Instruction(Step.WAIT_IDLE, "a", deadline=120.0)
-        answers = []
-        for t in range(0, 45):
-            prober.now = float(t)
-            answers.append(driver._wait_idle(replica, actuator.status("a"), action, float(t)))
-    assert answers[:40] == [None] * 40 and answers[40] is not None and answers[40][0] is Event.IDLE
+    at, event, _ = wait(8, 0.0, 120.0, Together)
+    assert (at, event) == (40.0, Event.IDLE)  # no answer before the last of them finished
 
 
 def test_a_cut_backlog_names_the_rate_and_the_time_it_needed() -> None:

@@ -118,8 +118,9 @@ def _sized(t: float, done: float, prompt: float, generated: float) -> snapshots.
 
 def test_the_kv_bound_is_the_regime_s_own_not_the_long_window_s():
     """Four minutes of 2,000/600-token requests, then 150/300-token ones: the cache's 65,536 tokens hold 28 of the
-    old and 218 of the new (each the prompt and half the output at once). Over the 300 s window the old ones capped the new phase's raises (live-181 of seed 7:
-    132, 166, 186, 212… slots with the cache 16 % full); the bound a raise reads is the decision window's."""
+    old and 218 of the new (each the prompt and half the output at once). Over the 300 s window the old ones
+    capped the new phase's raises (live-181 of seed 7: 132, 166, 186, 212… slots with the cache 16 % full); the
+    bound a raise reads is the decision window's."""
     snaps, done, prompt, generated = [], 0.0, 0.0, 0.0
     for i in range(131):  # a scrape every 2 s, 10 requests finished per scrape
         big = i < 120
