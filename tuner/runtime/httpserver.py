@@ -17,12 +17,17 @@ Handlers only read ``state.last``, an immutable ``CycleResult`` that the loop sw
 
 Bounded against the clients it cannot trust (a slow client, a flood of them, a web page):
 
-- One thread accepts and reads every request's head without blocking (``selectors``); a connection may
-  wait at most ``REQUEST_DEADLINE_SECONDS`` in all for its head (not per read: a byte every 3 s does not
-  keep it), and at most ``MAX_PENDING`` wait at once — a new one evicts the oldest, so a flood of slow
-  clients costs ``MAX_PENDING`` descriptors and never stands in front of a scrape that sends its request
-  at once. Before a connection is closed for either, what has arrived on it is read: a head that came in
-  time is answered even when the server itself was late (a process starved of CPU past the deadline).
+- One thread accepts and reads every request's head without blocking (``selectors``); a connection that
+  has begun its head may take at most ``REQUEST_DEADLINE_SECONDS`` from its connect for all of it (not
+  per read: a byte every 3 s does not keep it), and at most ``MAX_PENDING`` wait at once — a new one
+  evicts the oldest, so a flood of slow clients costs ``MAX_PENDING`` descriptors and never stands in
+  front of a scrape that sends its request at once. Before a connection is closed for either, what has
+  arrived on it is read: a head that came in time is answered even when the server itself was late (a
+  process starved of CPU past the deadline).
+- A connection that has sent nothing yet is not cut by that deadline but after ``SILENT_SECONDS`` (or by
+  the cap): a request goes out in one write, so a client between its connect and that write is one whose
+  own thread is starved (a scrape on a loaded machine got "Server disconnected without sending a
+  response" that way), not a slow sender. The cap still bounds what silent connections cost.
 - A complete request is answered by one of ``WORKERS`` threads (``MAX_QUEUED`` may wait for one; beyond
   that: 503). Nothing else makes a thread, so the tuner's descriptors stay for its engines.
 - ``Host`` must name this server: a loopback name, an IP address, the listen address, this machine's
@@ -57,7 +62,8 @@ log = logging.getLogger("tuner.http")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9180
-REQUEST_DEADLINE_SECONDS = 5.0  # a client's whole request head, from its connect
+REQUEST_DEADLINE_SECONDS = 5.0  # a client's whole request head, from its connect, once it has begun
+SILENT_SECONDS = 60.0  # a connection that sent nothing: nginx's client_header_timeout default; the cap bounds it
 MAX_PENDING = 64  # connections whose head is still arriving; a new one evicts the oldest
 MAX_HEAD_BYTES = 16 * 1024  # a request line and headers (curl and Prometheus send < 1 KiB)
 WORKERS = 4  # threads that answer complete requests
@@ -84,6 +90,7 @@ class TunerHttpServer:
         status_from_network: bool = False,
         allowed_hosts: Iterable[str] = (),
         request_deadline_seconds: float = REQUEST_DEADLINE_SECONDS,
+        silent_seconds: float = SILENT_SECONDS,
     ) -> None:
         self.metrics = metrics
         self.status_from_network = status_from_network
@@ -94,7 +101,8 @@ class TunerHttpServer:
         self.is_busy = is_busy  # a cycle is running now: a long one (a rollout) is not a wedged loop
         self.clock = clock
         self.allowed_hosts = allowed_host_names(host, allowed_hosts)
-        self._server = _BoundedServer(host, port, _handler_class(self), deadline_seconds=request_deadline_seconds)
+        self._server = _BoundedServer(host, port, _handler_class(self), deadline_seconds=request_deadline_seconds,
+                                     silent_seconds=silent_seconds)
         self._thread: threading.Thread | None = None
 
     @property
@@ -277,17 +285,18 @@ def allowed_host_names(listen_host: str, extra: Iterable[str]) -> frozenset[str]
 
 
 class _Connection:
-    __slots__ = ("address", "deadline", "head", "sock")
+    __slots__ = ("address", "deadline", "head", "silent_until", "sock")
 
-    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, address: Any, deadline: float, silent_until: float) -> None:
         self.sock, self.address, self.head, self.deadline = sock, address, bytearray(), deadline
+        self.silent_until = silent_until
 
 
 class _BoundedServer:
     """Accepts and reads request heads on one thread, answers complete ones on ``WORKERS`` threads."""
 
     def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler], *,
-                 deadline_seconds: float) -> None:
+                 deadline_seconds: float, silent_seconds: float = SILENT_SECONDS) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -301,6 +310,7 @@ class _BoundedServer:
         self.address = self._listener.getsockname()
         self._handler = handler
         self._deadline = deadline_seconds
+        self._silent = max(silent_seconds, deadline_seconds)
         self._pending: collections.OrderedDict[socket.socket, _Connection] = collections.OrderedDict()
         self._queue: queue.Queue[tuple[socket.socket, Any, bytes] | None] = queue.Queue(MAX_QUEUED)
         self._selector = selectors.DefaultSelector()
@@ -353,7 +363,8 @@ class _BoundedServer:
             if len(self._pending) >= MAX_PENDING:  # the oldest waiting head is the slowest client
                 self._shed(next(iter(self._pending)))
             sock.setblocking(False)
-            self._pending[sock] = _Connection(sock, address, time.monotonic() + self._deadline)
+            now = time.monotonic()
+            self._pending[sock] = _Connection(sock, address, now + self._deadline, now + self._silent)
             self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, sock: socket.socket) -> None:
@@ -393,11 +404,15 @@ class _BoundedServer:
             sock.close()
 
     def _expire(self, now: float) -> None:
-        while self._pending:
-            sock, conn = next(iter(self._pending.items()))
+        """Sheds the connections past their deadline, oldest first (deadlines follow the accept order);
+        what has arrived is read first (a head that came whole is answered, see ``_shed``), and one that
+        has still sent nothing waits until ``silent_until``."""
+        for sock, conn in list(self._pending.items()):
             if conn.deadline > now:
                 return
-            self._shed(sock)
+            self._read(sock)
+            if sock in self._pending and (conn.head or conn.silent_until <= now):
+                self._drop(sock)
 
     def _shed(self, sock: socket.socket) -> None:
         """Closes a waiting connection (past its deadline, the oldest over the cap, or out of descriptors)
