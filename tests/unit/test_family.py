@@ -73,6 +73,21 @@ def test_the_twin_serves_the_committed_h200_static_arms_within_ten_percent(run: 
             assert sim.itl_p50 == pytest.approx(real["itl_p50"], rel=0.10), (run, arm, sim.itl_p50, real["itl_p50"])
 
 
+def test_the_twin_alone_on_the_gpu_serves_the_real_kv_bound_capture_within_ten_percent() -> None:
+    """Issue 30 asks for the twin's KV and preemption model to be checked against the real KV-bound H200 run
+    first: the benchmark replayed request for request on one engine with the family's calibrated costs. The
+    single-GPU model without the context cost (what the check ran on before) is 22 % fast: the check tells."""
+    real, sim = calibration.KV_BOUND_REAL, calibration.kv_bound_run()
+    for key in ("req_s", "output_tokens_s", "tpot_mean_s"):
+        assert sim[key] == pytest.approx(real[key], rel=0.10), (key, sim[key], real[key])
+    assert sim["ttft_mean_s"] == pytest.approx(real["ttft_mean_s"], rel=0.15)
+    low, high = real["running"]
+    assert low - 5 <= sim["running"][0] and sim["running"][1] <= high + 5, sim["running"]  # what the cache holds
+    assert sim["kv_usage"][1] >= 0.97 and sim["preemptions"] > 0  # full, and recomputing
+    plain = calibration.kv_bound_run(calibration.H200)
+    assert plain["req_s"] > 1.10 * real["req_s"], plain["req_s"]
+
+
 def test_a_queue_of_long_outputs_is_raised_before_the_first_request_finishes() -> None:
     """live-013 of seed 7 (907-token outputs at 6 requests/s on a cap of 8): no request finishes for 10 s, and
     the raise waited for one (0.81 × the best static); read off the queue that grows at the cap, it goes out on
