@@ -84,14 +84,14 @@ RUNS = ("h200", "h200-fit", "h200-rise", "h200-rise-issue25", "h200-family-2026-
         "h200-family-2026-124-run2")
 
 
-def capacity(mix: Sequence[traces.Mix], gpu: GpuModel = GPU) -> float:
+def capacity(mix: Sequence[traces.Mix], gpu: GpuModel = GPU, *, kv_tokens: float = KV_TOKENS) -> float:
     """Requests/s the whole pool serves of this mixture at its best batch (the model's arithmetic): a request
     costs its prompt's prefill tokens plus its output tokens' share of the decode steps at batch n, with n as
-    large as the KV cache holds for the mixture's sizes (at most 256)."""
+    large as the KV cache (``kv_tokens`` a replica) holds for the mixture's sizes (at most 256)."""
     total = sum(m.weight for m in mix)
     prompt = sum(m.weight * m.prompt for m in mix) / total
     output = sum(m.weight * m.output for m in mix) / total
-    n = max(1.0, min(256.0, KV_TOKENS / (prompt + output)))
+    n = max(1.0, min(256.0, kv_tokens / (prompt + output)))
     per_token = (gpu.step_base_seconds / n + gpu.step_per_seq_seconds
                  + gpu.step_per_context_token_seconds * (prompt + output / 2))
     cost = output * per_token + prompt * gpu.step_per_prefill_token_seconds

@@ -30,6 +30,8 @@ def _run(exact: bool, *, seqs: int, blocks: int, budget: int, rate: float, promp
         engine.advance(t)
         if rng.random() < 0.05:
             engine.admission_cap = rng.randint(1, seqs)  # the live cap moves too
+        if rng.random() < 0.05:
+            engine.step_budget = rng.randint(seqs, 2 * budget)  # and the live step budget (clamped to the envelope)
         p, o = max(1, int(prompt * rng.uniform(0.5, 1.5))), max(1, int(output * rng.uniform(0.5, 1.5)))
         sent.append(engine.submit(prompt_tokens=min(p, 3000), max_tokens=o, output_tokens=o, wait=False))
     engine.advance(60.0)
@@ -78,3 +80,17 @@ def test_the_templated_exposition_is_the_registry_text() -> None:
         engine.metrics.flush()
         assert fast == generate_latest(engine.registry)
     assert b"vllm:generation_tokens_total" in fast and b'le="+Inf"' in fast
+
+
+@pytest.mark.parametrize(("live", "steps"), [(None, 1), (512, 4), (1000, 3), (100_000, 1)])
+def test_the_step_budget_is_live_inside_the_envelope(live: int | None, steps: int) -> None:
+    """vLLM pull request 55018's live ``max_num_batched_tokens``: a 2,048-token prompt alone is prefilled in
+    ⌈2048 / budget⌉ steps; a budget past the start-up envelope (``--max-num-batched-tokens 2048``) is the envelope."""
+    cfg = config_from_args(["--max-num-seqs", "8", "--max-model-len", "4096", "--max-num-batched-tokens", "2048"],
+                           gpu=H200)
+    engine = queueing.SimEngine(cfg, started_at=0.0)
+    engine.step_budget = live
+    req = engine.submit(prompt_tokens=2048, max_tokens=4, output_tokens=4, wait=False)
+    while req.first_token is None:
+        engine.advance(engine.now + 1e-4)
+    assert engine.steps == steps and engine.budget == min(live or 2048, 2048)

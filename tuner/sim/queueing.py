@@ -134,6 +134,7 @@ class SimEngine:
         self.finished = 0
         self.sleep_level: int | None = None  # vLLM sleep mode: None awake; 0 paused; 1/2 also KV discarded
         self.admission_cap: int | None = None  # the live cap (vllm-tuner-plugin's max_num_active_seqs)
+        self.step_budget: int | None = None  # the live token budget of a step, inside the startup envelope
         self._lazy = _Decoding(cfg.block_size)  # the decoding requests, advanced in O(1) a step (_step)
         self._prefilling: list[Request] = []  # the running requests still (re)computing their prompt, in order
         self._last_end = 0.0  # when the last step ended (every decoding request's last token)
@@ -297,13 +298,20 @@ class SimEngine:
                 self._last_end = self.now
             self._relazify()
 
+    @property
+    def budget(self) -> int:
+        """The tokens one step may carry: the live ``step_budget`` where set, never past ``--max-num-batched-tokens``
+        (the envelope the engine sized its buffers for at start-up)."""
+        envelope = self.cfg.max_num_batched_tokens
+        return envelope if self.step_budget is None else max(1, min(self.step_budget, envelope))
+
     def _fast_step(self) -> bool:
         cfg, m, lazy = self.cfg, self.metrics, self._lazy
         steps0 = self.steps
         free = self.free_blocks - lazy.crossing(steps0)
         if free < 0:
             return False  # a decode finds no block: preemption, the exact path
-        budget = cfg.max_num_batched_tokens - lazy.n
+        budget = self.budget - lazy.n
         plan: list[tuple[Request, int, int]] = []
         for req in self._prefilling:
             n = min(req.prefill_target - req.computed, budget)
@@ -414,7 +422,7 @@ class SimEngine:
         (decodes need one token each, unfinished prefills the rest of the budget), preempting the newest
         when KV blocks run out; then waiting requests FCFS while sequence slots, budget and blocks last."""
         cfg, m = self.cfg, self.metrics
-        budget = cfg.max_num_batched_tokens
+        budget = self.budget
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         # the decodes take their token first, then the prefill chunks in running order (as _fast_step)
