@@ -130,6 +130,8 @@ SKIPPED = {
         "tests/unit/test_family.py holds the twin to the committed H200 static arms",
     ("docs/evaluation.md", "python -m bench.family --traces 20"): "minutes of simulation on 2 cores: "
         "tests/unit/test_family.py runs a draw of the same family",
+    ("docs/evaluation.md", "python -m bench.family.phases --traces 20"): "minutes of simulation on 2 cores: "
+        "tests/unit/test_phases.py runs the search on traces of both families",
     ("docs/kubernetes.md", "helm template t deploy/helm/vllm-tuner"): "the helm command line (not installed here): "
         "tests/integration/test_deploy.py renders the chart with the same values through helm-python-sdk",
     ("docs/kubernetes.md", "make image IMAGE=registry.example.com"): "builds the image and pushes it to a registry: "
