@@ -6,8 +6,9 @@ with the admission cap, the token budget, chunked prefill, KV blocks and preempt
 next replica that is up and not drained (nginx's round robin with ``proxy_next_upstream``). The tuner
 reaches the replicas the way it reaches real ones — through its one engine client — over an httpx
 transport that answers in-process (``transport``): ``/metrics``, ``/health``, ``/v1/models``,
-``/version``, ``/load``, ``POST /v1/completions`` (warm-ups) and vLLM's runtime knob
-``GET/PATCH /v1/runtime_config`` (pull request 54816: the live admission cap). Restarts go through
+``/version``, ``/load``, ``POST /v1/completions`` (warm-ups) and vLLM's live knobs
+``GET /trimtab/knobs`` / ``POST /trimtab/set_knobs`` (pull request 55018: the admission cap and the step budget,
+each inside the start-up envelope, as the H200 arms' plugin takes them). Restarts go through
 ``Actuator``/``Drainer`` (the tuner's actuator contract): a stopped replica aborts what it still holds
 and a started one serves ``startup_seconds`` later.
 """
@@ -279,15 +280,26 @@ class Transport:
             return _json({"version": "0.32.0"})
         if path == "/load":
             return _json({"server_load": len(e.running) + len(e.waiting)})
-        if path == "/v1/runtime_config":
-            if request.method == "PATCH":
-                cap = json.loads(request.content or b"{}").get("max_num_running_seqs")
-                e.admission_cap = None if cap is None else max(1, min(int(cap), e.cfg.max_num_seqs))
+        if path == "/trimtab/set_knobs" and request.method == "POST":
+            body = json.loads(request.content or b"{}")
+            cfg = e.cfg
+            if "max_num_seqs" in body:
+                e.admission_cap = max(1, min(int(body["max_num_seqs"]), cfg.max_num_seqs))
                 self.pool.events.append((now, r.name, f"cap {e.admission_cap}"))
                 if self.on_cap is not None:
-                    self.on_cap(r.name, e.admission_cap or e.cfg.max_num_seqs)
-            return _json({"max_num_seqs": e.cfg.max_num_seqs, "max_num_seqs_capacity": e.cfg.max_num_seqs,
-                          "max_num_running_seqs": e.admission_cap or e.cfg.max_num_seqs})
+                    self.on_cap(r.name, e.admission_cap)
+            if "max_num_batched_tokens" in body:
+                e.step_budget = max(1, min(int(body["max_num_batched_tokens"]), cfg.max_num_batched_tokens))
+                self.pool.events.append((now, r.name, f"budget {e.step_budget}"))
+            return _json({"ok": True, "applied": body, "rejected": {}})
+        if path == "/trimtab/knobs":
+            cfg, seqs = e.cfg, e.admission_cap or e.cfg.max_num_seqs
+            # the ceilings (the boot values) show once a knob was set; a cap the pool set at start (the bad start,
+            # as the H200 arms' plugin sets it) counts
+            moved = e.admission_cap is not None or e.step_budget is not None
+            ceilings = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+            return _json({"max_num_seqs": seqs, "max_num_seqs_effective": seqs, "max_num_batched_tokens": e.budget,
+                          "running": len(e.running), "ceilings": ceilings if moved else {}})
         if path in ("/v1/completions", "/v1/chat/completions"):
             body = json.loads(request.content or b"{}")
             tokens = int(body.get("max_tokens") or 1)

@@ -79,7 +79,7 @@ def static(trace: Trace, cap: int | None, *, gpu: GpuModel) -> Arm:
 
 
 class _NoPlugin:
-    """No plugin files: the live path is vLLM's runtime_config (the transport answers it)."""
+    """No plugin files: the live path is vLLM's /trimtab (the transport answers it)."""
 
     def read(self) -> live_mod.LiveState:
         return live_mod.LiveState(why_not="no plugin in the simulation")
@@ -159,7 +159,7 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
         client.close()
         journal.close()
     res = pool.results(ttft_slo=TTFT_SLO, itl_slo=ITL_SLO, timeout=TIMEOUT, frontend=FRONTEND_SECONDS)
-    changes = [e for e in pool.events if e[2].startswith(("cap", "start"))]
+    changes = [e for e in pool.events if e[2].startswith(("cap", "budget", "start"))]
     restarts = sum(max(0, r.starts - 1) for r in pool.replicas.values())
     name = f"tuner-{'live' if live else 'restart'}-from-{start or 'default'}"
     return Arm(name, res["goodput"], int(res["met"]), int(res["requests"]), int(res["failed"]), changes, restarts,

@@ -27,6 +27,11 @@ KV_CAP_ON_TEXT = loading.default_rules_path().read_text().replace(
     "    enabled: false\n    experimental: true\n", "    experimental: true\n", 1)
 KV_CAP_ON = loading.parse(loading.parse_yaml(KV_CAP_ON_TEXT, what="kv-cap-on", single=True)[0])
 assert "kv-preemption-cap" in {r.id for r in KV_CAP_ON if r.enabled}
+# decode-latency-batched-tokens ships off too (docs/evidence.md#decode-latency-batched-tokens): the tests of what
+# it does turn it on, with kv-preemption-cap
+EXPERIMENTS_ON = tuple(r.model_copy(update={"enabled": True}) if r.id == "decode-latency-batched-tokens" else r
+                       for r in KV_CAP_ON)
+assert {"kv-preemption-cap", "decode-latency-batched-tokens"} <= {r.id for r in EXPERIMENTS_ON if r.enabled}
 
 
 def scenario_dir(name: str) -> Path:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.scenarios.support import meta, replay, scenario_dir
+from tests.scenarios.support import DEFAULT_RULES, EXPERIMENTS_ON, meta, replay, scenario_dir
 from tuner import config
 from tuner.cli import deciding, inputs
 from tuner.model import snapshots
@@ -21,7 +21,6 @@ from tuner.model.gpus import GpuInputs
 from tuner.model.live import NONE, LiveState
 from tuner.planning import pooling
 from tuner.planning.guards import Action
-from tuner.rules import loading
 from tuner.runtime import cycle
 from tuner.runtime.results import RolloutOutcome
 from tuner.runtime.state import TunerState
@@ -73,7 +72,8 @@ def configured(name: str, *, mode: str, overrides: Mapping[str, Any] | None = No
                          "decisions": {"engine": {"platform": "cpu"}, **over.pop("decisions", {})}, **over})
 
 
-def daemon(name: str, *, mode: str, overrides: Mapping[str, Any] | None = None) -> list[str]:
+def daemon(name: str, *, mode: str, overrides: Mapping[str, Any] | None = None,
+           rules: Sequence[Any] = DEFAULT_RULES) -> list[str]:
     """Each cycle's plan summary as the daemon sees it."""
     d = scenario_dir(name)
     snaps = inputs.recorded(d, kind="vllm")
@@ -81,10 +81,9 @@ def daemon(name: str, *, mode: str, overrides: Mapping[str, Any] | None = None) 
     state = TunerState.fresh(settings.targets)
     info = EngineInfo(max_model_len=inputs.max_model_len(None, inputs.engine_args(None, meta(name)), "vllm"))
     collector = Recording(settings.targets[0], snaps, info)
-    rules = tuple(loading.load(loading.default_rules_path()))
     out = []
     for snap in list(snaps):
-        result = cycle.run_cycle(state, settings=settings, collectors=[collector], rules=rules,
+        result = cycle.run_cycle(state, settings=settings, collectors=[collector], rules=tuple(rules),
                                  dispatcher=Booking(state) if mode == "apply" else None, now=snap.scraped_at)
         plan = result.targets[name].plan
         assert plan is not None
@@ -93,22 +92,25 @@ def daemon(name: str, *, mode: str, overrides: Mapping[str, Any] | None = None) 
 
 
 # The captures hold 44-55 s of load, less than a restart's 60 s of sustained evidence, and latency-bound's
-# stalls reach only a whole-window p99: settings under which each capture decides something, the same for both.
+# stalls reach only a whole-window p99 (and the step-budget rule that reads them ships off): settings under which
+# each capture decides something, the same for both.
 QUICK = {"decisions": {"safety": {"restart_evidence_seconds": 0}}}
 WHOLE = {**QUICK, "scrape": {"decision_window_seconds": None}}
 
 
-@pytest.mark.parametrize(("name", "overrides"), [("queue-bound", QUICK), ("kv-bound", QUICK),
-                                                 ("latency-bound", WHOLE), ("queue-bound", {})])
-def test_the_daemon_and_replay_decide_alike_on_a_recorded_real_scenario(name: str, overrides: dict) -> None:
+@pytest.mark.parametrize(("name", "overrides", "rules"), [
+    ("queue-bound", QUICK, DEFAULT_RULES), ("kv-bound", QUICK, DEFAULT_RULES), ("latency-bound", WHOLE, EXPERIMENTS_ON),
+    ("queue-bound", {}, DEFAULT_RULES)])
+def test_the_daemon_and_replay_decide_alike_on_a_recorded_real_scenario(name: str, overrides: dict,
+                                                                        rules: Sequence[Any]) -> None:
     s = configured(name, mode="apply", overrides=overrides)
     window = s.scrape.window_settings()
-    replayed = [d.plan.summary() for d in replay(name, apply=True, settings=s.decisions, window=window)
+    replayed = [d.plan.summary() for d in replay(name, apply=True, settings=s.decisions, window=window, rules=rules)
                 if d.plan is not None]
-    assert daemon(name, mode="apply", overrides=overrides) == replayed
-    recommended = [d.plan.summary() for d in replay(name, apply=False, settings=s.decisions, window=window)
-                   if d.plan is not None]
-    assert daemon(name, mode="recommend", overrides=overrides) == recommended
+    assert daemon(name, mode="apply", overrides=overrides, rules=rules) == replayed
+    recommended = [d.plan.summary() for d in replay(name, apply=False, settings=s.decisions, window=window,
+                                                    rules=rules) if d.plan is not None]
+    assert daemon(name, mode="recommend", overrides=overrides, rules=rules) == recommended
     if overrides:
         assert any("→" in line for line in replayed)  # a scenario where something is decided
     else:  # the defaults: held by the restart's sustained evidence, alike

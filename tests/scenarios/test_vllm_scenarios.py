@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.scenarios.support import DEFAULT_RULES, KV_CAP_ON, REPO, meta, replay, scenario_dir
+from tests.scenarios.support import DEFAULT_RULES, EXPERIMENTS_ON, KV_CAP_ON, REPO, meta, replay, scenario_dir
 from tuner import config
 from tuner.cli import inputs
 from tuner.model import knobs
@@ -126,7 +126,7 @@ def test_kv_bound_never_raises_max_num_seqs():
     # the shipped rules: no more slots, and no cap either (kv-preemption-cap ships off)
     for c in replay("kv-bound"):
         assert all(ch.knob != "max_num_seqs" for ch in c.plan.changes)
-    cycles = replay("kv-bound", rules=KV_CAP_ON)
+    cycles = replay("kv-bound", rules=EXPERIMENTS_ON)
     for c in cycles:
         assert all(not (ch.knob == "max_num_seqs" and ch.direction > 0) for ch in c.plan.changes)
     loaded = cycles[10]  # 010: the last scrape under load (011 is after the benchmark)
@@ -207,8 +207,9 @@ def test_latency_bound_capture_hides_its_stalls_from_p95():
 def test_latency_bound_on_decision_windows_changes_nothing():
     """At 0.3 arrivals/s a 20 s window holds ~6 finished requests: the decision window reaches back for 10
     (decisions.idle.min_requests_per_window), and the windows that hold 10 hold too few stalls for their p99
-    (≤ 1 % of the gaps): the step budget is not lowered on this capture's evidence."""
-    cycles = replay("latency-bound")
+    (≤ 1 % of the gaps): the step budget is not lowered on this capture's evidence (the rule turned on: it
+    ships off)."""
+    cycles = replay("latency-bound", rules=EXPERIMENTS_ON)
     for c in cycles[2:9]:
         assert [(h.rule, h.guard) for h in c.plan.held] == [("*", "idle")]
     for c in cycles[9:11]:
@@ -223,9 +224,11 @@ def test_latency_bound_on_decision_windows_changes_nothing():
 
 def test_latency_bound_lowers_the_step_budget_over_the_whole_window():
     """With decision_window_seconds None (rules read the whole window) the last step's window holds the
-    whole recording, whose itl_p99_s is in the 1-2.5 s bucket: the shipped decode rule fires."""
+    whole recording, whose itl_p99_s is in the 1-2.5 s bucket: the decode rule fires once turned on; the shipped
+    rules, where it is off, change nothing."""
     window = dataclasses.replace(config.ScrapeSettings().window_settings(), decision_seconds=None)
-    cycles = replay("latency-bound", window=window)
+    assert not any(c.plan.changes for c in replay("latency-bound", window=window))
+    cycles = replay("latency-bound", window=window, rules=EXPERIMENTS_ON)
     last = cycles[-1]
     p99 = last.signals["itl_p99_s"]
     assert p99.bounds is not None and p99.bounds[0] >= 1.0

