@@ -142,6 +142,39 @@ class Stack:
 
 _run = itertools.count()
 
+# The engines of a stack are started by an earlier tuner: a process of its own that exits, as a tuner restarted
+# mid-rollout does. Every actuator of the test then adopts them from their pid files, as the next tuner does.
+# Started from the test's own process, the first actuator's Popen and the adopting actuator's waitpid were two
+# waiters on one child: the adopting one reaped it, the Popen's status stayed unread, and its pid could name
+# another child by the time the teardown polled it (pid_max 32,768; `make test` spends pids fast). The garbage
+# collector then freed it "still running" in whatever test ran next.
+EARLIER_TUNER = """
+import json, sys
+from pathlib import Path
+from tuner.actuators import base, process
+doc = json.loads(sys.argv[1])
+replicas = [base.Replica(name, url) for name, url in doc["replicas"]]
+actuator = process.ProcessActuator(replicas, command=doc["command"], state_dir=Path(doc["state_dir"]))
+for name, argv in doc["argv"].items():
+    actuator.start(name, argv)
+"""
+
+
+def _start_by_an_earlier_tuner(s: Stack) -> None:
+    import json
+    import os
+    import subprocess
+
+    from tuner.actuators import children
+
+    doc = {"replicas": [(r.name, r.base_url) for r in s.replicas], "command": [sys.executable, str(STUB)],
+           "state_dir": str(s.tmp / "state"), "argv": {name: list(s.argv(name)) for name in s.ports}}
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    tuner = subprocess.Popen([sys.executable, "-c", EARLIER_TUNER, json.dumps(doc)], env=env)
+    code = children.stop(tuner, timeout_seconds=60, signal_first=None)
+    assert code == 0, f"the earlier tuner exited {code}"
+
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
@@ -149,9 +182,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     ports = {f"a{n}": nginx_support.free_port(), f"b{n}": nginx_support.free_port()}
     with nginx_support.NginxBalancer({name: f"127.0.0.1:{p}" for name, p in ports.items()}) as lb:
         s = Stack(tmp_path, ports, lb)
-        first = s.actuator()
-        for name in ports:
-            first.start(name, s.argv(name))
+        _start_by_an_earlier_tuner(s)
         client = EngineClient()
         deadline = time.monotonic() + 20
         while not all(client.is_healthy(r.base_url, "vllm") for r in s.replicas):
@@ -161,7 +192,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         try:
             yield s
         finally:
-            last = s.actuators[-1]
+            last = s.actuators[-1] if s.actuators else s.actuator()
             for name in ports:
                 last.stop(name, timeout_seconds=5)
             for a in s.actuators:  # in-process only: let older instances reap what they had started
