@@ -78,8 +78,7 @@ def run(trace: traces.Trace, plan: Sequence[tuple[float, Pair]], *, setting: Set
     runs._finish(pool, trace)
     per_phase = [0] * len(trace.phases)
     for s in pool.sent:
-        ok, ttft, itl = s.outcome(runs.FRONTEND_SECONDS)
-        if ok and ttft is not None and ttft <= setting.ttft_slo and (itl is None or itl <= setting.itl_slo):
+        if s.meets(ttft_slo=setting.ttft_slo, itl_slo=setting.itl_slo, frontend=runs.FRONTEND_SECONDS):
             i = next((k for k, (a, b) in enumerate(trace.spans) if a <= s.at < b), len(trace.spans) - 1)
             per_phase[i] += 1
     met = sum(per_phase)
@@ -98,8 +97,7 @@ def search(trace: traces.Trace, *, setting: Setting = H200_PROFILES, caps: Seque
         top = max(r.per_phase[i] for r in statics.values())
         choice.append(best if statics[best].per_phase[i] == top else
                       max((p for p, r in statics.items() if r.per_phase[i] == top), key=lambda p: (-p[0], -p[1])))
-    starts = [a for a, _ in trace.spans]
-    plan = [(starts[0] if i == 0 else starts[i], pair) for i, pair in enumerate(choice)]
+    plan = [(start, pair) for (start, _), pair in zip(trace.spans, choice, strict=True)]
     oracle = run(trace, plan, setting=setting) if len(set(choice)) > 1 else statics[best]
     b = statics[best]
     return {"trace": trace.name, "describe": trace.describe(), "duration": round(trace.duration, 1),

@@ -68,6 +68,11 @@ class Sent:
             (r.finished_at - r.first_token) / (r.generated - 1)
         return True, ttft, itl
 
+    def meets(self, *, ttft_slo: float, itl_slo: float, frontend: float = 0.0) -> bool:
+        """Completed with every token, inside both SLOs (the goodput's one test, ``Pool.results`` and the searches)."""
+        ok, ttft, itl = self.outcome(frontend)
+        return ok and ttft is not None and ttft <= ttft_slo and (itl is None or itl <= itl_slo)
+
 
 class Pool:
     """The replicas, the balancer and the trace's clients, all in one virtual clock (``now``)."""
@@ -175,7 +180,7 @@ class Pool:
                 ttfts.append(ttft)
                 if itl is not None:
                     itls.append(itl)
-                if ttft <= ttft_slo and (itl is None or itl <= itl_slo):
+                if s.meets(ttft_slo=ttft_slo, itl_slo=itl_slo, frontend=frontend):
                     met += 1
             else:
                 failed += 1
