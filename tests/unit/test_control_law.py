@@ -87,6 +87,18 @@ def test_only_a_live_step_further_the_same_way_continues_the_one_being_verified(
     assert not pooling.continues(pool_change(change(10, 32)), ())  # nothing to supersede
 
 
+
+def test_the_journal_says_why_a_step_supersedes_the_verification() -> None:
+    """A raise the same way is the next step, not a broken price (the H100 runs' journals said "the price broke
+    its SLO; a lowering does not wait" for queue-slot-bound's 16 → 224); a breach rule's reversal names it."""
+    verifying = (change(8, 16),)
+    assert pooling.why_continues(pool_change(change(16, 224)), verifying) == "the next live step the same way"
+    lowering = Change(flag="--max-num-seqs", knob="max_num_seqs", from_value=16, to_value=9, rule="slots-over-tpot-slo",
+                      reason="", direction=-1, live=True, breach=True)
+    assert pooling.continues(pool_change(lowering), verifying)
+    assert pooling.why_continues(pool_change(lowering), verifying) == (
+        "slots-over-tpot-slo fires on a broken SLO; its reversal does not wait for this verdict")
+
 def test_an_experimental_change_is_never_superseded_nor_supersedes() -> None:
     """It is kept only on its own verdict: 1024 → 254 superseded by 254 → 147 was put back to 254, not 1024."""
     lowered = change(1024, 254, experimental=True)

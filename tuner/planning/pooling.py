@@ -187,6 +187,17 @@ def continues(change: PoolChange, verifying: Sequence[history_mod.Change]) -> bo
     return True
 
 
+
+def why_continues(change: PoolChange, verifying: Sequence[history_mod.Change]) -> str:
+    """Why ``change`` supersedes the verification in flight (``continues`` said it may), for the journal: a
+    reversal by a breach rule, or the next step the same way (a breach rule's raise, queue-slot-bound's, is one
+    of these: its price did not break anything)."""
+    turned = [c for c in change.changes
+              if any(v.knob == c.knob and v.live and v.direction != c.direction for v in verifying)]
+    if turned:
+        return f"{turned[0].rule} fires on a broken SLO; its reversal does not wait for this verdict"
+    return "the next live step the same way"
+
 def admit(pool: PoolPlan, pending: Pending | None, *, window_open: bool | None, stopping: bool,
           closed_reason: str, now: float, args: Mapping[str, knobs.EngineArgs], kind: knobs.EngineKind,
           settings: DecisionSettings, signals: Mapping[str, SignalSet],

@@ -127,8 +127,7 @@ class Dispatcher:
         if (self.in_flight is not None and change is not None and not should_stop()
                 and pooling.continues(change, self.verifying)):
             # machine Rule 6: the next live step the same way; its verification judges the newest value
-            why = ("the price broke its SLO; a lowering does not wait for this verdict"
-                   if any(c.breach for c in change.changes) else "the next live step the same way")
+            why = pooling.why_continues(change, self.verifying)
             superseded = self.driver.supersede(
                 self.in_flight, f"superseded by {change.id} ({change.text()}): {why}; its verification judges "
                                 "the newest value")
