@@ -285,3 +285,57 @@ def test_a_queue_growing_before_any_request_finished_is_raised_live_to_the_envel
         est = models.concurrency({**s, **change}, ms, slo=models.SloSettings(), at_least=16, live_ceiling=1024,
                                  current=8)
         assert est.value is None, why
+
+
+def test_a_raise_put_back_for_its_price_is_tried_again_halfway_at_once_while_the_queue_breaks_the_slo() -> None:
+    """Seed 31's live-006: 8 → 642 put back to 8 on its TPOT, then queue-slot-bound held at 8 for 516 s (cooldown,
+    then hysteresis) while 400-800 requests waited. A breach raise after a rollback is bisected and not held;
+    anything else keeps the cooldown."""
+    put_back = History(changes=MappingProxyType({"max_num_seqs": FlagChange(
+        1000.0, -1, "queue-slot-bound (rolled back)", "642", "8")}))
+    kw = {"rule_cooldown_seconds": 900, "settings": SAFETY, "now": 1004.0, "direction": +1}
+    half = guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, live=True, breach=True, retry_to=325, **kw)
+    assert half.allowed and "halfway back at most toward the value its verification put back (642)" in half.reason
+    for held in (
+        guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, live=True, breach=True, retry_to=600, **kw),
+        guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, live=True, breach=True, **kw),  # not a retry
+        guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, live=True, retry_to=325, **kw),  # no breach
+        guards.cooldown("max_num_seqs", "--max-num-seqs", put_back, live=False, breach=True, retry_to=325, **kw),
+    ):
+        assert not held.allowed and "left (--max-num-seqs changed 4s ago" in held.reason
+
+
+def test_the_planner_bisects_a_breach_raise_after_its_rollback_and_only_that() -> None:
+    from dataclasses import replace
+
+    from tuner.model.live import LiveState
+    from tuner.planning import planner
+    from tuner.rules import loading
+
+    default = loading.load(loading.default_rules_path())
+    live = LiveState(available=True, envelope={"max_num_seqs": 1024}, values={"max_num_seqs": 8})
+    queue = {"window_seconds": 20, "request_rate": 8, "idle_seconds": 0, "requests_running": 8,
+             "requests_running_max": 8, "requests_waiting": 300, "requests_waiting_max": 300, "queue_time_mean_s": 9.0,
+             "ttft_p99_s": 9.0, "tpot_p99_s": 0.03, "tpot_p50_s": 0.02, "kv_cache_usage_max": 0.02,
+             "preemptions_per_s": 0, "arrival_rate_per_s": 32, "slot_seconds_mean": 0.4, "requests_running_mean": 8,
+             "requests_waiting_mean": 290, "in_system_growth_per_s": 24, "kv_concurrency_observed": 900,
+             "thermal_throttle": 0, "hw_slowdown": 0, "temp_margin_c": 30, "gpu_temp_c": 59, "power_capped": 0}
+    sigs = {k: Signal(float(v)) for k, v in queue.items()}
+    args = knobs.EngineArgs.from_string("--max-num-seqs 8")
+    put_back = History(changes=MappingProxyType({"max_num_seqs": FlagChange(
+        1000.0, -1, "queue-slot-bound (rolled back)", "642", "8")}),
+        streaks=MappingProxyType({"queue-slot-bound": 3}))
+    p = planner.plan("a", sigs, args, put_back, DecisionSettings(), rules=default.rules, now=1004.0, live=live)
+    (c,) = p.changes
+    assert (c.rule, c.from_value, c.to_value, c.live) == ("queue-slot-bound", 8, 325, True)
+    assert "halfway back at most within the hysteresis → 325" in c.reason
+    # a lowering put back is not retried so: its verdict said lowering did not help
+    lowered = replace(put_back, changes=MappingProxyType({"max_num_seqs": FlagChange(
+        1000.0, +1, "slots-over-tpot-slo (rolled back)", "61", "123")}))
+    over = {**sigs, "tpot_p99_s": Signal(0.3), "ttft_p99_s": Signal(0.5), "requests_running_max": Signal(123.0),
+            "requests_running": Signal(123.0), "requests_running_mean": Signal(120.0), "arrival_rate_per_s": Signal(10.0),
+            "slot_seconds_mean": Signal(6.0), "requests_waiting_max": Signal(0.0), "requests_waiting": Signal(0.0)}
+    q = planner.plan("a", over, knobs.EngineArgs.from_string("--max-num-seqs 123"), replace(
+        lowered, streaks=MappingProxyType({"slots-over-tpot-slo": 3})), DecisionSettings(), rules=default.rules,
+        now=1004.0, live=replace(live, values={"max_num_seqs": 123}))
+    assert not q.changes and any(h.rule == "slots-over-tpot-slo" and h.guard == "cooldown" for h in q.held), q.held

@@ -425,7 +425,7 @@ def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float |
 
 def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
              settings: SafetySettings, now: float, live: bool = False, direction: int = 0,
-             breach: bool = False, experiment: str | None = None) -> Ruling:
+             breach: bool = False, experiment: str | None = None, retry_to: float | None = None) -> Ruling:
     """A flag is not changed again within the cooldown of its last change. A live change that goes on the
     way the last one went (``direction``, the same sign) is not held: live changes are cheap, and a step in
     the direction the evidence keeps pointing is a controller correcting itself, which a cooldown between
@@ -435,7 +435,13 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
     ``experiment``: the experimental rule proposing. Its own change put back (not shown to help) holds its
     next try for the whole cooldown, live too — no bisection toward a value an experiment found worse: on the
     trace family (seed 7, from vLLM's 1024) kv-preemption-cap's 1024 → 254, put back, was tried again 30 s
-    later at 639, then 157, 398, 519…, each an experiment the goodput paid for (live-108: 0.66 × staying)."""
+    later at 639, then 157, 398, 519…, each an experiment the goodput paid for (live-108: 0.66 × staying).
+
+    ``retry_to``: a live raise on a broken SLO toward a raise its verification put back (the planner's
+    ``_retries``, clamped to the ``bracket``: halfway at most) is not held either: the queue's SLO is broken now,
+    and the bisection keeps it from flapping — each try halves the distance and waits for its own verdict. Held
+    for the live cooldown, seed 31's live-006 of the trace family waited 30 s at the cap 8 it was put back to
+    while 32 requests a second arrived per replica (0.42 × the best static; 0.81 × not held)."""
     last = history.changes.get(knob)
     if last is None:
         return allow("cooldown")
@@ -451,6 +457,11 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
         # the price of the last change breaks its SLO: taken back as fast as it was made (not the knob's own
         # rollback: that put back what did not help)
         return allow("cooldown", f"{flag}: the SLO is broken; a live reversal is not held")
+    if live and breach and retry_to is not None:
+        span = bracket(knob, direction, history, settings=settings, now=now, live=True)
+        if span is not None and min(span) <= retry_to <= max(span) and retry_to != span[0]:
+            return allow("cooldown", f"{flag}: the SLO is broken; halfway back at most toward the value its "
+                         f"verification put back ({last.from_value})")
     period = settings.live_cooldown_seconds if live else max(rule_cooldown_seconds, settings.cooldown_seconds)
     left = last.at + period - now
     if left > 0:
