@@ -437,11 +437,8 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
     trace family (seed 7, from vLLM's 1024) kv-preemption-cap's 1024 → 254, put back, was tried again 30 s
     later at 639, then 157, 398, 519…, each an experiment the goodput paid for (live-108: 0.66 × staying).
 
-    ``retry_to``: a live raise on a broken SLO toward a raise its verification put back (the planner's
-    ``_retries``, clamped to the ``bracket``: halfway at most) is not held either: the queue's SLO is broken now,
-    and the bisection keeps it from flapping — each try halves the distance and waits for its own verdict. Held
-    for the live cooldown, seed 31's live-006 of the trace family waited 30 s at the cap 8 it was put back to
-    while 32 requests a second arrived per replica (0.42 × the best static; 0.81 × not held)."""
+    ``retry_to``: a live breach raise halfway back toward a raise put back (planner ``_retries``) is not held:
+    the bisection keeps it from flapping (seed 31's live-006 held 30 s at the cap 8: 0.42 × the best static; 0.81 ×)."""
     last = history.changes.get(knob)
     if last is None:
         return allow("cooldown")
