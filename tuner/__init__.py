@@ -5,4 +5,4 @@ Layers, outermost first (held by import-linter, see pyproject.toml and docs/arch
 Only ``sources`` and ``actuators`` (and the daemon that wires them) perform I/O.
 """
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"

@@ -20,7 +20,7 @@ from tuner.cli.injecting import run
 from tuner.kube import injecting as inj
 from tuner.rules import loading
 
-SETTINGS = inj.Settings(image="ghcr.io/example/vllm-tuner:0.3.1")
+SETTINGS = inj.Settings(image="ghcr.io/example/vllm-tuner:0.4.0")
 SHELL = st.text(alphabet="vlm serv-MODEL0123 $;&|<>()`'\"\\\n*?#=~{}[]", max_size=40)
 LEAF = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
         | st.sampled_from(["", "true", "vllm", "vllm-tuner-agent", "vllm-tuner-state", "vllm-tuner-config",

@@ -27,7 +27,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
     image = args.image or os.environ.get("VLLM_TUNER_IMAGE") or None
     if image is not None and (why := injecting.image_problem(image)) is not None:
-        print(f"error: inject: --image: {why}, e.g. --image ghcr.io/example/vllm-tuner:0.3.1", file=sys.stderr)
+        print(f"error: inject: --image: {why}, e.g. --image ghcr.io/example/vllm-tuner:0.4.0", file=sys.stderr)
         return 2
     if args.file in (None, "-"):
         raw, what = sys.stdin.buffer.read(loading.YAML_MAX_BYTES + 1), "<stdin>"

@@ -243,9 +243,9 @@ def adopt(original: Mapping[str, Any], settings: Settings, *, specs: Mapping[str
         problems.append(AdoptionError(where, f"no agent image was given (no --image, no $VLLM_TUNER_IMAGE, and "
                                              f"{where_chart})",
                                       "give --image REGISTRY/vllm-tuner:TAG, e.g. --image "
-                                      "ghcr.io/example/vllm-tuner:0.3.1, or the chart's image.repository"))
+                                      "ghcr.io/example/vllm-tuner:0.4.0, or the chart's image.repository"))
     elif (why := image_problem(image)) is not None:
-        problems.append(AdoptionError(where, f"the agent image: {why}", "e.g. ghcr.io/example/vllm-tuner:0.3.1"))
+        problems.append(AdoptionError(where, f"the agent image: {why}", "e.g. ghcr.io/example/vllm-tuner:0.4.0"))
     name = str(annotations.get(ENGINE_CONTAINER) or "vllm")
     containers = _list_at(where, spec, "containers", "spec.template.spec.containers", problems)
     inits = _list_at(where, spec, "initContainers", "spec.template.spec.initContainers", problems)

@@ -13,7 +13,7 @@ import time
 
 from vllm_tuner_plugin import protocol
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"
 __all__ = ["__version__", "register"]
 
 logger = logging.getLogger("vllm.tuner_live")
