@@ -92,7 +92,11 @@ def test_the_journal_says_why_a_step_supersedes_the_verification() -> None:
     """A raise the same way is the next step, not a broken price (the H100 runs' journals said "the price broke
     its SLO; a lowering does not wait" for queue-slot-bound's 16 → 224); a breach rule's reversal names it."""
     verifying = (change(8, 16),)
-    assert pooling.why_continues(pool_change(change(16, 224)), verifying) == "the next live step the same way"
+    raise_on_breach = Change(flag="--max-num-seqs", knob="max_num_seqs", from_value=16, to_value=224,
+                             rule="queue-slot-bound", reason="", direction=1, live=True, breach=True)
+    for same_way in (change(16, 224), raise_on_breach):
+        assert pooling.continues(pool_change(same_way), verifying)
+        assert pooling.why_continues(pool_change(same_way), verifying) == "the next live step the same way"
     lowering = Change(flag="--max-num-seqs", knob="max_num_seqs", from_value=16, to_value=9, rule="slots-over-tpot-slo",
                       reason="", direction=-1, live=True, breach=True)
     assert pooling.continues(pool_change(lowering), verifying)
@@ -329,6 +333,13 @@ def test_the_planner_bisects_a_breach_raise_after_its_rollback_and_only_that() -
     (c,) = p.changes
     assert (c.rule, c.from_value, c.to_value, c.live) == ("queue-slot-bound", 8, 325, True)
     assert "halfway back at most within the hysteresis → 325" in c.reason
+    # by restart, or after another rule's raise was put back: held as before
+    restart = planner.plan("a", sigs, args, put_back, DecisionSettings(), rules=default.rules, now=1901.0)
+    assert not restart.changes and {h.guard for h in restart.held if h.rule == "queue-slot-bound"} == {"hysteresis"}
+    other = replace(put_back, changes=MappingProxyType({"max_num_seqs": FlagChange(
+        1000.0, -1, "slots-past-frontier (rolled back)", "642", "8")}))
+    held = planner.plan("a", sigs, args, other, DecisionSettings(), rules=default.rules, now=1004.0, live=live)
+    assert not held.changes and {h.guard for h in held.held if h.rule == "queue-slot-bound"} == {"cooldown"}
     # a lowering put back is not retried so: its verdict said lowering did not help
     lowered = replace(put_back, changes=MappingProxyType({"max_num_seqs": FlagChange(
         1000.0, +1, "slots-over-tpot-slo (rolled back)", "61", "123")}))

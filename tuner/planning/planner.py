@@ -395,18 +395,20 @@ def _bracketed(p: evaluation.Proposal, history: History, settings: DecisionSetti
                                                f"{knobs.format_value(clamped)}")
 
 
-def _retries(p: evaluation.Proposal, history: History) -> bool:
-    """``p`` adds capacity on a broken SLO (a breach rule that adds load: the queue misses its TTFT) after the
-    knob's last change was put back by its verification (``history.reverted``: a raise whose price broke the
-    TPOT). It is tried again halfway toward the value put back (``_bracketed``), at once when live
-    (``guards.cooldown``): the hysteresis grants a breach rule no exception against a verdict, so unclamped it
+def _retries(p: evaluation.Proposal, history: History, *, live: bool) -> bool:
+    """``p``, live, adds capacity on a broken SLO (a breach rule that adds load: the queue misses its TTFT) after
+    the knob's last change, the same rule's, was put back by its verification (``history.reverted``: queue-slot-
+    bound's raise is verified on its price, the median TPOT). It is tried again halfway toward the value put back
+    (``_bracketed``) and at once (``guards.cooldown``): the hysteresis grants a breach rule no exception against a
+    verdict, so unclamped it
     held the next raise for the whole live hysteresis while the queue grew at the value put back (the trace
     family, seed 31's live-006: 8 → 642 put back to 8 on its TPOT at +32 s, then held at 8 for 516 s with 400-800
     waiting, 0.087 × the best static; bisected at once, 8 → 325 at +36 s, 0.81 ×). A lowering put back is not
     retried so: its verdict said the lowering did not help, and a smaller one would not either (live-011 of
-    seed 1 flapped 123 → 61 → 123 → 81 → 123)."""
+    seed 1 flapped 123 → 61 → 123 → 81 → 123). By restart nothing changes: a restart costs a replica, and the
+    hysteresis holds it."""
     last = history.changes.get(p.knob)
-    return p.breach and p.adds_load and last is not None and last.rule.endswith(ROLLED_BACK)
+    return live and p.breach and p.adds_load and last is not None and last.rule == p.rule + ROLLED_BACK
 
 
 def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluation.Context, signals: SignalSet,
@@ -423,7 +425,7 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
     yield guards.cooldown(p.knob, p.flag, history, rule_cooldown_seconds=p.cooldown_seconds,
                           settings=settings.safety, now=now, live=live, direction=p.direction, breach=p.breach,
                           experiment=p.rule if p.experimental else None,
-                          retry_to=float(p.to_value) if _retries(p, history) else None)
+                          retry_to=float(p.to_value) if _retries(p, history, live=live) else None)
     if p.rule != THERMAL_RULE:  # cooling down beats not flapping
         yield guards.hysteresis(p.knob, p.flag, p.direction, history, settings=settings.safety, now=now,
                                 live=live, breach=p.breach, to_value=float(p.to_value))
@@ -465,9 +467,9 @@ def _choose(
         if p.knob == "max_model_len" and p.direction < 0:
             floor = floor or guards.max_model_len_floor(signals, settings.safety)
             p = _floored(p, floor)
-        if (not p.breach or _retries(p, history)) and not isinstance(p.to_value, bool):
-            p = _bracketed(p, history, settings, now=now,
-                           live=ctx.live.can_move(p.knob, float(p.to_value)) is None)
+        movable = ctx.live.can_move(p.knob, float(p.to_value)) is None
+        if (not p.breach or _retries(p, history, live=movable)) and not isinstance(p.to_value, bool):
+            p = _bracketed(p, history, settings, now=now, live=movable)
         # the command line as it would be: what crash and rejection memory key on, for a live change too
         candidate = knobs.with_knob(args_after, p.knob, p.to_value, kind=ctx.kind)
         live = ctx.live.can_move(p.knob, float(p.to_value)) is None

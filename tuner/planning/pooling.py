@@ -190,8 +190,8 @@ def continues(change: PoolChange, verifying: Sequence[history_mod.Change]) -> bo
 
 def why_continues(change: PoolChange, verifying: Sequence[history_mod.Change]) -> str:
     """Why ``change`` supersedes the verification in flight (``continues`` said it may), for the journal: a
-    reversal by a breach rule, or the next step the same way (a breach rule's raise, queue-slot-bound's, is one
-    of these: its price did not break anything)."""
+    reversal by a breach rule, named, or else the next step the same way — which a breach rule's step may be too
+    (queue-slot-bound's raise after a raise: nothing is reversed, so nothing is said of a broken price)."""
     turned = [c for c in change.changes
               if any(v.knob == c.knob and v.live and v.direction != c.direction for v in verifying)]
     if turned:

@@ -126,7 +126,8 @@ class Dispatcher:
         notes = [self._act(name, action, now=now) for name, action in actions if name in replicas]
         if (self.in_flight is not None and change is not None and not should_stop()
                 and pooling.continues(change, self.verifying)):
-            # machine Rule 6: the next live step the same way; its verification judges the newest value
+            # machine Rule 6: the next live step the same way, or a breach rule's reversal; its verification
+            # judges the newest value
             why = pooling.why_continues(change, self.verifying)
             superseded = self.driver.supersede(
                 self.in_flight, f"superseded by {change.id} ({change.text()}): {why}; its verification judges "
