@@ -179,6 +179,16 @@ def test_hysteresis_blocks_only_reversals():
     assert "was lowered" in guards.hysteresis("max_num_seqs", "f", 1, down, settings=SAFETY, now=1).reason
 
 
+def test_a_reversal_halfway_back_at_most_passes_the_hysteresis_and_no_further():
+    h = history_mod.applied(History(), [change(direction=1)], now=0)  # 4 → 8: the bracket of a lowering is [8, 6]
+    kw = {"settings": SAFETY, "now": 60}
+    assert [guards.within_bracket("max_num_seqs", -1, h, v, live=False, **kw) for v in (9, 8, 7, 6, 5, None)] == \
+        [False, False, True, True, False, False]  # 8 is where it stands: not a move inside the bracket
+    assert not guards.within_bracket("max_num_seqs", 1, h, 9, **kw)  # the same direction: no bracket
+    assert guards.hysteresis("max_num_seqs", "f", -1, h, settings=SAFETY, now=60, to_value=6).allowed
+    assert not guards.hysteresis("max_num_seqs", "f", -1, h, settings=SAFETY, now=60, to_value=5).allowed
+
+
 def test_restart_budget_per_hour_and_day():
     h = History(restarts=(0.0, 1000.0))
     v = guards.restart_budget(h, SAFETY, now=1800)

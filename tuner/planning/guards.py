@@ -426,11 +426,10 @@ def crash_memory(args_after: knobs.EngineArgs, history: History, *, now: float |
 def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: float,
              settings: SafetySettings, now: float, live: bool = False, direction: int = 0,
              breach: bool = False, experiment: str | None = None, retry_to: float | None = None) -> Ruling:
-    """A flag is not changed again within the cooldown of its last change. A live change that goes on the
-    way the last one went (``direction``, the same sign) is not held: live changes are cheap, and a step in
-    the direction the evidence keeps pointing is a controller correcting itself, which a cooldown between
-    steps only delays (H200, issue 25: 8 → 10 on a diluted window, then 64 s of verification and cooldown in
-    series while 181 requests waited per replica). The cooldown guards reversals, with the hysteresis.
+    """A flag is not changed again within the cooldown of its last change — except live, the way its last
+    change went (``direction``): live changes are cheap, and a cooldown only delays a controller correcting
+    itself (H200, issue 25: 8 → 10 on a diluted window, then 64 s of verification and cooldown in series
+    while 181 requests waited per replica). The cooldown guards reversals, with the hysteresis.
 
     ``experiment``: the experimental rule proposing. Its own change put back (not shown to help) holds its
     next try for the whole cooldown, live too — no bisection toward a value an experiment found worse: on the
@@ -438,7 +437,7 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
     later at 639, then 157, 398, 519…, each an experiment the goodput paid for (live-108: 0.66 × staying).
 
     ``retry_to``: a live breach raise halfway back toward a raise put back (planner ``_retries``) is not held:
-    the bisection keeps it from flapping (seed 31's live-006 held 30 s at the cap 8: 0.42 × the best static; 0.81 ×)."""
+    the bisection shrinks its swings (seed 31's live-006 held 30 s at the cap 8: 0.42 × the best static; 0.81 ×)."""
     last = history.changes.get(knob)
     if last is None:
         return allow("cooldown")
@@ -454,11 +453,9 @@ def cooldown(knob: str, flag: str, history: History, *, rule_cooldown_seconds: f
         # the price of the last change breaks its SLO: taken back as fast as it was made (not the knob's own
         # rollback: that put back what did not help)
         return allow("cooldown", f"{flag}: the SLO is broken; a live reversal is not held")
-    if live and breach and retry_to is not None:
-        span = bracket(knob, direction, history, settings=settings, now=now, live=True)
-        if span is not None and min(span) <= retry_to <= max(span) and retry_to != span[0]:
-            return allow("cooldown", f"{flag}: the SLO is broken; halfway back at most toward the value its "
-                         f"verification put back ({last.from_value})")
+    if live and breach and within_bracket(knob, direction, history, retry_to, settings=settings, now=now):
+        return allow("cooldown", f"{flag}: the SLO is broken; halfway back at most toward the value its "
+                     f"verification put back ({last.from_value})")
     period = settings.live_cooldown_seconds if live else max(rule_cooldown_seconds, settings.cooldown_seconds)
     left = last.at + period - now
     if left > 0:
@@ -473,15 +470,12 @@ def _hysteresis_seconds(settings: SafetySettings, live: bool) -> float:
 
 def bracket(knob: str, direction: int, history: History, *, settings: SafetySettings, now: float,
             live: bool = True) -> tuple[float, float] | None:
-    """A reversal of the knob's last change, within the hysteresis period (``live``: the live one), may go
-    halfway back at most: (the value it stands at, the halfway point) — or None where that does not apply (no
-    such last change, the same direction). After a change its verification put back (``history.reverted``),
-    that is a bisection toward the value that failed: a raise whose TPOT broke the SLO is tried again halfway,
-    then halfway again, instead of held for the whole hysteresis or retried whole at every verification. On
-    the trace family the hysteresis held every raise for 10 minutes after a lowering while a queue grew at
-    the lowered cap (live-016 of seed 2: 263 → 129 by kv-preemption-cap, then a phase
-    that needed 250: 0.007 × the best static); the bisection lets the evidence move the cap back without
-    letting it flap — each reversal halves the distance, and one inside the model's deadband is no change."""
+    """A reversal of the knob's last change within the hysteresis period (``live``: the live one) goes halfway
+    back at most: (the value it stands at, the halfway point), or None (no last change, the same direction).
+    After a change put back (``history.reverted``) it bisects toward the value that failed, instead of holding
+    for the whole hysteresis or retrying whole at each verification. The hysteresis held every raise for 10
+    minutes after a lowering while a queue grew (live-016 of seed 2: 263 → 129 by kv-preemption-cap, then a
+    phase that needed 250: 0.007 × the best static); each reversal halves the distance: the swings shrink."""
     last = history.changes.get(knob)
     if last is None or direction == 0 or last.direction == direction:
         return None
@@ -494,6 +488,14 @@ def bracket(knob: str, direction: int, history: History, *, settings: SafetySett
     return now_at, (was + now_at) / 2
 
 
+def within_bracket(knob: str, direction: int, history: History, value: float | None, *,
+                   settings: SafetySettings, now: float, live: bool = True) -> bool:
+    """Whether ``value`` lies in ``bracket``'s span and off the value the knob stands at: a move the
+    hysteresis and the cooldown let through, halfway back at most."""
+    span = bracket(knob, direction, history, settings=settings, now=now, live=live)
+    return span is not None and value is not None and min(span) <= value <= max(span) and value != span[0]
+
+
 def hysteresis(knob: str, flag: str, direction: int, history: History, *, settings: SafetySettings,
                now: float, live: bool = False, breach: bool = False, to_value: float | None = None) -> Ruling:
     """A flag does not reverse its last change within the hysteresis period — except live, by a rule that
@@ -504,8 +506,7 @@ def hysteresis(knob: str, flag: str, direction: int, history: History, *, settin
         return allow("hysteresis")
     if live and breach and not last.rule.endswith(ROLLED_BACK):
         return allow("hysteresis", f"{flag}: the SLO is broken; a live reversal is not held")
-    span = bracket(knob, direction, history, settings=settings, now=now, live=live)
-    if span is not None and to_value is not None and min(span) <= to_value <= max(span) and to_value != span[0]:
+    if within_bracket(knob, direction, history, to_value, settings=settings, now=now, live=live):
         return allow("hysteresis", f"{flag}: halfway back at most within the hysteresis "
                      f"({last.from_value}→{last.to_value} by {last.rule})")
     left = last.at + _hysteresis_seconds(settings, live) - now
