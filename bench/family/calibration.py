@@ -81,7 +81,7 @@ KV_TOKENS = GPU.kv_cache_tokens(0.4, 8192)  # each replica's cache at --gpu-memo
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "evaluation"
 OLDER_LAW = ("h200", "h200-fit", "h200-rise")  # their tuner arms ran an earlier law: only their static arms count
 RUNS = ("h200", "h200-fit", "h200-rise", "h200-rise-issue25", "h200-family-2026-5", "h200-family-2026-124",
-        "h200-family-2026-124-run2")
+        "h200-family-2026-124-run2", "h200-rise-run2", "h200-family-2026-5-run2", "h200-family-2026-124-run3")
 
 
 def capacity(mix: Sequence[traces.Mix], gpu: GpuModel = GPU, *, kv_tokens: float = KV_TOKENS) -> float:

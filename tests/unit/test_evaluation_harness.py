@@ -335,6 +335,32 @@ def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: 
     assert all(n == 0 for n in live["restarts"].values())
 
 
+@pytest.mark.parametrize(("run", "band"), [("h200-rise-run2", (0.95, 1.05)), ("h200-family-2026-5-run2", (0.95, 1.05)),
+                                           ("h200-family-2026-124-run3", (0.70, 0.72))])
+def test_the_shipped_law_on_the_h200_rerenders_to_its_reports(tmp_path: Path, run: str,
+                                                              band: tuple[float, float]) -> None:
+    """tests/fixtures/evaluation/h200-*-run{2,3} (docs/evaluation.md, "The H200 at last"): the shipped law's live
+    arm on the H200 beside the static arms measured there before (the same trace digests). Each report is what
+    its raw data says; the bar is what was measured — draw 124's 0.71 × is the miss the docs explain (8 → 304,
+    the cache's bound, where the ITL broke and no rule lowered the cap while the TTFT broke too)."""
+    import shutil
+
+    src = ROOT / "tests" / "fixtures" / "evaluation" / run
+    out = tmp_path / run
+    shutil.copytree(src, out)
+    (out / "report.md").unlink()
+    text = reporting.render(out, plots=False).read_text()
+    assert text.split("## Plots")[0] == (src / "report.md").read_text().split("## Plots")[0]
+    assert "Measured on: NVIDIA H200." in text
+    summary = json.loads((src / "summary.json").read_text())
+    live = summary["arms"]["tuner-live"]
+    digests = {json.loads((src / "arms" / a / "meta.json").read_text())["trace_digest"] for a in summary["arms"]}
+    assert len(digests) == 1  # the static arms beside it played the same trace
+    best = max(a["goodput"] for name, a in summary["arms"].items() if name != "tuner-live")
+    assert band[0] <= live["goodput"] / best <= band[1], live["goodput"] / best
+    assert live["failed"] == 0 and all(n == 0 for n in live["restarts"].values())
+
+
 def test_the_restarting_arm_on_a_lent_h100_cost_nothing_the_bad_start_met(tmp_path: Path) -> None:
     """tests/fixtures/evaluation/h100-family-2026-124-run2 (docs/evaluation.md, "A lent H100, fourth time"): the
     restarting arm's only restart was decided after the last request the bad start met had arrived, and after
