@@ -313,12 +313,8 @@ def test_the_report_says_which_gpu_measured_it(tmp_path: Path, monkeypatch: pyte
     assert "Measured on: 2 × NVIDIA H100 80GB HBM3." in text
 
 
-@pytest.mark.parametrize("run", ["h100-rise", "h100-rise-run2", "h100-rise-run3", "h100-rise-run4", "h100-family-2026-5",
-                                 "h100-family-2026-5-run2", "h100-family-2026-124", "h100-family-2026-124-run2",
-                                 "h100-family-2026-124-run3"])
-def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: str) -> None:
-    """tests/fixtures/evaluation/h100-* (the H200 profiles on a lent H100, docs/evaluation.md): each report
-    is what its raw data says, the tuner within 0.95 × the best static beside it, no failure, no restart."""
+def _rerendered(tmp_path: Path, run: str) -> tuple[Path, str]:
+    """A committed GPU run's report rendered anew from its raw data: it must be the committed one."""
     import shutil
 
     src = ROOT / "tests" / "fixtures" / "evaluation" / run
@@ -327,6 +323,16 @@ def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: 
     (out / "report.md").unlink()
     text = reporting.render(out, plots=False).read_text()
     assert text.split("## Plots")[0] == (src / "report.md").read_text().split("## Plots")[0]
+    return src, text
+
+
+@pytest.mark.parametrize("run", ["h100-rise", "h100-rise-run2", "h100-rise-run3", "h100-rise-run4", "h100-family-2026-5",
+                                 "h100-family-2026-5-run2", "h100-family-2026-124", "h100-family-2026-124-run2",
+                                 "h100-family-2026-124-run3"])
+def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: str) -> None:
+    """tests/fixtures/evaluation/h100-* (the H200 profiles on a lent H100, docs/evaluation.md): each report
+    is what its raw data says, the tuner within 0.95 × the best static beside it, no failure, no restart."""
+    src, text = _rerendered(tmp_path, run)
     assert "Measured on: NVIDIA H100 80GB HBM3." in text
     summary = json.loads((src / "summary.json").read_text())
     live = summary["arms"]["tuner-live"]
@@ -343,14 +349,7 @@ def test_the_shipped_law_on_the_h200_rerenders_to_its_reports(tmp_path: Path, ru
     arm on the H200 beside the static arms measured there before (the same trace digests). Each report is what
     its raw data says; the bar is what was measured — draw 124's 0.71 × is the miss the docs explain (8 → 304,
     the cache's bound, where the ITL broke and no rule lowered the cap while the TTFT broke too)."""
-    import shutil
-
-    src = ROOT / "tests" / "fixtures" / "evaluation" / run
-    out = tmp_path / run
-    shutil.copytree(src, out)
-    (out / "report.md").unlink()
-    text = reporting.render(out, plots=False).read_text()
-    assert text.split("## Plots")[0] == (src / "report.md").read_text().split("## Plots")[0]
+    src, text = _rerendered(tmp_path, run)
     assert "Measured on: NVIDIA H200." in text
     summary = json.loads((src / "summary.json").read_text())
     live = summary["arms"]["tuner-live"]
