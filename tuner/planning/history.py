@@ -134,14 +134,14 @@ ROLLED_BACK = " (rolled back)"  # FlagChange.rule of a change its verification p
 
 
 def reverted(history: History, changes: Iterable[Change], *, now: float) -> History:
-    """A change put back by its verification (live or by restart): the knob moved back, the other way, so
-    the cooldown and the hysteresis hold what would reverse that, halfway back at most (guards.bracket) —
-    and a rule that fires on a broken SLO (``breach``) is not let past them again (guards.cooldown), but for
-    its own live raise put back, retried halfway at once while the queue breaks the SLO (planner ``_retries``). A live
-    lowering whose TPOT did not fall, tried again at once with another value, flapped 123 → 61 → 123 → 81 →
-    123 on the trace family (live-011 of seed 1, long prompts: the prefills, not the batch, set the TPOT
-    there); by restart, 12 → 216, 289, 288, 290 went out 97-370 s after each rollback, a restart of the
-    replica and one back each time (restart-000 of seed 3: the cooldown was never re-armed)."""
+    """A change put back by its verification (live or by restart): the knob moved back, the other way, so the
+    cooldown and the hysteresis hold what would reverse that, halfway back at most (guards.bracket) — and a rule
+    that fires on a broken SLO (``breach``) is not let past them again (guards.cooldown), but for its own live raise
+    put back, retried halfway at once while the queue breaks the SLO (planner ``_retries``). A live lowering whose
+    TPOT did not fall, tried again at once with another value, flapped 123 → 61 → 123 → 81 → 123 on the trace family
+    (live-011 of seed 1, long prompts: the prefills, not the batch, set the TPOT there); by restart, 12 → 216, 289,
+    288, 290 went out 97-370 s after each rollback, a restart of the replica and one back each time (restart-000 of
+    seed 3: the cooldown was never re-armed)."""
     last = dict(history.changes)
     for c in changes:
         last[c.knob] = FlagChange(now, -c.direction, c.rule + ROLLED_BACK, knobs.format_value(c.to_value),

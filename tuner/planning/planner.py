@@ -397,16 +397,15 @@ def _bracketed(p: evaluation.Proposal, history: History, settings: DecisionSetti
 
 def _retries(p: evaluation.Proposal, history: History, *, live: bool) -> bool:
     """``p``, live, adds capacity on a broken SLO (a breach rule that adds load: the queue misses its TTFT) after
-    the knob's last change, the same rule's, was put back by its verification (``history.reverted``: queue-slot-
-    bound's raise is verified on its price, the median TPOT). It is tried again halfway toward the value put back
-    (``_bracketed``) and at once (``guards.cooldown``): the hysteresis grants a breach rule no exception against a
-    verdict, so unclamped it held the next raise for the whole live hysteresis while the queue grew at the value
-    put back (the trace
-    family, seed 31's live-006: 8 → 642 put back to 8 on its TPOT at +32 s, then held at 8 for 516 s with 400-800
-    waiting, 0.087 × the best static; bisected at once, 8 → 325 at +36 s, 0.81 ×). A lowering put back is not
-    retried so: its verdict said the lowering did not help, and a smaller one would not either (live-011 of
-    seed 1 flapped 123 → 61 → 123 → 81 → 123). By restart nothing changes: a restart costs a replica, and the
-    hysteresis holds it."""
+    the knob's last change, the same rule's, was put back by its verification (``history.reverted``:
+    queue-slot-bound's raise is verified on its price, the median TPOT). It is tried again halfway toward the value
+    put back (``_bracketed``) and at once (``guards.cooldown``): the hysteresis grants a breach rule no exception
+    against a verdict, so unclamped it held the next raise for the whole live hysteresis while the queue grew at the
+    value put back (the trace family, seed 31's live-006: 8 → 642 put back to 8 on its TPOT at +32 s, then held at 8
+    for 516 s with 400-800 waiting, 0.087 × the best static; bisected at once, 8 → 325 at +36 s, 0.81 ×). A lowering
+    put back is not retried so: its verdict said the lowering did not help, and a smaller one would not either
+    (live-011 of seed 1 flapped 123 → 61 → 123 → 81 → 123). By restart nothing changes: a restart costs a replica,
+    and the hysteresis holds it."""
     last = history.changes.get(p.knob)
     return live and p.breach and p.adds_load and last is not None and last.rule == p.rule + ROLLED_BACK
 
