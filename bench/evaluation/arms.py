@@ -207,12 +207,26 @@ def sample_replica(base_url: str, control_dir: Path | None) -> dict[str, Any]:
     return out
 
 
+GPU_FIELDS = ("sm_clock_mhz", "sm_clock_max_mhz", "power_w", "power_limit_w", "gpu_temp_c", "gpu_util",
+              "clocks_event_reasons")
+
+
+def sample_gpus(source: nvml.NvmlSource) -> list[dict[str, Any]]:
+    """Each GPU's clock, power and temperature now (read-only NVML calls), one row per GPU; [] without NVML.
+    Two leases of "an H200" are not always one machine: on draw 124 the same load ran its steps 15-30 % slower
+    on one lease than on another at the same running count (docs/evaluation.md), so every arm records what the
+    card was doing."""
+    return [{"gpu": r.index, **{k: getattr(r, k) for k in GPU_FIELDS}} for r in source.read() if r.error is None]
+
+
 class Sampler:
-    """A thread appending one JSON line per replica per tick to ``path`` until ``stop()``."""
+    """A thread appending one JSON line per replica per tick to ``path`` until ``stop()``, and one per GPU to
+    ``gpu_path`` (``gpu.jsonl`` beside it; nothing where NVML is not there)."""
 
     def __init__(self, path: Path, replicas: Mapping[str, str], control_dirs: Mapping[str, Path | None], *,
                  every: float) -> None:
         self.path, self.replicas, self.control_dirs, self.every = path, dict(replicas), dict(control_dirs), every
+        self.gpu_path = path.with_name("gpu.jsonl")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -221,14 +235,22 @@ class Sampler:
         return self
 
     def _run(self) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            while not self._stop.is_set():
-                t0 = time.time()
-                for name, url in self.replicas.items():
-                    row = {"t": time.time(), "replica": name, **sample_replica(url, self.control_dirs.get(name))}
-                    f.write(json.dumps(row) + "\n")
-                f.flush()
-                self._stop.wait(max(0.0, self.every - (time.time() - t0)))
+        gpus = nvml.NvmlSource()
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                while not self._stop.is_set():
+                    t0 = time.time()
+                    for name, url in self.replicas.items():
+                        row = {"t": time.time(), "replica": name, **sample_replica(url, self.control_dirs.get(name))}
+                        f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    rows = sample_gpus(gpus)
+                    if rows:
+                        with open(self.gpu_path, "a", encoding="utf-8") as g:
+                            g.writelines(json.dumps({"t": time.time(), **r}) + "\n" for r in rows)
+                    self._stop.wait(max(0.0, self.every - (time.time() - t0)))
+        finally:
+            gpus.close()
 
     def stop(self) -> None:
         self._stop.set()

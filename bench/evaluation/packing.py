@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ("run.json", "report.md", "summary.json")
 GZIP = ("trace.json",)
 ARM_PLAIN = ("meta.json", "tuner-settings.yaml", "tuner/config.yaml", "tuner/journal.jsonl", "tuner/state.json")
-ARM_GZIP = ("requests.jsonl", "samples.jsonl", "tuner/tuner.log")
+ARM_GZIP = ("requests.jsonl", "samples.jsonl", "gpu.jsonl", "tuner/tuner.log")
 
 
 def pack(results: Path, dest: Path) -> list[Path]:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.evaluation import analysis
+from tuner.model import gpus as gpu_model
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -45,6 +47,7 @@ class Arm:
         self.meta: dict[str, Any] = json.loads((directory / "meta.json").read_text())
         self.requests = read_jsonl(directory / "requests.jsonl")
         self.samples = read_jsonl(directory / "samples.jsonl")
+        self.gpu = read_jsonl(directory / "gpu.jsonl")
         self.journal = read_jsonl(directory / "tuner" / "journal.jsonl")
         self.name: str = self.meta["arm"]
         self.start_at = float(self.meta["start_at"])
@@ -187,6 +190,7 @@ def _markdown(run: Mapping[str, Any], trace: Mapping[str, Any], arms: Sequence[A
         per = analysis.by_phase(a.requests, slo=slo)
         cells = [f"{100 * per[p][0] / per[p][1]:.0f} %" if per.get(p, (0, 0))[1] else "–" for p in phases]
         lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
+    lines += _gpu_lines(arms)
     oracle = max((a.summary for a in arms if a.name.startswith("sweep-")), key=lambda s: s.goodput, default=None)
     if oracle is not None:
         lines += ["", f"Oracle (best static of the sweep): **{oracle.arm}**, {oracle.goodput:.2f} req/s."]
@@ -332,3 +336,36 @@ def _plots(results: Path, arms: Sequence[Arm], trace: Mapping[str, Any]) -> list
         plt.close(fig)
         names.append(fname)
     return names
+
+
+def _gpu_lines(arms: Sequence[Arm]) -> list[str]:
+    """What the cards did while each arm ran (``gpu.jsonl``, arms recorded since 2026-12-06): the SM clock and
+    the power while busy (GPU utilisation ≥ 50 %), and the share of those samples the driver was holding the
+    clock for power (SW power cap, HW power brake) or heat. Nothing where no arm has GPU samples."""
+    rows = []
+    for a in arms:
+        busy = [r for r in a.gpu if (r.get("gpu_util") or 0) >= 0.5]
+        if not busy:
+            continue
+
+        def med(key: str, rows: list[dict[str, Any]] = busy) -> float | None:
+            xs = [r[key] for r in rows if r.get(key) is not None]
+            return statistics.median(xs) if xs else None
+
+        clock, top, power, limit = med("sm_clock_mhz"), med("sm_clock_max_mhz"), med("power_w"), med("power_limit_w")
+        held = [r for r in busy if (r.get("clocks_event_reasons") or 0) & POWER_OR_HEAT]
+        rows.append(f"| {a.name} | {len(busy)} | {_num(clock)} of {_num(top)} MHz | {_num(power)} of {_num(limit)} W | "
+                    f"{100 * len(held) / len(busy):.0f} % |")
+    if not rows:
+        return []
+    return ["", "The GPU while busy (NVML, one sample a second; read-only):", "",
+            "| arm | busy samples | SM clock (median) | power (median) | held for power or heat |",
+            "|---|---|---|---|---|", *rows]
+
+
+POWER_OR_HEAT = gpu_model.SW_POWER_CAP | gpu_model.HW_POWER_BRAKE_SLOWDOWN | gpu_model.THERMAL_MASK | gpu_model.HW_SLOWDOWN
+
+
+def _num(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0f}"
+

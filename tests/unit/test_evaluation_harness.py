@@ -10,12 +10,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from bench.evaluation import analysis, packing, profiles, reporting, traces
+from bench.evaluation import arms as arms_mod
+from harness.fake_nvml import FakeNvml
 from tuner import config
+from tuner.model import gpus as gpu_model
+from tuner.sources.nvml import NvmlSource
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "bench" / "evaluation" / "profiles"
@@ -382,3 +387,29 @@ def test_the_restarting_arm_on_a_lent_h100_cost_nothing_the_bad_start_met(tmp_pa
     assert bad_met and max(bad_met) < decided
     assert [t for t in met_arrivals("tuner") if t >= decided] == []
     assert tuner["met_slo"] >= bad["met_slo"] - 1
+
+
+def test_each_arm_records_the_gpu_and_the_report_says_when_it_was_held_for_power() -> None:
+    """Two leases of "an H200" ran draw 124's steps 15-30 % apart at the same running count: every arm records
+    the card's clock and power (the real H200's NVML recording replayed here) and the report says, per arm, how
+    often the driver held the clock for power or heat while the card was busy."""
+    recording = json.loads((ROOT / "tests" / "fixtures" / "nvml" / "h200-matmul.json").read_text())
+    fake = FakeNvml.from_recording(recording)
+    source = NvmlSource([recording["meta"]["gpu"]], nvml=fake, clock=lambda: 0.0)
+    rows = []
+    for i in range(len(recording["samples"])):
+        fake.load_sample(i)
+        rows += arms_mod.sample_gpus(source)
+    source.close()
+    assert rows and set(rows[0]) == {"gpu", *arms_mod.GPU_FIELDS}
+    busy = [r for r in rows if (r["gpu_util"] or 0) >= 0.5]
+    assert busy, "the recording has a loaded part"
+    capped = [dict(r, clocks_event_reasons=gpu_model.SW_POWER_CAP) for r in busy]
+    free = [dict(r, clocks_event_reasons=0) for r in busy]
+    idle = [dict(r, gpu_util=0.0, clocks_event_reasons=gpu_model.SW_POWER_CAP) for r in busy]
+    lines = reporting._gpu_lines([SimpleNamespace(name="a", gpu=capped[:1] + free[:3] + idle),
+                                  SimpleNamespace(name="b", gpu=[]), SimpleNamespace(name="c", gpu=free[:2])])
+    table = [line for line in lines if line.startswith("| a ") or line.startswith("| c ")]
+    assert len(table) == 2 and not any(line.startswith("| b ") for line in lines)
+    assert table[0].endswith("| 25 % |") and table[1].endswith("| 0 % |")
+    assert reporting._gpu_lines([SimpleNamespace(name="a", gpu=idle)]) == []
