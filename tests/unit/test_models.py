@@ -98,6 +98,30 @@ def test_down_lowers_to_the_frontier_at_most_half_the_batch_a_step():
     assert models.concurrency(sig(**breached), M, down=True).value is None
 
 
+def test_overloaded_lowering_to_the_median_frontier_is_an_opt_in():
+    """``overload_lowering: median``: where the arrivals need more than the frontier and the median request misses
+    its TPOT at today's batch, down to the median's frontier (half the batch at most a step) instead of nothing."""
+    median = models.ModelSettings(overload_lowering="median")
+    base = dict(CLOSED, requests_running_mean=64, requests_waiting_mean=0, requests_running=64, requests_waiting=0,
+                arrival_rate_per_s=80, tpot_p99_s=0.2, requests_running_max=64)
+    # the median at 0.11 s: its frontier 64 × (0.1 / 0.11)^(1/0.3) = 46.6; the shipped law: nothing (clips peaks)
+    s = sig(**(base | dict(tpot_p50_s=0.11)))
+    assert models.concurrency(s, M, slo=SLO, down=True).value is None
+    e = models.concurrency(s, median, slo=SLO, down=True)
+    assert e.value == 46 and e.text.endswith("TPOT SLO frontier 6.35 (overloaded); the median request misses its "
+                                             "TPOT at 64 running: its frontier 46.6 → 46"), e.text
+    # far past it: half the batch in one step
+    e = models.concurrency(sig(**(base | dict(tpot_p50_s=0.3))), median, slo=SLO, down=True)
+    assert e.value == 32 and e.text.endswith("at most half the batch 64 in one step → 32")
+    # the median inside its SLO (the tail alone misses), or unknown: the need's rule as before
+    for p50 in (0.09, None):
+        e = models.concurrency(sig(**(base | dict(tpot_p50_s=p50))), median, slo=SLO, down=True)
+        assert e.value is None and "clip the peaks only" in e.text
+    # not overloaded: the frontier as ever, the setting plays no part
+    calm = sig(**(base | dict(arrival_rate_per_s=0.5, tpot_p99_s=0.11, tpot_p50_s=0.3)))
+    assert models.concurrency(calm, median, slo=SLO, down=True).value == 46
+
+
 def test_unknown_inputs_and_no_traffic_size_nothing():
     e = models.concurrency(sig(**(CLOSED | dict(slot_seconds_mean=None))), M)
     assert e.value is None and "slot_seconds_mean unknown (absent)" in e.text

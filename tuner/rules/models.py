@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -123,6 +124,18 @@ class ModelSettings(_Model):
     load leaves a queue for the whole cooldown. The trace family's restart mode (drifts of 10-60 minutes from
     cap 8, seed 3): median 0.49 → 0.88 × the best static, no harm (docs/rules.md#restart-sizing). False: the
     measured step alone, as a live raise without its ``live_raise_factor``."""
+    overload_lowering: Literal["need", "median"] = "need"
+    """Where a lowering for the TPOT SLO goes when the pool is overloaded (the arrivals need more slots than the
+    TPOT SLO frontier allows). ``need``: never below what the arrivals need, and not at all where that would only
+    clip the batch's peaks — a lowering under a growing queue moves misses from the TPOT to the TTFT. ``median``:
+    while the median request misses its TPOT SLO at a full batch, down to the median's frontier (at most half the
+    batch a step): in an overload that still meets the TTFT, a batch past the median's frontier makes nearly every
+    request miss its TPOT, and the requests a smaller batch admits meet both. On the calibrated twin (``python -m
+    bench.family``, 200 traces, the changed traces rerun): seed 41 p5 0.888 → 0.892, harm 1 → 1, 3 traces better
+    (live-146 0.76 → 1.17 × the best static: 652 → 321 at 434 running) and 1 worse; seed 7 p5 0.920 → 0.918, harm 0
+    → 1 (live-027, 435 short requests/s whose best static is vLLM's 1,024: 1,024 → 470 → 223 → 1,024, 0.93 × of
+    staying); H200 draw 124 (``h200-family-2026-124``) 8.31 → 10.08 req/s, 1.21 × its best static, against 1.00 ×
+    on ``need`` (docs/evaluation.md). An experiment: on where it is measured to help."""
     tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
     """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
     H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
@@ -290,6 +303,18 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
             # refitted twin, 200 traces: p5 0.517 → 0.608, harm 1 → 0 without it (live-027: 1024 → 680 at 435
             # short requests/s, 552 running, frontier 27, 0.975 × the default it started from), 7 traces
             # better, 4 worse; no lowering at all when overloaded scored the same, two traces apart
+            median = _frontier(signals, slo, alpha, quantile="tpot_p50_s")
+            if settings.overload_lowering == "median" and not isinstance(median, str) and median < batch:
+                # the median request misses its TPOT at this batch: most requests miss their SLO whatever the
+                # queue does, and a batch at the median's frontier serves the ones it admits inside both
+                # (ModelSettings.overload_lowering)
+                f = max(1, math.floor(median + 1e-9))
+                why = [f"TPOT SLO frontier {frontier:.3g} (overloaded)",
+                       f"the median request misses its TPOT at {batch:.3g} running: its frontier {median:.3g}"]
+                if f < batch * MAX_LOWERING:
+                    f = max(1, math.floor(batch * MAX_LOWERING))
+                    why.append(f"at most half the batch {batch:.3g} in one step")
+                return Estimate(float(f), f"{text}; {'; '.join(why)} → {f}")
             to = max(need, math.floor(batch * MAX_LOWERING))
             if to >= n0 * u:
                 return Estimate(None, f"{text}; TPOT SLO frontier {frontier:.3g}: overloaded, the arrivals need "
