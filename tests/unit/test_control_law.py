@@ -350,3 +350,39 @@ def test_the_planner_bisects_a_breach_raise_after_its_rollback_and_only_that() -
         lowered, streaks=MappingProxyType({"slots-over-tpot-slo": 3})), DecisionSettings(), rules=default.rules,
         now=1004.0, live=replace(live, values={"max_num_seqs": 123}))
     assert not q.changes and any(h.rule == "slots-over-tpot-slo" and h.guard == "cooldown" for h in q.held), q.held
+
+
+def test_a_change_made_before_the_load_changed_holds_no_live_step_after() -> None:
+    """Issue 25: a decision before a change point is superseded when the regime changes — the holds of a change
+    too. The trace family, seed 13's live-152: slots-past-frontier's 113 → 132 put back in a phase of long
+    requests; then a flood of short ones, and the hysteresis held every raise at 113 for ten minutes while 1,000
+    waited at a TPOT p99 of 0.025 s (0.009 × the best static). After the arrivals' change point the raise goes out;
+    before it, or by restart, the guards hold it as ever."""
+    from tuner.model.live import LiveState
+    from tuner.planning import planner
+    from tuner.rules import loading
+
+    default = loading.load(loading.default_rules_path())
+    live = LiveState(available=True, envelope={"max_num_seqs": 1024}, values={"max_num_seqs": 113})
+    queue = {"window_seconds": 20, "request_rate": 40, "idle_seconds": 0, "requests_running": 113,
+             "requests_running_max": 113, "requests_waiting": 1000, "requests_waiting_max": 1000,
+             "queue_time_mean_s": 14.0, "ttft_p99_s": 19.0, "tpot_p99_s": 0.025, "tpot_p50_s": 0.0175,
+             "kv_cache_usage_max": 0.09, "preemptions_per_s": 0, "arrival_rate_per_s": 49, "slot_seconds_mean": 2.4,
+             "requests_running_mean": 113, "requests_waiting_mean": 900, "in_system_growth_per_s": 30,
+             "kv_concurrency_observed": 2000, "thermal_throttle": 0, "hw_slowdown": 0, "temp_margin_c": 30,
+             "gpu_temp_c": 59, "power_capped": 0}
+    sigs = {k: Signal(float(v)) for k, v in queue.items()}
+    args = knobs.EngineArgs.from_string("--max-num-seqs 113")
+    put_back = History(changes=MappingProxyType({"max_num_seqs": FlagChange(
+        1000.0, -1, "slots-past-frontier (rolled back)", "132", "113")}),
+        streaks=MappingProxyType({"queue-slot-bound": 3}))
+    kw = {"rules": default.rules, "now": 1100.0}
+    held = planner.plan("a", sigs, args, put_back, DecisionSettings(), live=live, **kw)
+    assert not held.changes and {h.guard for h in held.held if h.rule == "queue-slot-bound"} == {"hysteresis"}
+    same = planner.plan("a", sigs, args, put_back, DecisionSettings(), live=live, regime_since=990.0, **kw)
+    assert not same.changes  # the load changed before the change put back, not after it
+    (c,) = planner.plan("a", sigs, args, put_back, DecisionSettings(), live=live, regime_since=1050.0, **kw).changes
+    assert (c.rule, c.from_value, c.to_value, c.live) == ("queue-slot-bound", 113, 1024, True)
+    restart = planner.plan("a", sigs, args, put_back, DecisionSettings(), regime_since=1050.0,
+                           **{**kw, "now": 1901.0})
+    assert not restart.changes and {h.guard for h in restart.held if h.rule == "queue-slot-bound"} == {"hysteresis"}

@@ -245,6 +245,7 @@ def plan(
     restarted_at: float | None = None,
     power_control: bool = False,
     live: live_mod.LiveState = live_mod.NONE,
+    regime_since: float | None = None,
 ) -> Plan:
     """Decide this cycle for one target.
 
@@ -252,7 +253,9 @@ def plan(
     ``Plan.history`` (updated with ``history.applied`` if it was applied). ``restarted_at``: the
     engine's process start time when the step saw it change (plans a warm-up once per restart, unless
     the tuner's own rollout restarted and warmed it). ``power_control``: plan GPU power caps
-    (``gpu_control.enabled``; privileged, off by default).
+    (``gpu_control.enabled``; privileged, off by default). ``regime_since``: when the arrivals last changed regime
+    (the change point the decision window restarted at, ``stepping``): a live change made before it no longer
+    holds the next one (``_regime_passed``).
     """
     rules = list(rules)
     cycle = history.cycle + 1
@@ -301,7 +304,8 @@ def plan(
             held.extend(Held(p.rule, raise_only.guard, raise_only.reason, (p.flag, p.from_value, p.to_value))
                         for p in proposals if not _raises_cap(p))
             proposals = [p for p in proposals if _raises_cap(p)]
-        accepted, args_after, more_held = _choose(proposals, ctx, signals, history, settings, now=now)
+        accepted, args_after, more_held = _choose(proposals, ctx, signals, history, settings, now=now,
+                                                   regime_since=regime_since)
         held.extend(more_held)
 
     if any(not c.live for c in accepted):
@@ -437,6 +441,19 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
                                  to_value=float(p.to_value), alpha=settings.model.tpot_exponent)
 
 
+def _regime_passed(knob: str, history: History, regime_since: float | None) -> History:
+    """``history`` as the live guards read it for ``knob``: its last change forgotten where the arrivals changed
+    regime after it. Its cooldown, hysteresis and bracket guard a reversal judged on the load it was made in; a new
+    load is judged on its own window (issue 25: a decision before a change point is superseded when the regime
+    changes). The trace family, seed 13's live-152: 113 → 132 by slots-past-frontier, put back in a phase of
+    1,668/106-token requests; at +218 s a flood of 98 short requests/s began, and the hysteresis held every raise
+    at 113 — "lowered 132→113 … no reversal for 8m" — while 1,000 waited at a TPOT p99 of 0.025 s."""
+    last = history.changes.get(knob)
+    if regime_since is None or last is None or last.at >= regime_since:
+        return history
+    return replace(history, changes={k: v for k, v in history.changes.items() if k != knob})
+
+
 def _raises_cap(p: evaluation.Proposal) -> bool:
     """A raise of the admission cap (``--max-num-seqs``; SGLang's ``--max-running-requests``)."""
     return p.knob == "max_num_seqs" and p.direction > 0
@@ -450,6 +467,7 @@ def _choose(
     settings: DecisionSettings,
     *,
     now: float,
+    regime_since: float | None = None,
 ) -> tuple[list[Change], knobs.EngineArgs, list[Held]]:
     """Steps 4 and 5 of the module docstring."""
     held: list[Held] = []
@@ -467,12 +485,14 @@ def _choose(
             floor = floor or guards.max_model_len_floor(signals, settings.safety)
             p = _floored(p, floor)
         movable = ctx.live.can_move(p.knob, float(p.to_value)) is None
-        if (not p.breach or _retries(p, history, live=movable)) and not isinstance(p.to_value, bool):
-            p = _bracketed(p, history, settings, now=now, live=movable)
+        guarded = _regime_passed(p.knob, history, regime_since) if movable else history
+        if (not p.breach or _retries(p, guarded, live=movable)) and not isinstance(p.to_value, bool):
+            p = _bracketed(p, guarded, settings, now=now, live=movable)
         # the command line as it would be: what crash and rejection memory key on, for a live change too
         candidate = knobs.with_knob(args_after, p.knob, p.to_value, kind=ctx.kind)
         live = ctx.live.can_move(p.knob, float(p.to_value)) is None
-        verdicts = _verdicts(p, candidate, ctx, signals, history, settings, now=now, floor=floor, live=live)
+        verdicts = _verdicts(p, candidate, ctx, signals, guarded if live else history, settings, now=now,
+                             floor=floor, live=live)
         denied = next((v for v in verdicts if not v.allowed), None)
         if denied is not None:
             held.append(Held(p.rule, denied.guard, denied.reason, (p.flag, p.from_value, p.to_value)))

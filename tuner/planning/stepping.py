@@ -174,7 +174,8 @@ def step(
         return Decision(target, now, signals, None, after, skipped="observe mode: no plan", decided_since=since,
                         change_point=point)
     plan = planner.plan(target, signals, args, state.history, settings, rules=rules, kind=kind, now=now,
-                        restarted_at=restarted_at, power_control=power_control, live=live)
+                        restarted_at=restarted_at, power_control=power_control, live=live,
+                        regime_since=point.at if point is not None else None)
     return Decision(target, now, signals, plan, replace(after, history=plan.history), decided_since=since,
                     change_point=point)
 
