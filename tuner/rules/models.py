@@ -131,11 +131,12 @@ class ModelSettings(_Model):
     while the median request misses its TPOT SLO at a full batch, down to the median's frontier (at most half the
     batch a step): in an overload that still meets the TTFT, a batch past the median's frontier makes nearly every
     request miss its TPOT, and the requests a smaller batch admits meet both. On the calibrated twin (``python -m
-    bench.family``, 200 traces, the changed traces rerun): seed 41 p5 0.888 → 0.892, harm 1 → 1, 3 traces better
-    (live-146 0.76 → 1.17 × the best static: 652 → 321 at 434 running) and 1 worse; seed 7 p5 0.920 → 0.918, harm 0
-    → 1 (live-027, 435 short requests/s whose best static is vLLM's 1,024: 1,024 → 470 → 223 → 1,024, 0.93 × of
-    staying); H200 draw 124 (``h200-family-2026-124``) 8.31 → 10.08 req/s, 1.21 × its best static, against 1.00 ×
-    on ``need`` (docs/evaluation.md). An experiment: on where it is measured to help."""
+    bench.family``, 200 traces): seed 41 p5 0.888 → 0.892, harm 1 → 1, 3 traces better (live-146 0.76 → 1.17 × the
+    best static: 652 → 321) and 1 worse; seed 7 p5 0.920 → 0.918, harm 0 → 1 (live-027, 435 short requests/s whose
+    best static is vLLM's 1,024: 1,024 → 470 → 223 → 1,024, 0.93 × of staying); seed 13 harm 1 → 2, live-152 0.95 →
+    0.009 × (a lowering, then a new load held by the hysteresis); seed 31 harm 0 → 1. The H200 family's draw 124
+    (``h200-family-2026-124``) 8.31 → 10.08 req/s, 1.21 × its best static, against 1.00 × on ``need``
+    (docs/rules.md). An experiment: on where it is measured to help."""
     tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
     """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
     H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
