@@ -213,8 +213,8 @@ GPU_FIELDS = ("sm_clock_mhz", "sm_clock_max_mhz", "power_w", "power_limit_w", "g
 
 def sample_gpus(source: nvml.NvmlSource) -> list[dict[str, Any]]:
     """Each GPU's clock, power and temperature now (read-only NVML calls), one row per GPU; [] without NVML.
-    Two leases of "an H200" are not always one machine: on draw 124 the same load ran its steps 15-30 % slower
-    on one lease than on another at the same running count (docs/evaluation.md), so every arm records what the
+    Two leases of "an H200" are not always one machine: on draw 124 the same load ran its steps 15-38 % slower
+    on one lease than on another at about the same running count (docs/evaluation.md), so every arm records what the
     card was doing."""
     return [{"gpu": r.index, **{k: getattr(r, k) for k in GPU_FIELDS}} for r in source.read() if r.error is None]
 

@@ -19,6 +19,9 @@ from typing import Any
 from bench.evaluation import analysis
 from tuner.model import gpus as gpu_model
 
+# the clock-event reasons that mean the driver held the clock for power or heat (not idle, not an app setting)
+POWER_OR_HEAT = gpu_model.SW_POWER_CAP | gpu_model.HW_POWER_BRAKE_SLOWDOWN | gpu_model.THERMAL_MASK | gpu_model.HW_SLOWDOWN
+
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """A JSON-lines file, or its gzip'd copy ``<path>.gz`` (committed fixtures are compressed)."""
@@ -363,9 +366,5 @@ def _gpu_lines(arms: Sequence[Arm]) -> list[str]:
             "|---|---|---|---|---|", *rows]
 
 
-POWER_OR_HEAT = gpu_model.SW_POWER_CAP | gpu_model.HW_POWER_BRAKE_SLOWDOWN | gpu_model.THERMAL_MASK | gpu_model.HW_SLOWDOWN
-
-
 def _num(v: float | None) -> str:
     return "–" if v is None else f"{v:.0f}"
-

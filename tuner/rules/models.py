@@ -304,26 +304,24 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
             # refitted twin, 200 traces: p5 0.517 → 0.608, harm 1 → 0 without it (live-027: 1024 → 680 at 435
             # short requests/s, 552 running, frontier 27, 0.975 × the default it started from), 7 traces
             # better, 4 worse; no lowering at all when overloaded scored the same, two traces apart
-            median = _frontier(signals, slo, alpha, quantile="tpot_p50_s")
-            if settings.overload_lowering == "median" and not isinstance(median, str) and median < batch:
+            median = (_frontier(signals, slo, alpha, quantile="tpot_p50_s")
+                      if settings.overload_lowering == "median" else None)
+            if isinstance(median, float) and median < batch:
                 # the median request misses its TPOT at this batch: most requests miss their SLO whatever the
                 # queue does, and a batch at the median's frontier serves the ones it admits inside both
                 # (ModelSettings.overload_lowering)
                 f = max(1, math.floor(median + 1e-9))
                 why = [f"TPOT SLO frontier {frontier:.3g} (overloaded)",
                        f"the median request misses its TPOT at {batch:.3g} running: its frontier {median:.3g}"]
-                if f < batch * MAX_LOWERING:
-                    f = max(1, math.floor(batch * MAX_LOWERING))
-                    why.append(f"at most half the batch {batch:.3g} in one step")
-                return Estimate(float(f), f"{text}; {'; '.join(why)} → {f}")
-            to = max(need, math.floor(batch * MAX_LOWERING))
-            if to >= n0 * u:
-                return Estimate(None, f"{text}; TPOT SLO frontier {frontier:.3g}: overloaded, the arrivals need "
-                                      f"{need} (÷ {u:g} utilisation), {n0:.3g} running: a lowering would clip "
-                                      "the peaks only")
-            f = need
-            why = [f"TPOT SLO frontier {frontier:.3g} (overloaded)",
-                   f"not below the {need} the arrivals need (÷ {u:g} utilisation)"]
+            else:
+                to = max(need, math.floor(batch * MAX_LOWERING))
+                if to >= n0 * u:
+                    return Estimate(None, f"{text}; TPOT SLO frontier {frontier:.3g}: overloaded, the arrivals "
+                                          f"need {need} (÷ {u:g} utilisation), {n0:.3g} running: a lowering would "
+                                          "clip the peaks only")
+                f = need
+                why = [f"TPOT SLO frontier {frontier:.3g} (overloaded)",
+                       f"not below the {need} the arrivals need (÷ {u:g} utilisation)"]
         else:
             why = [f"TPOT SLO frontier {frontier:.3g}"]
         if f < batch * MAX_LOWERING:
