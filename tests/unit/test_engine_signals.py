@@ -356,8 +356,24 @@ def test_the_expected_wait_reads_the_queue_now_not_the_admitted_requests():
          snap(4, running=8, waiting=29, success=4, extra=_inference(4, 32.0))]
     s = es.compute(w)
     assert s["slot_seconds_mean"].value == pytest.approx(8.0)
-    assert s["queue_wait_expected_s"].value == pytest.approx(29 * 8.0 / 8)
+    # and the queue grows 29 in 4 s: a request arriving by the next scrape (2 s on) has 14.5 more ahead of it
+    assert s["queue_wait_expected_s"].value == pytest.approx((29 + 29 / 4 * 2) * 8.0 / 8)
     assert s["queue_time_mean_s"].value is None  # the histogram the rules read before: nothing yet
+
+
+def test_the_expected_wait_looks_one_scrape_ahead_while_the_queue_grows():
+    """The tuner acts on a scrape: a queue that will make a request miss the TTFT SLO by the next scrape has to
+    be acted on at this one (the trace family, live-045 of seed 41: 16.4 requests/s of 2,715-token prompts from
+    the first second, waiting at a cap of 8 read 0.75 s at 4 s and 11.5 s at 6 s)."""
+    def window(waiting):
+        return [snap(t, running=8, waiting=q, success=2 * t, extra=_inference(2 * t, 8.0 * t))
+                for t, q in zip((0, 2, 4), waiting, strict=True)]
+
+    growing = es.compute(window((0, 3, 6)))["queue_wait_expected_s"].value
+    assert growing == pytest.approx((6 + 1.5 * 2) * 4.0 / 8)  # 6 waiting now, 1.5/s joining: 9 by the next scrape
+    assert es.compute(window((6, 6, 6)))["queue_wait_expected_s"].value == pytest.approx(6 * 4.0 / 8)  # steady
+    assert es.compute(window((12, 9, 6)))["queue_wait_expected_s"].value == pytest.approx(6 * 4.0 / 8)  # draining
+    assert es.compute(window((3, 6, 0)))["queue_wait_expected_s"].value == 0.0  # no queue now: no wait
 
 
 @pytest.mark.parametrize(("running", "waiting", "done", "expect"), [
@@ -383,8 +399,8 @@ def test_where_nothing_finished_the_expected_wait_reads_how_long_the_slots_were_
     w = [snap(0, running=0, waiting=0, extra=_inference(0, 0.0)),
          snap(2, running=7, waiting=0, extra=_inference(0, 0.0)),
          snap(4, running=8, waiting=7, extra=_inference(0, 0.0))]
-    got = es.compute(w)["queue_wait_expected_s"]
-    assert got.value == pytest.approx(7 * 2.0 / 8) and got.reason.startswith("at least")
+    got = es.compute(w)["queue_wait_expected_s"]  # 15 more inside in 4 s: 7.5 more by the next scrape
+    assert got.value == pytest.approx((7 + 7.5) * 2.0 / 8) and got.reason.startswith("at least")
     # held since the window's first scrape: the whole span
     held = es.compute([snap(t, running=8, waiting=5, extra=_inference(0, 0.0)) for t in (0, 2, 4)])
     assert held["queue_wait_expected_s"].value == pytest.approx(5 * 4.0 / 8)

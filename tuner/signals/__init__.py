@@ -167,8 +167,9 @@ VOCABULARY: Mapping[str, Definition] = {
         "(prefill + decode, queue time excluded)"),
     "queue_wait_expected_s": Definition(
         "s", "requests_waiting, requests_running, slot_seconds_mean",
-        "latest waiting × slot_seconds_mean / latest running: how long a request arriving now waits for a slot "
-        "(leads the queue-time and TTFT histograms, which observe a request once it is admitted); where no request "
+        "(latest waiting + in_system_growth_per_s⁺ × the last scrape interval) × slot_seconds_mean / latest running: "
+        "how long a request arriving by the next scrape waits for a slot, while there is a queue (leads the "
+        "queue-time and TTFT histograms, which observe a request once it is admitted); where no request "
         "finished in the window, a lower bound: the slot time is at least how long the running requests have held "
         "their slots"),
     "prompt_tokens_mean": Definition(
