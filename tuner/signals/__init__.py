@@ -166,7 +166,7 @@ VOCABULARY: Mapping[str, Definition] = {
         "s", "vllm:request_inference_time_seconds", "Δsum / Δcount: how long a request holds a sequence slot "
         "(prefill + decode, queue time excluded)"),
     "queue_wait_expected_s": Definition(
-        "s", "requests_waiting, requests_running, slot_seconds_mean",
+        "s", "requests_waiting, requests_running, in_system_growth_per_s, slot_seconds_mean",
         "(latest waiting + in_system_growth_per_s⁺ × the last scrape interval) × slot_seconds_mean / latest running: "
         "how long a request arriving by the next scrape waits for a slot, while there is a queue (leads the "
         "queue-time and TTFT histograms, which observe a request once it is admitted); where no request "
