@@ -53,6 +53,10 @@ error_log {dir}/error.log warn;
 events {{ worker_connections {connections}; }}
 http {{
     access_log {dir}/access.log;
+    # a request body in memory up to 16 MB, any size accepted: nginx's defaults (16 KB, then a temp file; 1 MB at
+    # most) answered 500 to every 3,072-token prompt when run as root, whose workers (nobody) cannot write here
+    client_max_body_size 0;
+    client_body_buffer_size 16m;
     client_body_temp_path {dir}/tmp/body;
     proxy_temp_path {dir}/tmp/proxy;
     fastcgi_temp_path {dir}/tmp/fastcgi;
@@ -103,6 +107,9 @@ class NginxBalancer:
         self.conf = self.dir / "nginx.conf"
         self.upstream_file = self.dir / "upstreams.conf"
         (self.dir / "tmp").mkdir()
+        # as root nginx's workers run as nobody: they reach the temp directories (a body past the buffer) too
+        self.dir.chmod(0o755)
+        (self.dir / "tmp").chmod(0o1777)
         self.conf.write_text(CONFIG.format(dir=self.dir, port=self.port, read_timeout=int(read_timeout_seconds),
                                           client_keepalive=int(client_keepalive_seconds),
                                           connections=int(worker_connections), nofile=2 * int(worker_connections) + 64))

@@ -6,13 +6,20 @@ never touched, nothing is left drained, the pool stays on its verified arguments
 
 And a file a killed tuner left behind: written with a replica ``down`` but never reloaded. The next
 drainer does not take the file's word for what nginx runs: it writes and reloads again.
+
+And the harness's balancer passing every request body a prompt can make: under nginx's defaults a body past
+16 KB went to a temp file its workers (nobody, under root) could not write, and past 1 MB was refused — every
+request of a 3,072-token trace answered 500 on the GPU machine.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harness import nginx as nginx_support
@@ -101,3 +108,33 @@ def test_a_file_left_down_by_a_killed_tuner_is_reloaded_not_trusted(tmp_path: Pa
         assert " down;" not in lb.upstream_file.read_text()
         support.wait_for(lambda: workers(lb) and not workers(lb) & reloaded, 30, "nginx to reload")
         assert os.path.exists(pidfile)
+
+
+class _Echo(BaseHTTPRequestHandler):
+    """An upstream that reads the whole body and answers its length."""
+
+    def do_POST(self) -> None:
+        n = int(self.headers["content-length"])
+        body = str(len(self.rfile.read(n))).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+# around nginx's two limits: the 8/16 KB in-memory body buffer and the 1 MB client_max_body_size
+@pytest.mark.parametrize("size", [1_000, 16_383, 16_385, 60_000, 1_048_577, 20_000_000])
+def test_the_balancer_passes_any_body_a_prompt_makes(tmp_path: Path, size: int) -> None:
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    try:
+        servers = {"a": f"127.0.0.1:{upstream.server_address[1]}"}
+        with nginx_support.NginxBalancer(servers, base_dir=str(tmp_path)) as lb:
+            r = httpx.post(f"{lb.url}/v1/completions", content=b"x" * size, timeout=60)
+            assert (r.status_code, r.text) == (200, str(size)), (lb.dir / "error.log").read_text()[-2000:]
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
