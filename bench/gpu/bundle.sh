@@ -5,13 +5,13 @@
 # deep_gemm), packed as xz parts under 56 MB; the pure dependencies the GPU image lacks, as cp312 wheels
 # (bench/gpu/gpu-deps.txt); the tuner's and the plugin's wheels (make gpu-wheels); nginx's Debian package; an
 # 8B-shaped model directory (bench/gpu/make_model_dir.py). bench/gpu/setup.sh unpacks it on the GPU machine.
-# Usage (from the repository root): bench/gpu/bundle.sh [.gpu]   → .gpu/a (part 1), .gpu/b (parts 2-3),
-# .gpu/c (wheels, nginx, the model): each under 45 MB, so that one with the working tree (~13 MB) stays under a
-# call's 64 MiB.
+# Usage (from the repository root): bench/gpu/bundle.sh [.gpu]   → .gpu/a (part 1), .gpu/b (part 2), .gpu/c
+# (wheels, nginx, the model), .gpu/d (part 3): each under 38 MB, so that one with the working tree (~25 MB,
+# tests/fixtures the most of it) stays under a call's 64 MiB.
 set -euo pipefail
 out=${1:-.gpu}; here=$(cd "$(dirname "$0")" && pwd); work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$out/a" "$out/b" "$out/c/whl" "$out/c/debs"
+mkdir -p "$out/a" "$out/b" "$out/c/whl" "$out/c/debs" "$out/d"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d "$work" vllm==0.26.0
 (cd "$work" && unzip -q vllm-0.26.0-*.whl -d x && cd x &&
@@ -20,7 +20,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   tar -cf - vllm vllm-0.26.0.dist-info | xz -9 -T2 > "$work/vllm.tar.xz")
 split -b 29000000 "$work/vllm.tar.xz" "$work/part."
 mv "$work/part.aa" "$out/a/vllm026.part.aa"; mv "$work/part.ab" "$out/b/vllm026.part.ab"
-mv "$work/part.ac" "$out/b/vllm026.part.ac"
+mv "$work/part.ac" "$out/d/vllm026.part.ac"
 plat=""
 for p in manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   plat="$plat --platform ${p}_x86_64"

@@ -7,7 +7,7 @@
 # Idempotent: call it in every command; it copies what this call carried and unpacks once everything is there.
 set -euo pipefail
 mkdir -p /tmp/parts /tmp/site /tmp/nginx
-for d in .gpu/a .gpu/b .gpu/c; do
+for d in .gpu/a .gpu/b .gpu/c .gpu/d; do
   if [ -d "$d" ]; then cp -r "$d"/. /tmp/parts/; fi
 done
 if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/parts/vllm026.part.ac ] && [ -d /tmp/parts/whl ]; then
