@@ -130,6 +130,8 @@ SKIPPED = {
                            'profiles/h200-rise.yaml --arms tuner-live --out'): "a GPU machine",
     ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
                            'profiles/h200-rise.yaml --arms tuner-live" \\'): "a GPU machine",
+    ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
+                           'profiles/h100-kv-long.yaml --arms tuner-live,sweep"'): "a GPU machine",
     ("docs/evaluation.md", "python -m bench.family --calibrate"): "a minute of simulation: "
         "tests/unit/test_family.py holds the twin to the committed H200 static arms",
     ("docs/evaluation.md", "python -m bench.family --traces 20"): "minutes of simulation on 2 cores: "
