@@ -80,6 +80,7 @@ class Pool:
     def __init__(self, trace: Trace, argv: Sequence[str], *, gpu: GpuModel, replicas: int = 2,
                  startup_seconds: float = 90.0, cap: int | None = None, seed: int = 0) -> None:
         self.trace, self.gpu, self.startup_seconds = trace, gpu, startup_seconds
+        self._closed = trace.closed()  # before the engines boot: their on_finish serves the closed loops
         self.now = -20.0  # the engines start before the trace: 20 s of idle scrapes first
         self.replicas = {name: Replica(name, BASE_PORT + i, tuple(argv))
                          for i, name in enumerate("abcdefgh"[:replicas])}
@@ -92,7 +93,9 @@ class Pool:
         self._next = 0  # the next open-loop request of the trace
         self._rr = 0
         self._users: dict[int, Sent] = {}  # closed loop: each client's request in flight
-        self._closed = trace.closed()
+        self._clients_of: dict[int, int] = {}  # id() of a client's request in flight → the client
+        self._done: list[int] = []  # the clients whose request finished since the last tick (SimEngine.on_finish)
+        self._begun: set[int] = set()  # the closed phases whose clients have sent their first requests
         self._rng = random.Random(trace.seed + 1)
         self.events: list[tuple[float, str, str]] = []  # (at, replica, what): restarts, drains, caps
 
@@ -101,6 +104,8 @@ class Pool:
     def _boot(self, r: Replica, *, ready: bool = False) -> None:
         cfg = config_from_args([*r.argv, "--port", str(r.port)], gpu=self.gpu)
         r.engine = SimEngine(cfg, started_at=self.now)
+        if self._closed:  # the clients' next requests follow the finished ones (_clients)
+            r.engine.on_finish = self._finished
         r.engine.now = self.now
         r.up_at = self.now if ready else self.now + self.startup_seconds
         r.starts += 1
@@ -118,8 +123,7 @@ class Pool:
             while self._next < len(reqs) and reqs[self._next].at <= step_end:
                 q = reqs[self._next]
                 self._next += 1
-                self._engines_to(q.at)
-                self._send(Sent(q.at, q.prompt, q.output))
+                self._send(Sent(q.at, q.prompt, q.output), catch_up=True)
             self._engines_to(step_end)
             self.now = step_end
             if self._closed:
@@ -131,22 +135,37 @@ class Pool:
                 r.engine.advance(t)
 
     def _clients(self) -> None:
+        """Each closed-loop client whose request finished sends its next one, and a phase that begins sends one
+        per client; in the phase's order of clients (the sizes are drawn in that order)."""
         now = self.now
-        for user, sent in list(self._users.items()):
-            if sent.req is not None and sent.req.state == "finished":
-                del self._users[user]
+        done, self._done = self._done, []
+        for key in done:
+            del self._users[key]
         for start, end, phase in self._closed:
             if start <= now < end:
-                for user in range(phase.users):
-                    key = int(start * 1000) * 100_000 + user
+                base = int(start * 1000) * 100_000
+                if base not in self._begun:  # the phase begins: every client sends
+                    self._begun.add(base)
+                    users: Sequence[int] = range(phase.users)
+                else:  # only the clients whose request finished (the rest still wait on theirs)
+                    users = sorted(key - base for key in done if base <= key < base + phase.users)
+                for user in users:
+                    key = base + user
                     if key not in self._users:
                         prompt, output = sizes(self._rng, phase.mix)
                         s = Sent(now, prompt, output, user=key)
                         self._users[key] = s
                         self._send(s)
 
-    def _send(self, s: Sent) -> None:
-        """Round robin over the replicas that serve (nginx: ``proxy_next_upstream``); none: failed."""
+    def _finished(self, req: Request) -> None:
+        user = self._clients_of.pop(id(req), None)
+        if user is not None:
+            self._done.append(user)
+
+    def _send(self, s: Sent, *, catch_up: bool = False) -> None:
+        """Round robin over the replicas that serve (nginx: ``proxy_next_upstream``); none: failed. ``catch_up``: the
+        replica it goes to runs its steps up to the request's arrival first (an arrival inside a tick; the other
+        replicas' steps do not depend on it, and each catches up at the tick's end, before anything reads them)."""
         self.sent.append(s)
         names = list(self.replicas)
         for i in range(len(names)):
@@ -154,8 +173,12 @@ class Pool:
             if r.serving(s.at) and not r.drained and r.engine is not None and r.engine.accepting:
                 self._rr = (self._rr + i + 1) % len(names)
                 s.replica = r.name
+                if catch_up:
+                    r.engine.advance(s.at)
                 s.req = r.engine.submit(prompt_tokens=s.prompt, max_tokens=s.output, output_tokens=s.output, wait=False)
                 s.req.arrival = s.at
+                if s.user is not None:
+                    self._clients_of[id(s.req)] = s.user
                 return
 
     # --- the actuator and the drainer (the tuner's contract, tuner.actuators.base) -------------------

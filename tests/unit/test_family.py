@@ -6,12 +6,15 @@ staying at the flags it started from), and the calibrated twin against the commi
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bench.family import calibration, runs, traces
+from bench.family import calibration, pool, runs, traces
 
 DRAW_SEED = 11  # any seed: the generator, not this number, is what is tested
 MAX_SECONDS = 240.0  # the shorter traces of the draw keep this file under a minute on one core
@@ -99,3 +102,44 @@ def test_a_queue_of_long_outputs_is_raised_before_the_first_request_finishes() -
     first = min(at for at, _, what in arm.changes if what.startswith("cap"))
     print(f"{trace.name}: {trace.describe()}: first raise at {first:g} s, {arm.goodput:.3f} vs {best.goodput:.3f}")
     assert first <= 4.0 and arm.goodput >= 0.95 * best.goodput
+
+
+MAX_STEP = 0.5  # the longest engine step of these mixes: a full 8,192-token budget of prefill is about 0.2 s
+
+
+@settings(max_examples=12, deadline=None)
+@given(users=st.lists(st.integers(1, 60), min_size=1, max_size=3), open_rate=st.floats(0.0, 20.0),
+       seconds=st.floats(4.0, 15.0), cap=st.sampled_from([2, 8, 64]), seed=st.integers(0, 2**16))
+def test_each_closed_loop_client_keeps_one_request_in_flight(users: list[int], open_rate: float, seconds: float,
+                                                              cap: int, seed: int) -> None:
+    """The pool's clients (``Pool._clients``, told of finished requests by the engines): every client of a closed
+    phase sends at the phase's start, then its next request within a tick of the last one's end and never while
+    one is in flight, and stops with its phase; open-loop phases between them change nothing of that."""
+    phases: list[traces.Phase] = []
+    for n in users:
+        phases.append(traces.Phase(seconds, users=n, mix=(traces.Mix(1.0, 96, 24), traces.Mix(1.0, 600, 8))))
+        phases.append(traces.Phase(2.0, rate0=open_rate, rate1=open_rate))
+    trace = traces.build("clients", seed, phases)
+    p = pool.Pool(trace, runs.bad_argv(trace, cap=None), gpu=calibration.GPU, cap=cap)
+    p.advance_to(trace.duration)
+    by_client: dict[int, list[pool.Sent]] = {}
+    for s in p.sent:
+        if s.user is not None:
+            by_client.setdefault(s.user, []).append(s)
+    spans = [(start, end, ph.users) for (start, end), ph in zip(trace.spans, trace.phases, strict=True) if ph.users]
+    assert len(by_client) == sum(n for _, _, n in spans)  # every client of every closed phase sent
+    for start, end, n in spans:
+        clients = [sent for key, sent in by_client.items() if key // 100_000 == int(start * 1000)]
+        assert len(clients) == n
+        for sent in clients:
+            assert sent[0].at - start <= pool.TICK + 1e-9  # at the phase's start
+            for before, after in itertools.pairwise(sent):
+                assert before.req is not None and before.req.finished_at is not None
+                # seen at the tick the engine reached it: a step begun before a tick runs to its end, so the
+                # finish may be stamped up to one step past the tick that saw it
+                assert before.req.finished_at - MAX_STEP <= after.at <= before.req.finished_at + pool.TICK + 1e-9
+                assert after.at < end  # not past its phase
+            last = sent[-1].req
+            assert last is not None
+            if last.finished_at is not None and last.finished_at + pool.TICK + MAX_STEP < min(end, trace.duration):
+                raise AssertionError(f"client stopped at {last.finished_at} inside its phase ({start}-{end})")
