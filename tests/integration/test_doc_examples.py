@@ -134,8 +134,10 @@ SKIPPED = {
                            'profiles/h100-kv-long.yaml --arms tuner-live,sweep"'): "a GPU machine",
     ("docs/evaluation.md", "python -m bench.family --calibrate"): "a minute of simulation: "
         "tests/unit/test_family.py holds the twin to the committed H200 static arms",
-    ("docs/evaluation.md", "python -m bench.family --traces 20"): "minutes of simulation on 2 cores: "
+    ("docs/evaluation.md", "python -m bench.family --traces 200 --seed 31"): "minutes of simulation on 2 cores: "
         "tests/unit/test_family.py runs a draw of the same family",
+    ("docs/evaluation.md", "python -m bench.family --traces 200 --seed 7"): "ten minutes of simulation on 2 cores "
+        "(the timing it shows): tests/unit/test_family.py runs a draw of the same family",
     ("docs/evaluation.md", "python -m bench.family.phases --traces 20"): "minutes of simulation on 2 cores: "
         "tests/unit/test_phases.py runs the search on traces of both families",
     ("docs/kubernetes.md", "helm template t deploy/helm/vllm-tuner"): "the helm command line (not installed here): "
