@@ -429,10 +429,14 @@ def tend(dispatcher: Dispatcher, state: TunerState, result: results.CycleResult,
         budget = guards.restart_budget(history, dispatcher.settings.decisions.safety, now=now)
         if not budget.allowed:
             line = f"{name} is down ({how}); not started again: {budget.reason}"
-            if dispatcher.held_down.get(name) != budget.reason:
+            # said once while it stands: keyed on the reason without its countdown ("…; next in 59m59s"), which
+            # changes every second (keyed on the whole reason, the hold was said again each time two cycles
+            # straddled a second)
+            held = budget.reason.partition("; next in ")[0]
+            if dispatcher.held_down.get(name) != held:
                 log.warning("%s", line)
                 said.append(line)
-            dispatcher.held_down[name] = budget.reason
+            dispatcher.held_down[name] = held
             continue
         dispatcher.held_down.pop(name, None)
         argv = state.args[name].argv()
