@@ -486,7 +486,10 @@ def _choose(
             p = _floored(p, floor)
         movable = ctx.live.can_move(p.knob, float(p.to_value)) is None
         guarded = _regime_passed(p.knob, history, regime_since) if movable else history
-        if (not p.breach or _retries(p, guarded, live=movable)) and not isinstance(p.to_value, bool):
+        # a breach rule's live reversal goes whole (the hysteresis lets it), unless it retries a raise put back; by
+        # restart the hysteresis grants a breach rule nothing, so its reversal is clamped halfway like any other's
+        # (unclamped, the restart mode's queue held a put-back raise for the whole hour: seed 37's restart-029)
+        if (not (p.breach and movable) or _retries(p, guarded, live=movable)) and not isinstance(p.to_value, bool):
             p = _bracketed(p, guarded, settings, now=now, live=movable)
         # the command line as it would be: what crash and rejection memory key on, for a live change too
         candidate = knobs.with_knob(args_after, p.knob, p.to_value, kind=ctx.kind)
