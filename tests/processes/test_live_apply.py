@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from harness import waiting
 from harness.ports import free_port
 from tuner.actuators import children
 from tuner.cli import demo
@@ -52,14 +52,9 @@ def finished_live(path: Path) -> list[machine.Rollout]:
             if r.kind is machine.Kind.LIVE and machine.outcome(r) is not machine.Outcome.RUNNING]
 
 
-def wait_for(what, timeout: float, message: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout}s: {message}")
+def wait_for(what, timeout: float, message: str, detail=None):
+    """harness.waiting's wait, failing the test with ``message`` (and ``detail()``) at the deadline."""
+    return waiting.wait_for(what, timeout, message, poll=0.3, detail=detail, error=AssertionError)
 
 
 def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Path) -> None:
@@ -89,7 +84,8 @@ def test_the_tuner_raises_the_admission_cap_live_without_a_restart(tmp_path: Pat
         assert all(a[0].effective["max_num_active_seqs"] in (8, 256) for a in first.values()), first
 
         (end,) = wait_for(lambda: finished_live(journal), 150,
-                          "a live change to be judged: " + (tmp_path / "tuner.log").read_text()[-3000:])
+                          "a live change to be judged",
+                          detail=lambda: (tmp_path / "tuner.log").read_text()[-3000:])
         assert machine.outcome(end) is machine.Outcome.DONE, machine.describe(end)
         assert end.new_values == {n: {"max_num_seqs": 256} for n in names}
         decision = next(r for r in records(journal) if r["kind"] == "decision" and r.get("live"))
@@ -135,12 +131,14 @@ def test_a_live_change_a_killed_tuner_left_in_verification_is_taken_up_at_the_ne
             return {r["replica"] for r in records(journal) if r["kind"] == "event" and r["to"] == "verifying"} \
                 == set(names)
 
-        wait_for(verifying, 150, "a live change to be acknowledged: " + (tmp_path / "tuner.log").read_text()[-3000:])
+        wait_for(verifying, 150, "a live change to be acknowledged",
+                 detail=lambda: (tmp_path / "tuner.log").read_text()[-3000:])
         children.stop(tuner, timeout_seconds=0, signal_first=None, group=True)  # SIGKILL inside its verification window
         assert {live_knobs.read_acks(tmp_path / "live" / n)[0].effective["max_num_active_seqs"] for n in names} == {256}
         tuner = subprocess.Popen(run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         (end,) = wait_for(lambda: finished_live(journal), 90,
-                          "the live change to be taken up and judged: " + (tmp_path / "tuner.log").read_text()[-3000:])
+                          "the live change to be taken up and judged",
+                          detail=lambda: (tmp_path / "tuner.log").read_text()[-3000:])
         resumed = [r for r in records(journal) if r["kind"] == "event" and r["event"] == "interrupted"]
         assert {r["replica"] for r in resumed} == set(names)
         assert all((r["from"], r["to"]) == ("verifying", "requesting") for r in resumed)

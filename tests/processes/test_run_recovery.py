@@ -20,12 +20,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
+from harness import waiting
 from harness.ports import free_port
 from tuner.actuators import children
 from tuner.cli import demo as cli_demo
@@ -53,13 +53,9 @@ def events(path: Path) -> list[dict]:
 
 
 def wait_for(what, timeout: float, *, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what.__doc__ or what}")
+    """harness.waiting's wait, failing the test with what it waited for (``what``'s docstring) at the deadline."""
+    return waiting.wait_for(what, timeout, what.__doc__ or getattr(what, "__name__", "the condition"), poll=every,
+                            error=AssertionError)
 
 
 def test_a_tuner_killed_mid_rollout_resumes_it_inside_its_first_cycle_visibly(tmp_path: Path) -> None:
