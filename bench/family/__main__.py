@@ -101,11 +101,21 @@ def main(argv: list[str] | None = None) -> int:
             bad = r["tuner_bad"]
             print(f"{r['trace']:12} {r['best_static']:>5} {r['best_goodput']:7.2f} {bad['goodput']:7.2f} "
                   f"{r['ratio']:6.3f} {r['ratio_default']:7.3f} {len(bad['changes']):7d} {bad['restarts']:8d}  "
-                  f"{r['describe']}{'  HARM ' + ','.join(r['harm']) if r['harm'] else ''}")
+                  f"{r['describe']}{'  HARM ' + ', '.join(_harmed(r)) if r['harm'] else ''}")
         print(f"wall {wall:.0f} s, {args.jobs} worker(s)")
     print(f"family: {summary['traces']} traces, tuner/best static p5 {summary['ratio_p5']:.3f} median "
           f"{summary['ratio_median']:.3f} min {summary['ratio_min']:.3f}, harm {harm}")
     return 0
+
+
+def _harmed(r: dict[str, Any]) -> list[str]:
+    """Each harmed run of a trace's row with its goodput over staying at its start flags ("0.62 × staying")."""
+    out = []
+    for name in r["harm"]:
+        arm, start = (r["tuner_bad"], "8") if name == r["tuner_bad"]["arm"] else (r["tuner_default"], "default")
+        stay = r["statics"][start]
+        out.append(f"{name} ({arm['goodput'] / stay:.2f} × staying)" if stay > 0 else name)
+    return out
 
 
 if __name__ == "__main__":

@@ -144,3 +144,14 @@ def test_each_closed_loop_client_keeps_one_request_in_flight(users: list[int], o
             assert last is not None
             if last.finished_at is not None and last.finished_at + pool.TICK + MAX_STEP < min(end, trace.duration):
                 raise AssertionError(f"client stopped at {last.finished_at} inside its phase ({start}-{end})")
+
+
+def test_a_harmed_run_is_shown_with_how_much_it_lost_against_staying() -> None:
+    from bench.family import __main__ as family
+
+    row = {"harm": ["tuner-live-from-8", "tuner-live-from-default"], "statics": {"8": 0.1211, "default": 2.0},
+           "tuner_bad": {"arm": "tuner-live-from-8", "goodput": 0.0751},
+           "tuner_default": {"arm": "tuner-live-from-default", "goodput": 1.9}}
+    assert family._harmed(row) == ["tuner-live-from-8 (0.62 × staying)", "tuner-live-from-default (0.95 × staying)"]
+    assert family._harmed({**row, "harm": ["tuner-live-from-default"], "statics": {"8": 1.0, "default": 0.0}}) == \
+        ["tuner-live-from-default"]
