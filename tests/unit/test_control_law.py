@@ -252,6 +252,38 @@ def test_a_live_raise_the_arrivals_call_for_goes_to_the_envelope_past_the_fronti
     assert past.value is not None and past.value <= 116
 
 
+def test_a_live_raise_stops_at_the_prefill_frontier_while_the_queue_is_young_and_the_cap_will_bind() -> None:
+    """ModelSettings.prefill_frontier (docs/rules.md#the-prefill-frontier): live-016 of seed 53, 35 requests/s of
+    1,139/64 tokens, at +2 s from cap 8 — the need 60 (the best static is 64; 128 serves next to nothing). A cap
+    that binds under a queue admits 17.8 prompt tokens per generated token beside every decode, and at the TPOT
+    measured at 8 that puts the SLO at 66.5 sequences: the raise stops there, not at the ceiling. It goes on to the
+    ceiling where the median already misses its TTFT, where the mix is decode-heavy (the frontier holds the need
+    and the queue: the batch floats), without a prompt-token reading, past 16 × the batch it was measured at, and
+    with the setting off."""
+    s = sig(arrival_rate_per_s=19.0, slot_seconds_mean=1.19, requests_running_mean=4.0, requests_waiting_mean=10.0,
+            in_system_growth_per_s=10.0, requests_running=8.0, requests_waiting=30.0, requests_running_max=8.0,
+            tpot_p99_s=0.025, tpot_p50_s=0.02, ttft_p99_s=2.0, ttft_p50_s=0.5, prompt_tokens_per_s=8000.0,
+            generation_tokens_per_s=450.0)
+    slo, ms = models.SloSettings(), models.ModelSettings()
+    kw = {"slo": slo, "at_least": 16, "live_ceiling": 1024, "current": 8}
+    up = models.concurrency(s, ms, **kw)  # type: ignore[arg-type]
+    assert up.value == 66 and "→ 60" in up.text and "the prefill frontier 66.5" in up.text, up.text
+    assert "the median request meets its TTFT (0.5 s) and the need with the 30 waiting" in up.text
+    for why, change in (("an old queue", {"ttft_p50_s": Signal(1.5)}),
+                        ("decode-heavy: the batch floats", {"prompt_tokens_per_s": Signal(450.0)}),
+                        ("no prompt tokens read", {"prompt_tokens_per_s": Signal(None, "no counter")}),
+                        ("no median TTFT read", {"ttft_p50_s": Signal(None, "no histogram")}),
+                        ("past the measured range (378 at a batch of 8)", {"tpot_p99_s": Signal(0.005)})):
+        est = models.concurrency({**s, **change}, ms, **kw)  # type: ignore[arg-type]
+        assert est.value == 1024 and "prefill frontier" not in est.text, why
+    off = models.concurrency(s, models.ModelSettings(prefill_frontier=False), **kw)  # type: ignore[arg-type]
+    assert off.value == 1024
+    # a frontier under today's cap leaves no room: no raise at all rather than a lowering by the raise rule
+    tight = models.concurrency({**s, "tpot_p99_s": Signal(0.11), "arrival_rate_per_s": Signal(2.0)}, ms,
+                               **kw)  # type: ignore[arg-type]
+    assert tight.value is None and "no room above 8" in tight.text, tight.text
+
+
 def test_a_live_raise_on_a_broken_ttft_goes_to_the_envelope_even_where_the_mean_rate_fits() -> None:
     """Bursts the mean rate does not show (live-072 of seed 7: 2,720/37-token prompts at 6-11 req/s, b0.7): the
     model's size fits today's cap, but the TTFT p99 breaks its SLO there, so the live raise goes to the envelope

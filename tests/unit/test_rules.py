@@ -75,13 +75,15 @@ def test_default_decode_rules_read_the_p99():
         assert (itl.op, itl.value, itl.slo, itl.max_resolution) == (">", 1.5, "itl_p99_s", 0.05)  # 1.5 × SLO
     (gate,) = [c for c in by_id["queue-slot-bound"].when.all if "tpot_p99_s" in str(c)]
     # the price inside its SLO; or, while the queue breaks the TTFT, the median request's (what the raise is
-    # verified on then); or, nothing finished yet, the median token gap
-    head, queued, unseen = gate.any
+    # verified on then); or, nothing finished yet, the median token gap; or the median request misses its TTFT
+    # (the queue has cost most requests their SLO: the price guards too few to hold the raise that drains it)
+    head, queued, unseen, old = gate.any
     assert (head.signal, head.op, head.factor, head.slo) == ("tpot_p99_s", "<", 1.0, "tpot_p99_s")
     assert [(c.signal, c.op, c.factor, c.slo) for c in queued.all] == [("ttft_p99_s", ">", 1.0, "ttft_p99_s"),
                                                                         ("tpot_p50_s", "<", 0.5, "tpot_p99_s")]
     assert [(c.signal, c.op, c.slo or c.value) for c in unseen.all] == [
         ("request_rate", "<=", 0), ("itl_p50_s", "<", "tpot_p99_s")]
+    assert (old.signal, old.op, old.factor, old.slo) == ("ttft_p50_s", ">", 1.0, "ttft_p99_s")
     assert not [c for c in by_id["queue-slot-bound"].when.all if getattr(c, "signal", None) == "itl_p99_s"]
     # both sides of the trade are breach rules: the lowering fires on a broken TPOT, the raise on a TTFT the
     # queue breaks, and neither waits out the other's hysteresis (docs/rules.md#live-sizing: live-034 of seed 7)

@@ -35,7 +35,11 @@ arithmetic that produced it out.
   SLO for the other). With ``direction: down`` the model returns the frontier itself: an engine whose
   requests breach the TPOT SLO at today's batch comes down to it, never below what Little's law needs
   unless overloaded. The rule's ``max`` and ``max_from`` (e.g. what the KV cache holds for the observed
-  request sizes, ``kv_concurrency_observed``) cap it as for any other op.
+  request sizes, ``kv_concurrency_observed``) cap it as for any other op;
+- the prefill frontier (``ModelSettings.prefill_frontier``): a live raise to the ceiling stops where a cap that
+  binds under a queue would admit more prefill beside every decode than the TPOT SLO allows (a step costs
+  B + n · (s + P/O) prefill-token equivalents, P/O the window's prompt tokens per generated token), while the
+  median request still meets its TTFT and the need with today's queue fills that frontier.
 
 ``step-budget`` — the per-step token budget (``--max-num-batched-tokens``) for an inter-token-latency
 target: a decode step alone takes about the median inter-token gap p₅₀; a step that also carries a prefill
@@ -137,6 +141,24 @@ class ModelSettings(_Model):
     0.009 × (a lowering, then a new load held by the hysteresis); seed 31 harm 0 → 1. The H200 family's draw 124
     (``h200-family-2026-124``) 8.31 → 10.08 req/s, 1.21 × its best static, against 1.00 × on ``need``
     (docs/rules.md). An experiment: on where it is measured to help."""
+    prefill_frontier: bool = True
+    """A live raise to the envelope's ceiling stops at the **prefill frontier** (``step_base_prefill_tokens``
+    below) while the queue is young — the median request still meets its TTFT SLO — and the arrivals' need with
+    today's queue would fill that frontier, so the new cap will bind. A cap that binds under a queue admits what
+    its finished requests free: n · P/O prompt tokens a step beside n decodes, so a step costs B + n · (s + P/O)
+    prefill-token equivalents, and past the batch where that cost meets the TPOT SLO every request the raise
+    admits misses its TPOT. On the trace family's seed 53, live-016 (35 requests/s of 1,139/64 tokens: caps of
+    32-64 serve the most and 128 or more next to nothing) went 8 → 265 under the ceiling's bet, 0.62 × staying at
+    8; with the stop 0.145 → 0.234 × its best static, and live-143 0.195 → 0.667 (harm 2 → 0 on that seed). Once
+    the median misses its TTFT, the requests in the queue have missed their SLO already, and draining them is
+    what is left: the ceiling (docs/rules.md#the-prefill-frontier). False: the ceiling's bet alone."""
+    step_base_prefill_tokens: float = Field(default=230.0, ge=0)
+    """A step's fixed cost in prefill-token equivalents (the prefill frontier's B): the H200 fit of
+    tuner/sim/config.py on docs/evidence-h200.md, 4.6 ms a step against 20 µs a prefill token. The measured TPOT
+    at the window's batch scales it; only its ratio to the per-sequence cost below shapes the frontier."""
+    step_sequence_prefill_tokens: float = Field(default=2.25, ge=0)
+    """A running sequence's own cost in a step, in prefill-token equivalents (the prefill frontier's s): the same
+    fit, 45 µs a sequence against 20 µs a prefill token."""
     tpot_exponent: float = Field(default=0.3, ge=0, lt=1)
     """α in slot time ∝ (running requests)^α: how much a bigger batch slows every request. 0.32 on an
     H200 with an 8B model (5.2 → 12.7 ms per token for 8 → 128 slots); measure yours
@@ -160,6 +182,12 @@ def _why(signals: Mapping[str, Signal], name: str) -> str:
 
 
 MAX_LOWERING = 0.5  # a lowering step keeps at least this share of the window's batch (concurrency, down)
+# the prefill frontier stops a live raise only within this multiple of the batch it was measured at: the step
+# costs it scales were fitted on H200 batches of 8 to 128 (docs/evidence-h200.md), and read 27-42 × past the
+# window's batch it stopped floods of short prompts at +2 s whose best static is vLLM's 1,024 (seed 53 of the
+# trace family: live-070 of 69/20 tokens at 498 requests/s read 215 at a batch of 8, 0.909 → 0.899 × the best
+# static; live-082, live-012)
+PREFILL_FRONTIER_RANGE = 16
 
 
 def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
@@ -273,10 +301,14 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         # does not show): in an open loop a cap above the demand costs nothing (the arrivals set the batch), and
         # a step short of it leaves a backlog (settings.live_raise_to_ceiling)
         if target < live_ceiling:
+            need = target
             target = math.ceil(live_ceiling - 1e-9)
             because = (f"the arrivals need more than {current:g}" if needs_more else
                        f"the TTFT p99 {ttft:.3g} s breaks its SLO at {current:g}")
             text += f"; {because}: a live raise goes to the envelope's {target}"
+            stop = _prefill_stop(signals, settings, slo, need=need, target=target, current=current)
+            if stop is not None:
+                return Estimate(stop[0], f"{text}; {stop[1]}")
         frontier = _frontier(signals, slo, alpha)
         if not isinstance(frontier, str) and target > frontier:
             text += (f" (past the TPOT SLO frontier {frontier:.3g}: the arrivals, not the cap, set the batch; "
@@ -375,6 +407,48 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
                                       f"the arrivals (the pool needs more replicas) → {f}")
         return Estimate(float(f), f"{text}; capped at the TPOT SLO frontier {frontier:.3g} → {f}")
     return Estimate(float(target), text)
+
+
+def _prefill_frontier(signals: Mapping[str, Signal], slo: SloSettings, settings: ModelSettings) -> float | None:
+    """The batch whose predicted TPOT p99 meets the SLO where a bound cap admits n · P/O prompt tokens a step
+    (``ModelSettings.prefill_frontier``): a step costs B + n · (s + P/O) prefill-token equivalents, scaled to the
+    TPOT p99 measured at the window's batch; None where a reading is missing."""
+    tpot, batch = _v(signals, "tpot_p99_s"), _v(signals, "requests_running_max")
+    prompt, generated = _v(signals, "prompt_tokens_per_s"), _v(signals, "generation_tokens_per_s")
+    if tpot is None or batch is None or prompt is None or generated is None or tpot <= 0 or batch <= 0 \
+            or generated <= 0:
+        return None
+    base, per = settings.step_base_prefill_tokens, settings.step_sequence_prefill_tokens + max(prompt, 0.0) / generated
+    if per <= 0:
+        return None
+    seconds_per_unit = tpot / (base + batch * per)
+    return max(0.0, (slo.tpot_p99_s / seconds_per_unit - base) / per)
+
+
+def _prefill_stop(signals: Mapping[str, Signal], settings: ModelSettings, slo: SloSettings | None, *, need: int,
+                  target: int, current: float) -> tuple[float | None, str] | None:
+    """Where a live raise to the ceiling stops short of it (``ModelSettings.prefill_frontier``): the value (None:
+    no raise) and why; None where the ceiling stands."""
+    if not settings.prefill_frontier or slo is None:
+        return None
+    median_ttft = _v(signals, "ttft_p50_s")
+    if median_ttft is None or median_ttft > slo.ttft_p99_s:
+        return None  # an old queue (or no reading): its requests missed their SLO already, draining is what is left
+    frontier = _prefill_frontier(signals, slo, settings)
+    waiting, batch = _v(signals, "requests_waiting") or 0.0, _v(signals, "requests_running_max") or 0.0
+    if frontier is None or target <= frontier or frontier > PREFILL_FRONTIER_RANGE * batch:
+        return None
+    if need + waiting <= frontier:
+        return None  # the arrivals and today's queue fit inside it: the cap will not bind, the batch floats
+    stop = max(math.floor(frontier + 1e-9), need)
+    if stop >= target:
+        return None
+    why = (f"but the median request meets its TTFT ({median_ttft:.3g} s) and the need with the {waiting:.3g} "
+           f"waiting fills the prefill frontier {frontier:.3g} (the window's prompt tokens per generated token "
+           f"admitted beside every decode)")
+    if stop < current * (1 + settings.min_step):
+        return None, f"{why}: no room above {current:g}"
+    return float(stop), f"{why} → {stop}"
 
 
 def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, alpha: float, *,
