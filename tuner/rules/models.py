@@ -186,7 +186,7 @@ MAX_LOWERING = 0.5  # a lowering step keeps at least this share of the window's 
 # costs it scales were fitted on H200 batches of 8 to 128 (docs/evidence-h200.md), and read 27-42 × past the
 # window's batch it stopped floods of short prompts at +2 s whose best static is vLLM's 1,024 (seed 53 of the
 # trace family: live-070 of 69/20 tokens at 498 requests/s read 215 at a batch of 8, 0.909 → 0.899 × the best
-# static; live-082, live-012)
+# static; live-082 read 330, 0.885 → 0.871; live-023 and live-130 lost 2 % the same way)
 PREFILL_FRONTIER_RANGE = 16
 
 
