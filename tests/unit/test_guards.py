@@ -200,6 +200,23 @@ def test_restart_budget_per_hour_and_day():
     assert "0/2 this hour" in guards.restart_budget(History(), SAFETY, now=0).reason
 
 
+@given(st.lists(st.floats(0, 86_000), min_size=1, max_size=12), st.floats(0, 3_000), st.floats(0.001, 500))
+def test_a_budget_hold_names_itself_whatever_its_countdown_reads(restarts: list[float], after: float,
+                                                                 later: float) -> None:
+    """A hold of the restart budget is one hold until it lifts: the daemon says it once, keyed on the guard and
+    the instant it lifts (``until``), while its reason counts down every second (dispatching.tend)."""
+    h = History(restarts=tuple(sorted(restarts)))
+    now = max(restarts) + after
+    first, second = (guards.restart_budget(h, SAFETY, now=t) for t in (now, now + later))
+    if first.allowed:
+        assert first.until is None
+        return
+    assert first.until is not None and first.until > now
+    if second.allowed or first.until <= now + later:
+        return
+    assert (second.guard, second.until) == (first.guard, first.until)
+
+
 def test_crash_memory():
     args = knobs.EngineArgs.from_string("--max-num-seqs 8")
     h = history_mod.failed_to_start(History(), args, reason="CUDA out of memory")

@@ -130,14 +130,17 @@ class Ruling:
     allowed: bool
     guard: str
     reason: str
+    until: float | None = None
+    """A denial that lifts by itself: when (the clock ``now`` was read on). The reason says it as a countdown,
+    which changes every second; this names the hold itself (a caller that says a hold once keys on it)."""
 
 
 def allow(guard: str, reason: str = "") -> Ruling:
     return Ruling(True, guard, reason)
 
 
-def deny(guard: str, reason: str) -> Ruling:
-    return Ruling(False, guard, reason)
+def deny(guard: str, reason: str, *, until: float | None = None) -> Ruling:
+    return Ruling(False, guard, reason, until)
 
 
 ActionKind = Literal["keep-warm", "warm-up", "sleep", "wake", "power-cap", "power-restore"]
@@ -523,11 +526,13 @@ def restart_budget(history: History, settings: SafetySettings, *, now: float) ->
     if hour >= settings.max_restarts_per_hour:
         oldest = min(t for t in history.restarts if now - t < 3600) if hour else now
         return deny("budget", f"restart budget: {hour} restart(s) in the last hour (max "
-                    f"{settings.max_restarts_per_hour}); next in {duration(oldest + 3600 - now)}")
+                    f"{settings.max_restarts_per_hour}); next in {duration(oldest + 3600 - now)}",
+                    until=oldest + 3600)
     if day >= settings.max_restarts_per_day:
         oldest = min(t for t in history.restarts if now - t < 86400) if day else now
         return deny("budget", f"restart budget: {day} restart(s) in the last 24h (max "
-                    f"{settings.max_restarts_per_day}); next in {duration(oldest + 86400 - now)}")
+                    f"{settings.max_restarts_per_day}); next in {duration(oldest + 86400 - now)}",
+                    until=oldest + 86400)
     return allow("budget", f"{hour}/{settings.max_restarts_per_hour} this hour, "
                  f"{day}/{settings.max_restarts_per_day} today")
 

@@ -61,7 +61,7 @@ class Dispatcher:
         # waits return early when the tuner is stopping
         self.sleep = sleep or (lambda seconds: self.driver.stop_event.wait(seconds))
         self.in_flight: machine.Rollout | None = None  # the rollout being carried out
-        self.held_down: dict[str, str] = {}  # replicas down and not started again, and why (said once)
+        self.held_down: dict[str, tuple[str, float | None]] = {}  # replicas down and held: the hold (said once)
         self._changes: tuple[history_mod.Change, ...] = ()  # ... and the changes it books
 
     @property
@@ -429,10 +429,10 @@ def tend(dispatcher: Dispatcher, state: TunerState, result: results.CycleResult,
         budget = guards.restart_budget(history, dispatcher.settings.decisions.safety, now=now)
         if not budget.allowed:
             line = f"{name} is down ({how}); not started again: {budget.reason}"
-            # said once while it stands: keyed on the reason without its countdown ("…; next in 59m59s"), which
-            # changes every second (keyed on the whole reason, the hold was said again each time two cycles
-            # straddled a second)
-            held = budget.reason.partition("; next in ")[0]
+            # said once while it stands: keyed on the hold itself (the guard and when it lifts), not on its
+            # reason, whose countdown ("…; next in 59m59s") changes every second (keyed on the reason, the hold
+            # was said again each time two cycles straddled a second)
+            held = (budget.guard, budget.until)
             if dispatcher.held_down.get(name) != held:
                 log.warning("%s", line)
                 said.append(line)
