@@ -130,9 +130,7 @@ class Ruling:
     allowed: bool
     guard: str
     reason: str
-    until: float | None = None
-    """A denial that lifts by itself: when (the clock ``now`` was read on). The reason says it as a countdown,
-    which changes every second; this names the hold itself (a caller that says a hold once keys on it)."""
+    until: float | None = None  # a hold that lifts by itself: when (the reason counts down; this names the hold)
 
 
 def allow(guard: str, reason: str = "") -> Ruling:
@@ -521,18 +519,15 @@ def hysteresis(knob: str, flag: str, direction: int, history: History, *, settin
 
 
 def restart_budget(history: History, settings: SafetySettings, *, now: float) -> Ruling:
-    hour = history.restarts_within(3600, now=now)
-    day = history.restarts_within(86400, now=now)
+    hour, day = history.restarts_within(3600, now=now), history.restarts_within(86400, now=now)
     if hour >= settings.max_restarts_per_hour:
         oldest = min(t for t in history.restarts if now - t < 3600) if hour else now
-        return deny("budget", f"restart budget: {hour} restart(s) in the last hour (max "
-                    f"{settings.max_restarts_per_hour}); next in {duration(oldest + 3600 - now)}",
-                    until=oldest + 3600)
+        return deny("budget", f"restart budget: {hour} restart(s) in the last hour (max {settings.max_restarts_per_hour}"
+                    f"); next in {duration(oldest + 3600 - now)}", until=oldest + 3600)
     if day >= settings.max_restarts_per_day:
         oldest = min(t for t in history.restarts if now - t < 86400) if day else now
-        return deny("budget", f"restart budget: {day} restart(s) in the last 24h (max "
-                    f"{settings.max_restarts_per_day}); next in {duration(oldest + 86400 - now)}",
-                    until=oldest + 86400)
+        return deny("budget", f"restart budget: {day} restart(s) in the last 24h (max {settings.max_restarts_per_day}"
+                    f"); next in {duration(oldest + 86400 - now)}", until=oldest + 86400)
     return allow("budget", f"{hour}/{settings.max_restarts_per_hour} this hour, "
                  f"{day}/{settings.max_restarts_per_day} today")
 
