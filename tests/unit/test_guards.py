@@ -200,19 +200,22 @@ def test_restart_budget_per_hour_and_day():
     assert "0/2 this hour" in guards.restart_budget(History(), SAFETY, now=0).reason
 
 
-@given(st.lists(st.floats(0, 86_000), min_size=1, max_size=12), st.floats(0, 3_000), st.floats(0.001, 500))
+@given(st.lists(st.floats(0, 86_000), max_size=12), st.floats(0, 3_000), st.floats(0.001, 500),
+       st.sampled_from([SAFETY, guards.SafetySettings(max_restarts_per_hour=0),
+                        guards.SafetySettings(max_restarts_per_day=0)]))
 def test_a_budget_hold_names_itself_whatever_its_countdown_reads(restarts: list[float], after: float,
-                                                                 later: float) -> None:
+                                                                 later: float, safety: guards.SafetySettings) -> None:
     """A hold of the restart budget is one hold until it lifts: the daemon says it once, keyed on the guard and
-    the instant it lifts (``until``), while its reason counts down every second (dispatching.tend)."""
+    the instant it lifts (``until``), while its reason counts down every second (dispatching.tend). A budget of
+    0 never lifts (no restart to age out of the window): no instant, or the key would move with the clock."""
     h = History(restarts=tuple(sorted(restarts)))
-    now = max(restarts) + after
-    first, second = (guards.restart_budget(h, SAFETY, now=t) for t in (now, now + later))
+    now = max(restarts, default=0.0) + after
+    first, second = (guards.restart_budget(h, safety, now=t) for t in (now, now + later))
     if first.allowed:
         assert first.until is None
         return
-    assert first.until is not None and first.until > now
-    if second.allowed or first.until <= now + later:
+    assert first.until is None or first.until > now
+    if second.allowed or (first.until is not None and first.until <= now + later):
         return
     assert (second.guard, second.until) == (first.guard, first.until)
 

@@ -130,7 +130,7 @@ class Ruling:
     allowed: bool
     guard: str
     reason: str
-    until: float | None = None  # a hold that lifts by itself: when (the reason counts down; this names the hold)
+    until: float | None = None  # when a hold lifts by itself (None: never, e.g. a budget of 0); names the hold
 
 
 def allow(guard: str, reason: str = "") -> Ruling:
@@ -523,11 +523,11 @@ def restart_budget(history: History, settings: SafetySettings, *, now: float) ->
     if hour >= settings.max_restarts_per_hour:
         oldest = min(t for t in history.restarts if now - t < 3600) if hour else now
         return deny("budget", f"restart budget: {hour} restart(s) in the last hour (max {settings.max_restarts_per_hour}"
-                    f"); next in {duration(oldest + 3600 - now)}", until=oldest + 3600)
+                    f"); next in {duration(oldest + 3600 - now)}", until=oldest + 3600 if hour else None)
     if day >= settings.max_restarts_per_day:
         oldest = min(t for t in history.restarts if now - t < 86400) if day else now
         return deny("budget", f"restart budget: {day} restart(s) in the last 24h (max {settings.max_restarts_per_day}"
-                    f"); next in {duration(oldest + 86400 - now)}", until=oldest + 86400)
+                    f"); next in {duration(oldest + 86400 - now)}", until=oldest + 86400 if day else None)
     return allow("budget", f"{hour}/{settings.max_restarts_per_hour} this hour, "
                  f"{day}/{settings.max_restarts_per_day} today")
 
