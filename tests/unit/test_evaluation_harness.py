@@ -333,7 +333,7 @@ def _rerendered(tmp_path: Path, run: str) -> tuple[Path, str]:
 
 @pytest.mark.parametrize("run", ["h100-rise", "h100-rise-run2", "h100-rise-run3", "h100-rise-run4", "h100-family-2026-5",
                                  "h100-family-2026-5-run2", "h100-family-2026-124", "h100-family-2026-124-run2",
-                                 "h100-family-2026-124-run3"])
+                                 "h100-family-2026-124-run3", "h100-family-2026-124-run4", "h100-rise-run5"])
 def test_the_committed_h100_runs_rerender_to_their_reports(tmp_path: Path, run: str) -> None:
     """tests/fixtures/evaluation/h100-* (the H200 profiles on a lent H100, docs/evaluation.md): each report
     is what its raw data says, the tuner within 0.95 × the best static beside it, no failure, no restart."""
