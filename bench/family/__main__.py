@@ -15,6 +15,7 @@ one request in two hundred: the sim is deterministic, but a moved cap reorders a
     python -m bench.family --traces 200 --seed 7            # live mode (the default)
     python -m bench.family --traces 20 --mode restart        # slow drifts, the restart path
     python -m bench.family --profile bench/evaluation/profiles/h200-rise.yaml
+    python -m bench.family --profile bench/evaluation/profiles/h200-rise.yaml --scrape-phases 8
     python -m bench.family --calibrate                       # real H200 arms against their twins
     python -m bench.family --calibrate --fit                 # the grid the twin's factors were chosen on
 """
@@ -42,9 +43,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def one(job: tuple[traces.Trace, str]) -> dict[str, Any]:
-    trace, mode = job
-    return runs.evaluate(trace, mode=mode, gpu=calibration.GPU)
+def one(job: tuple[traces.Trace, str, int]) -> dict[str, Any]:
+    trace, mode, phases = job
+    return runs.evaluate(trace, mode=mode, gpu=calibration.GPU, phases=phases)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1, help="the family's seed (default 1)")
     p.add_argument("--mode", choices=("live", "restart"), default="live")
     p.add_argument("--profile", help="run the single trace of an evaluation profile instead of a draw")
+    p.add_argument("--scrape-phases", type=int, default=1, metavar="K",
+                   help="also run each bad start with its first scrape at 1/K … (K-1)/K of an interval, and print "
+                        "how far the ratio moves with where the trace's changes fall between scrapes (default 1: "
+                        "no extra runs)")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)")
     p.add_argument("--calibrate", action="store_true",
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return calibration.main()
     if args.traces < 1:
         p.error("--traces must be at least 1")
+    if args.scrape_phases < 1:
+        p.error("--scrape-phases must be at least 1")
     if args.profile:
         from bench.evaluation import profiles
 
@@ -74,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         except profiles.ProfileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        jobs = [(traces.from_profile(profile.trace.build(), name=profile.name), args.mode)]
+        jobs = [(traces.from_profile(profile.trace.build(), name=profile.name), args.mode, args.scrape_phases)]
     else:
         rng = random.Random(args.seed)
-        jobs = [(traces.draw(rng, index=i, mode=args.mode, capacity=calibration.capacity), args.mode)
-                for i in range(args.traces)]
+        jobs = [(traces.draw(rng, index=i, mode=args.mode, capacity=calibration.capacity), args.mode,
+                 args.scrape_phases) for i in range(args.traces)]
     started = time.perf_counter()
     if args.jobs > 1 and len(jobs) > 1:
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
@@ -92,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                "ratio_p5": round(_percentile(ratios, 0.05), 4), "ratio_median": round(statistics.median(ratios), 4),
                "ratio_min": round(min(ratios), 4), "harm": harm, "wall_seconds": round(wall, 1),
                "per_trace": results}
+    if args.scrape_phases > 1:
+        summary["scrape_phases"] = _phases_summary(results, args.scrape_phases)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -102,10 +111,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['trace']:12} {r['best_static']:>5} {r['best_goodput']:7.2f} {bad['goodput']:7.2f} "
                   f"{r['ratio']:6.3f} {r['ratio_default']:7.3f} {len(bad['changes']):7d} {bad['restarts']:8d}  "
                   f"{r['describe']}{'  HARM ' + ', '.join(_harmed(r)) if r['harm'] else ''}")
+            if "ratio_phases" in r:
+                print(f"{'':12} by scrape phase: {' '.join(f'{x:.3f}' for x in r['ratio_phases'])}"
+                      f"{'  HARM ' + ', '.join(r['harm_phases']) if r['harm_phases'] else ''}")
         print(f"wall {wall:.0f} s, {args.jobs} worker(s)")
+    if "scrape_phases" in summary:
+        ph = summary["scrape_phases"]
+        print(f"scrape phases: {ph['phases']} per trace, the worst phase's ratio p5 {ph['worst_p5']:.3f} median "
+              f"{ph['worst_median']:.3f} min {ph['worst_min']:.3f}; spread (best − worst) median "
+              f"{ph['spread_median']:.3f} max {ph['spread_max']:.3f} ({ph['spread_max_trace']}), harm {ph['harm']}")
     print(f"family: {summary['traces']} traces, tuner/best static p5 {summary['ratio_p5']:.3f} median "
           f"{summary['ratio_median']:.3f} min {summary['ratio_min']:.3f}, harm {harm}")
     return 0
+
+
+def _phases_summary(results: list[dict[str, Any]], phases: int) -> dict[str, Any]:
+    """How far each trace's bad-start ratio moves with where its changes fall between two scrapes: the worst
+    phase's ratios over the family, and each trace's spread (best − worst phase)."""
+    worst = [min(r["ratio_phases"]) for r in results]
+    spreads = [max(r["ratio_phases"]) - min(r["ratio_phases"]) for r in results]
+    widest = max(range(len(results)), key=lambda i: spreads[i])
+    return {"phases": phases, "worst_p5": round(_percentile(worst, 0.05), 4),
+            "worst_median": round(statistics.median(worst), 4), "worst_min": round(min(worst), 4),
+            "spread_median": round(statistics.median(spreads), 4), "spread_max": round(spreads[widest], 4),
+            "spread_max_trace": results[widest]["trace"],
+            "harm": sum(len(r["harm_phases"]) for r in results)}
 
 
 def _harmed(r: dict[str, Any]) -> list[str]:

@@ -121,9 +121,14 @@ def settings_for(pool: Pool, *, live: bool, work: Path, overrides: Mapping[str, 
 
 
 def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, startup_seconds: float = 90.0,
-          overrides: Mapping[str, Any] | None = None, summaries: list[tuple[float, str]] | None = None) -> Arm:
+          overrides: Mapping[str, Any] | None = None, summaries: list[tuple[float, str]] | None = None,
+          scrape_phase: float = 0.0) -> Arm:
     """The tuner from ``start`` (None: vLLM's default flags). Live: the wide envelope with the cap at
-    ``start`` (the H200 ``tuner-live`` arm); restart: engines started with ``--max-num-seqs start``."""
+    ``start`` (the H200 ``tuner-live`` arm); restart: engines started with ``--max-num-seqs start``.
+    ``scrape_phase`` (0 to 1) puts the tuner's first scrape that far into its first interval: where the
+    trace's changes fall between two scrapes, which a real tuner started at any moment does not choose."""
+    if not 0.0 <= scrape_phase < 1.0:
+        raise ValueError(f"scrape_phase must be in [0, 1), got {scrape_phase}")
     argv = bad_argv(trace, cap=None if live else start)
     pool = Pool(trace, argv, gpu=gpu, cap=start if live else None, startup_seconds=startup_seconds)
     clock = lambda: pool.now  # noqa: E731 - the virtual clock every part of the tuner reads
@@ -144,7 +149,7 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
         gatherer = _Gatherer(clock)
         interval, poll = settings.scrape.interval_seconds, settings.rollout.poll_seconds
         end = trace.duration + TIMEOUT
-        next_cycle = pool.now
+        next_cycle = pool.now + scrape_phase * interval
         while pool.now < end and (pool.now < trace.duration or pool.busy()):
             if pool.now >= next_cycle - 1e-9:
                 result = cycle.run_cycle(state, settings=settings, collectors=collectors, rules=RULES,
@@ -167,10 +172,14 @@ def tuner(trace: Trace, start: int | None, *, gpu: GpuModel, live: bool = True, 
                itl_p50=res["itl_p50"])
 
 
-def evaluate(trace: Trace, *, mode: str, gpu: GpuModel, sweep: Sequence[int] = SWEEP) -> dict[str, Any]:
+def evaluate(trace: Trace, *, mode: str, gpu: GpuModel, sweep: Sequence[int] = SWEEP, phases: int = 1
+             ) -> dict[str, Any]:
     """Every arm of one trace: the static sweep (``sweep`` and vLLM's default; the start values always), the
     tuner from the bad start and from the defaults; the ratio to the best static and the harm (a tuner run
-    that served fewer requests within the SLO than staying at its start flags, by more than one in 200)."""
+    that served fewer requests within the SLO than staying at its start flags, by more than one in 200).
+    ``phases`` > 1 runs the bad start again with its first scrape at k / ``phases`` of an interval (k = 1 …
+    phases − 1): ``ratio_phases`` holds every phase's ratio (the first the one above), ``harm_phases`` those
+    runs' harm against staying at the bad start (not counted in ``harm``, the issue's figure)."""
     live = mode == "live"
     started = time.perf_counter()
     caps: list[int | None] = sorted({*sweep, BAD_START})
@@ -180,13 +189,25 @@ def evaluate(trace: Trace, *, mode: str, gpu: GpuModel, sweep: Sequence[int] = S
     default = tuner(trace, None, gpu=gpu, live=live)
     ratio = bad.goodput / best.goodput if best.goodput > 0 else 1.0
     harm = [arm.name for arm, start in ((bad, statics[BAD_START]), (default, statics[None]))
-            if arm.met < start.met - max(1, start.met // 200)]
-    return {"trace": trace.name, "seed": trace.seed, "describe": trace.describe(), "duration": trace.duration,
+            if _harmed(arm, start)]
+    shifted = [tuner(trace, BAD_START, gpu=gpu, live=live, scrape_phase=k / phases) for k in range(1, phases)]
+    extra: dict[str, Any] = {}
+    if shifted:
+        extra = {"ratio_phases": [round(ratio, 4)] + [round(a.goodput / best.goodput, 4) if best.goodput > 0
+                                                      else 1.0 for a in shifted],
+                 "harm_phases": [f"{a.name}@{k}/{phases}" for k, a in enumerate(shifted, 1)
+                                 if _harmed(a, statics[BAD_START])]}
+    return {**extra, "trace": trace.name, "seed": trace.seed, "describe": trace.describe(), "duration": trace.duration,
             "requests": len(trace.requests), "best_static": best_cap or 1024, "best_goodput": round(best.goodput, 4),
             "statics": {str(c or "default"): round(a.goodput, 4) for c, a in statics.items()},
             "tuner_bad": bad.as_dict(), "tuner_default": default.as_dict(), "ratio": round(ratio, 4),
             "ratio_default": round(default.goodput / best.goodput, 4) if best.goodput > 0 else 1.0,
             "harm": harm, "wall_seconds": round(time.perf_counter() - started, 2)}
+
+
+def _harmed(arm: Arm, start: Arm) -> bool:
+    """Fewer requests within the SLO than staying at the start flags, by more than one in 200."""
+    return arm.met < start.met - max(1, start.met // 200)
 
 
 logging.getLogger("tuner").setLevel(logging.WARNING)
