@@ -123,6 +123,9 @@ SKIPPED = {
     ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
                            'profiles/h200-family-2026-124.yaml --arms tuner-live,bad,tuner'): "a GPU machine",
     ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
+                           'profiles/h200-family-2026-124.yaml --arms tuner-live,sweep --sweep-values 256,128'):
+        "a GPU machine",
+    ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
                            'profiles/h200-family-2026-124.yaml --arms tuner-live --out'): "a GPU machine",
     ("docs/evaluation.md", 'bash bench/gpu/setup.sh && bash bench/gpu/evaluate.sh start --each "bench/evaluation/'
                            'profiles/h200-rise.yaml --arms tuner-live,sweep,default'): "a GPU machine",
