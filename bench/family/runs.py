@@ -187,25 +187,24 @@ def evaluate(trace: Trace, *, mode: str, gpu: GpuModel, sweep: Sequence[int] = S
     best_cap, best = max(statics.items(), key=lambda kv: (kv[1].goodput, -(kv[0] or 1024)))
     bad = tuner(trace, BAD_START, gpu=gpu, live=live)
     default = tuner(trace, None, gpu=gpu, live=live)
-    ratio = bad.goodput / best.goodput if best.goodput > 0 else 1.0
+    ratio_of = lambda arm: round(arm.goodput / best.goodput, 4) if best.goodput > 0 else 1.0  # noqa: E731
     harm = [arm.name for arm, start in ((bad, statics[BAD_START]), (default, statics[None]))
-            if _harmed(arm, start)]
+            if _worse_than_staying(arm, start)]
     shifted = [tuner(trace, BAD_START, gpu=gpu, live=live, scrape_phase=k / phases) for k in range(1, phases)]
     extra: dict[str, Any] = {}
     if shifted:
-        extra = {"ratio_phases": [round(ratio, 4)] + [round(a.goodput / best.goodput, 4) if best.goodput > 0
-                                                      else 1.0 for a in shifted],
+        extra = {"ratio_phases": [ratio_of(a) for a in (bad, *shifted)],
                  "harm_phases": [f"{a.name}@{k}/{phases}" for k, a in enumerate(shifted, 1)
-                                 if _harmed(a, statics[BAD_START])]}
+                                 if _worse_than_staying(a, statics[BAD_START])]}
     return {**extra, "trace": trace.name, "seed": trace.seed, "describe": trace.describe(), "duration": trace.duration,
             "requests": len(trace.requests), "best_static": best_cap or 1024, "best_goodput": round(best.goodput, 4),
             "statics": {str(c or "default"): round(a.goodput, 4) for c, a in statics.items()},
-            "tuner_bad": bad.as_dict(), "tuner_default": default.as_dict(), "ratio": round(ratio, 4),
-            "ratio_default": round(default.goodput / best.goodput, 4) if best.goodput > 0 else 1.0,
+            "tuner_bad": bad.as_dict(), "tuner_default": default.as_dict(), "ratio": ratio_of(bad),
+            "ratio_default": ratio_of(default),
             "harm": harm, "wall_seconds": round(time.perf_counter() - started, 2)}
 
 
-def _harmed(arm: Arm, start: Arm) -> bool:
+def _worse_than_staying(arm: Arm, start: Arm) -> bool:
     """Fewer requests within the SLO than staying at the start flags, by more than one in 200."""
     return arm.met < start.met - max(1, start.met // 200)
 

@@ -161,7 +161,7 @@ def test_the_first_scrape_falls_where_the_scrape_phase_puts_it() -> None:
     """``--scrape-phases``: the same trace with the tuner's scrapes shifted inside their interval (where a rise
     falls between two scrapes, which a tuner started at any moment does not choose: the issue's 0.39 × and 0.98 ×
     on one trace). live-013 of seed 7 is raised on its second scrape; shifted by half an interval, every cycle
-    and so the raise is a second later, and the evaluation reports each phase's ratio and harm."""
+    and so the raise falls on the odd seconds; a phase outside [0, 1) is refused."""
     rng = random.Random(7)
     trace = [traces.draw(rng, index=i, mode="live", capacity=calibration.capacity) for i in range(14)][13]
     first = {phase: min(at for at, _, what in runs.tuner(trace, runs.BAD_START, gpu=calibration.GPU,
