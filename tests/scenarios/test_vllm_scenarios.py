@@ -13,7 +13,7 @@ from tuner import config
 from tuner.cli import inputs
 from tuner.model import knobs
 from tuner.model.live import LiveState
-from tuner.planning import guards, planner
+from tuner.planning import guards, model_len, planner
 from tuner.rules import loading
 from tuner.signals import engine as engine_signals
 
@@ -178,7 +178,7 @@ def test_never_a_max_model_len_below_observed_need(name):
         if not any(o.rule == "shrink-hard" and o.status == "fired" for o in c.plan.outcomes):
             continue
         fired += 1
-        floor = guards.max_model_len_floor(c.signals, guards.SafetySettings())
+        floor = model_len.max_model_len_floor(c.signals, guards.SafetySettings())
         changes = [ch for ch in c.plan.changes if ch.knob == "max_model_len"]
         holds = [h for h in c.plan.held if h.rule == "shrink-hard"]
         assert len(changes) + len(holds) == 1, (changes, holds)

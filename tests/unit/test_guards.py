@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from harness.fake_nvml import FakeGpu, FakeNvml
 from tuner.model import gpus, knobs
 from tuner.model.gpus import GpuReading
-from tuner.planning import guards, planner
+from tuner.planning import guards, model_len, planner
 from tuner.planning import history as history_mod
 from tuner.planning.history import Change, History
 from tuner.rules import loading
@@ -200,6 +200,16 @@ def test_restart_budget_per_hour_and_day():
     assert "0/2 this hour" in guards.restart_budget(History(), SAFETY, now=0).reason
 
 
+@pytest.mark.parametrize("setting", ["max_restarts_per_hour", "max_restarts_per_day"])
+def test_a_budget_of_0_says_no_restart_is_allowed_and_never_lifts(setting: str) -> None:
+    """A budget of 0 is a hold that never lifts: its reason must not promise a next restart ("next in 1h")."""
+    safety = guards.SafetySettings(**{setting: 0})
+    for h in (History(), History(restarts=(0.0,))):
+        v = guards.restart_budget(h, safety, now=10.0)
+        assert not v.allowed and v.until is None
+        assert v.reason == f"restart budget: no restart is allowed (safety.{setting} is 0)"
+
+
 @given(st.lists(st.floats(0, 86_000), max_size=12), st.floats(0, 3_000), st.floats(0.001, 500),
        st.sampled_from([SAFETY, guards.SafetySettings(max_restarts_per_hour=0),
                         guards.SafetySettings(max_restarts_per_day=0)]))
@@ -229,21 +239,21 @@ def test_crash_memory():
 
 
 def test_max_model_len_floor():
-    f = guards.max_model_len_floor(sig(prompt_tokens_p99=1000, max_tokens_p99=500, prompt_tokens_max=2000,
+    f = model_len.max_model_len_floor(sig(prompt_tokens_p99=1000, max_tokens_p99=500, prompt_tokens_max=2000,
                                        max_tokens_max=500), SAFETY)
     assert f.tokens == 2202 and "prompt_tokens_max 2000 + 1 = 2001" in f.reason  # the largest need wins
-    f = guards.max_model_len_floor(sig(prompt_tokens_p99=1000, max_tokens_p99=1000), SAFETY)
+    f = model_len.max_model_len_floor(sig(prompt_tokens_p99=1000, max_tokens_p99=1000), SAFETY)
     assert f.tokens == 2200
-    f = guards.max_model_len_floor(sig(max_tokens_max=8192, prompt_tokens_max=100), SAFETY)
+    f = model_len.max_model_len_floor(sig(max_tokens_max=8192, prompt_tokens_max=100), SAFETY)
     assert f.tokens == 9012  # clients asking max_tokens=8192 get a 400 below that
-    unknown = guards.max_model_len_floor(sig(prompt_tokens_p99=1000), SAFETY)
+    unknown = model_len.max_model_len_floor(sig(prompt_tokens_p99=1000), SAFETY)
     assert unknown.tokens is None and "max_tokens_p99" in unknown.reason
-    assert not guards.floor_check(4096, unknown).allowed
-    assert not guards.floor_check(2000, f).allowed
-    assert guards.floor_check(9012, f).allowed
+    assert not model_len.floor_check(4096, unknown).allowed
+    assert not model_len.floor_check(2000, f).allowed
+    assert model_len.floor_check(9012, f).allowed
     above = {"prompt_tokens_max": Signal(2000, "above the highest finite bucket: ≥ 2000", None, (2000, float("inf"))),
              "max_tokens_max": Signal(100)}
-    f = guards.max_model_len_floor(above, SAFETY)
+    f = model_len.max_model_len_floor(above, SAFETY)
     assert f.tokens is None and "≥ 2000" in f.reason and "custom-histogram-buckets" in f.reason
 
 

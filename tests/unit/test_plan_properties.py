@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tuner.model import knobs
-from tuner.planning import guards, planner
+from tuner.planning import guards, model_len, planner
 from tuner.planning import history as history_mod
 from tuner.planning.history import History
 from tuner.rules import loading
@@ -122,7 +122,7 @@ def check_invariants(p, sigs, args, history, s, now):
         assert history.restarts_within(86400, now=now) < s.safety.max_restarts_per_day
     else:
         assert p.args_after == p.args_before
-    floor = guards.max_model_len_floor(sigs, s.safety)
+    floor = model_len.max_model_len_floor(sigs, s.safety)
     for c in p.changes:
         # the move is in its direction and different
         assert c.to_value != c.from_value

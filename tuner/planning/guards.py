@@ -12,7 +12,8 @@ as the held reason (the same text goes to logs and the ``reason`` label of tuner
   crash       the resulting command line never failed to start before (crash memory)
   cooldown    the flag was not changed within max(rule cooldown, safety.cooldown_seconds)
   hysteresis  the flag does not reverse direction within safety.hysteresis_seconds
-  floor       --max-model-len never below observed traffic need + margin (no request is rejected)
+  floor       --max-model-len never below observed traffic need + margin (no request is rejected;
+              planning.model_len)
   engine      vLLM's startup validation passes (knobs.validate)
   budget      at most N restarts per hour and per day
 
@@ -34,7 +35,7 @@ from pydantic import BaseModel, Field
 
 from tuner.model import bounds, knobs
 from tuner.planning.history import ROLLED_BACK, History
-from tuner.signals import Signal, SignalSet
+from tuner.signals import SignalSet, reason_of, value_of
 
 
 class _Model(bounds.Settings, BaseModel):  # model.bounds: finite numbers, durations a scheduler holds
@@ -182,16 +183,6 @@ def duration(seconds: float) -> str:
     return "".join(parts[:2]) or "0s"
 
 
-def _v(signals: SignalSet, name: str) -> float | None:
-    sig = signals.get(name)
-    return None if sig is None else sig.value
-
-
-def _why(signals: SignalSet, name: str) -> str:
-    sig: Signal | None = signals.get(name)
-    return (sig.reason if sig is not None else None) or "not computed"
-
-
 # --- window and idle ------------------------------------------------------------------------------
 
 
@@ -202,7 +193,7 @@ def sustained(rule: str, signals: SignalSet, history: History, settings: SafetyS
     need = settings.restart_evidence_seconds
     if need <= 0:
         return allow("sustained")
-    held = (_v(signals, "window_seconds") or 0.0) if since is None else now - since
+    held = (value_of(signals, "window_seconds") or 0.0) if since is None else now - since
     if held < need:
         return deny("sustained", f"after {duration(need - held)} more of sustained evidence (a restart needs "
                     f"{duration(need)}; true for {duration(held)} so far)")
@@ -227,8 +218,8 @@ def payback(signals: SignalSet, settings: SafetySettings, *, knob: str, from_val
     memory = knob == "gpu_memory_utilization"
     if knob not in ("max_num_seqs", "gpu_memory_utilization") or to_value <= from_value or from_value <= 0:
         return allow("payback", "not a change this test sizes (only more sequence slots or KV memory)")
-    arrivals, served = _v(signals, "arrival_rate_per_s"), _v(signals, "request_rate")
-    running, waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
+    arrivals, served = value_of(signals, "arrival_rate_per_s"), value_of(signals, "request_rate")
+    running, waiting = value_of(signals, "requests_running"), value_of(signals, "requests_waiting")
     if arrivals is None or served is None or running is None or waiting is None:
         return allow("payback", "arrival or completion rate unknown: not tested")
     if served <= 0:
@@ -249,15 +240,15 @@ def payback(signals: SignalSet, settings: SafetySettings, *, knob: str, from_val
 
 def window(signals: SignalSet) -> Ruling:
     """Rates need a valid window: no decisions from a failed, stale or restarted one."""
-    if _v(signals, "window_seconds") is None:
-        return deny("window", f"no decision: {_why(signals, 'window_seconds')}")
-    if _v(signals, "request_rate") is None:
-        return deny("window", f"no decision: request_rate unknown ({_why(signals, 'request_rate')})")
+    if value_of(signals, "window_seconds") is None:
+        return deny("window", f"no decision: {reason_of(signals, 'window_seconds')}")
+    if value_of(signals, "request_rate") is None:
+        return deny("window", f"no decision: request_rate unknown ({reason_of(signals, 'request_rate')})")
     return allow("window")
 
 
 def requests_in_window(signals: SignalSet) -> float | None:
-    rate, span = _v(signals, "request_rate"), _v(signals, "window_seconds")
+    rate, span = value_of(signals, "request_rate"), value_of(signals, "window_seconds")
     return None if rate is None or span is None else rate * span
 
 
@@ -266,7 +257,7 @@ def idle(signals: SignalSet, settings: IdleSettings) -> Ruling:
     if n is None:
         return deny("idle", "no decision: the number of requests in the window is unknown")
     if n < settings.min_requests_per_window:
-        span = _v(signals, "window_seconds") or 0.0
+        span = value_of(signals, "window_seconds") or 0.0
         return deny("idle", f"no decision: {n:.0f} requests finished in the {duration(span)} window "
                     f"(need ≥ {settings.min_requests_per_window})")
     return allow("idle", f"{n:.0f} requests in the window")
@@ -277,8 +268,8 @@ def backlog_at_cap(signals: SignalSet, cap: float | None) -> str | None:
     every slot of the admission cap is busy (a closed loop of long requests, or a bad cap under a full load,
     finishes few in its first seconds); None when that is not so. Only a raise of the cap may go out on it
     (``planner.plan``): the idle guard is there for thin evidence, and a queue at the cap is not thin."""
-    waiting, mean = _v(signals, "requests_waiting"), _v(signals, "requests_waiting_mean")
-    running = _v(signals, "requests_running_max")
+    waiting, mean = value_of(signals, "requests_waiting"), value_of(signals, "requests_waiting_mean")
+    running = value_of(signals, "requests_running_max")
     if cap is None or cap <= 0 or waiting is None or mean is None or running is None:
         return None
     if waiting >= 1 and mean >= 1 and running >= 0.9 * cap:
@@ -308,7 +299,7 @@ def keep_warm(signals: SignalSet, history: History, settings: IdleSettings, *, n
     after = settings.keep_warm_after_seconds
     if after is None or since is None:
         return None
-    if settings.sleep_after_seconds is not None and (_v(signals, "sleep_level") or 0) > 0:
+    if settings.sleep_after_seconds is not None and (value_of(signals, "sleep_level") or 0) > 0:
         return None
     quiet = now - since
     if quiet < after:
@@ -324,14 +315,14 @@ def sleep_or_wake(signals: SignalSet, settings: IdleSettings, *, now: float, sin
     Reads ``sleep_level`` (vllm:engine_sleep_state); an engine that does not report it is left alone. Demand
     while asleep is ``server_load`` (GET /load) too, since vLLM's request gauges do not move then."""
     after = settings.sleep_after_seconds
-    level = _v(signals, "sleep_level")
+    level = value_of(signals, "sleep_level")
     if after is None or level is None:
         return None
     if level > 0:
         # vLLM's own gauges stand still while it sleeps (H200, vLLM 0.26: a request sent to a sleeping
         # engine left num_requests_waiting/running at 0); GET /load counts it.
-        load = _v(signals, "server_load")
-        waiting, running = _v(signals, "requests_waiting"), _v(signals, "requests_running")
+        load = value_of(signals, "server_load")
+        waiting, running = value_of(signals, "requests_waiting"), value_of(signals, "requests_running")
         demand = max(load or 0, (waiting or 0) + (running or 0))
         if demand > 0:
             return Action("wake", f"{demand:.0f} requests on a sleeping engine (sleep level {level:.0f})",
@@ -356,12 +347,12 @@ def warm_up(settings: IdleSettings, *, reason: str) -> Action | None:
 def hot(signals: SignalSet, settings: ThermalSettings) -> str | None:
     """Why the GPUs count as thermally stressed, or None. The power cap alone never does."""
     reasons = []
-    if _v(signals, "thermal_throttle") == 1:
+    if value_of(signals, "thermal_throttle") == 1:
         reasons.append("thermal throttling (clock-event reason SW/HW thermal slowdown)")
-    if settings.freeze_on_hw_slowdown and _v(signals, "hw_slowdown") == 1:
+    if settings.freeze_on_hw_slowdown and value_of(signals, "hw_slowdown") == 1:
         reasons.append("hardware slowdown (clock-event reason HW slowdown / power brake)")
-    margin = _v(signals, "temp_margin_c")
-    temp = _v(signals, "gpu_temp_c")
+    margin = value_of(signals, "temp_margin_c")
+    temp = value_of(signals, "gpu_temp_c")
     if margin is not None and margin < settings.margin_c:
         at = f"GPU {temp:g} °C, " if temp is not None else ""
         reasons.append(f"{at}{margin:g} °C below its slowdown temperature (keep ≥ {settings.margin_c:g} °C)")
@@ -378,7 +369,7 @@ def power(signals: SignalSet, settings: ThermalSettings, *, capped: bool) -> Act
     why = hot(signals, settings)
     if why is not None:
         return None if capped else Action("power-cap", why, requests=0)
-    known = any(_v(signals, name) is not None for name in ("thermal_throttle", "temp_margin_c", "gpu_temp_c"))
+    known = any(value_of(signals, name) is not None for name in ("thermal_throttle", "temp_margin_c", "gpu_temp_c"))
     if capped and known:
         return Action("power-restore", "thermal condition cleared", requests=0)
     return None
@@ -406,7 +397,7 @@ def thermal(signals: SignalSet, settings: ThermalSettings, *, adds_load: bool) -
     why = hot(signals, settings)
     if why is None:
         note = ""
-        if _v(signals, "power_capped") == 1:
+        if value_of(signals, "power_capped") == 1:
             note = "power-capped, which is not thermal"
         return allow("thermal", note)
     if not adds_load:
@@ -519,77 +510,22 @@ def hysteresis(knob: str, flag: str, direction: int, history: History, *, settin
 
 
 def restart_budget(history: History, settings: SafetySettings, *, now: float) -> Ruling:
-    hour, day = history.restarts_within(3600, now=now), history.restarts_within(86400, now=now)
-    if hour >= settings.max_restarts_per_hour:
-        oldest = min(t for t in history.restarts if now - t < 3600) if hour else now
-        return deny("budget", f"restart budget: {hour} restart(s) in the last hour (max {settings.max_restarts_per_hour}"
-                    f"); next in {duration(oldest + 3600 - now)}", until=oldest + 3600 if hour else None)
-    if day >= settings.max_restarts_per_day:
-        oldest = min(t for t in history.restarts if now - t < 86400) if day else now
-        return deny("budget", f"restart budget: {day} restart(s) in the last 24h (max {settings.max_restarts_per_day}"
-                    f"); next in {duration(oldest + 86400 - now)}", until=oldest + 86400 if day else None)
-    return allow("budget", f"{hour}/{settings.max_restarts_per_hour} this hour, "
-                 f"{day}/{settings.max_restarts_per_day} today")
+    """At most ``max_restarts_per_hour`` and ``max_restarts_per_day`` restarts; a hold lifts when the oldest
+    restart in the window ages out (``until``), and a budget of 0 never lifts: no restart at all."""
+    for limit, span, setting, where in ((settings.max_restarts_per_hour, 3600, "max_restarts_per_hour", "hour"),
+                                        (settings.max_restarts_per_day, 86400, "max_restarts_per_day", "24h")):
+        if limit == 0:
+            return deny("budget", f"restart budget: no restart is allowed (safety.{setting} is 0)")
+        used = history.restarts_within(span, now=now)
+        if used >= limit:
+            lifts = min(t for t in history.restarts if now - t < span) + span
+            return deny("budget", f"restart budget: {used} restart(s) in the last {where} (max {limit}); "
+                                  f"next in {duration(lifts - now)}", until=lifts)
+    return allow("budget", f"{history.restarts_within(3600, now=now)}/{settings.max_restarts_per_hour} this hour, "
+                 f"{history.restarts_within(86400, now=now)}/{settings.max_restarts_per_day} today")
 
 
-# --- max-model-len floor, engine constraints ---------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Floor:
-    tokens: int | None
-    reason: str
-
-
-def max_model_len_floor(signals: SignalSet, settings: SafetySettings) -> Floor:
-    """The smallest --max-model-len that rejects no observed request, plus the margin.
-
-    vLLM returns 400 when ``max_tokens > max_model_len`` or when the prompt alone reaches it; when
-    prompt + max_tokens exceeds it, output is silently cut (engine-contract.md §4). So the need is the
-    largest of: prompt_tokens_p99 + max_tokens_p99 (typical requests complete), prompt_tokens_max + 1
-    and max_tokens_max (no request since start is refused). The token signals are bucket *upper*
-    bounds already; one that fell above the highest finite bucket is only a lower bound, so the need
-    is unknown. Without a prompt-length and a max_tokens signal the floor is unknown too, and no
-    lowering is allowed.
-    """
-    names = ("prompt_tokens_p99", "max_tokens_p99", "prompt_tokens_max", "max_tokens_max")
-    unbounded = [n for n in names if (s := signals.get(n)) is not None and s.value is not None
-                 and s.bounds is not None and math.isinf(s.bounds[1])]
-    if unbounded:
-        # "≥ 2000" (above the highest finite bucket) is a lower bound: the real need is not known.
-        n = unbounded[0]
-        return Floor(None, f"{n} is above its highest finite bucket (≥ {_v(signals, n):g}): the real need is "
-                           "unknown (set --custom-histogram-buckets for finer token buckets)")
-    p99, m99 = _v(signals, "prompt_tokens_p99"), _v(signals, "max_tokens_p99")
-    pmax, mmax = _v(signals, "prompt_tokens_max"), _v(signals, "max_tokens_max")
-    parts: list[tuple[float, str]] = []
-    if p99 is not None and m99 is not None:
-        parts.append((p99 + m99, f"prompt_tokens_p99 {p99:g} + max_tokens_p99 {m99:g}"))
-    if pmax is not None:
-        parts.append((pmax + 1, f"prompt_tokens_max {pmax:g} + 1"))
-    if mmax is not None:
-        parts.append((mmax, f"max_tokens_max {mmax:g}"))
-    have_prompt = p99 is not None or pmax is not None
-    have_output = m99 is not None or mmax is not None
-    if not (have_prompt and have_output):
-        missing = [n for n, v in (("prompt_tokens_p99", p99), ("prompt_tokens_max", pmax),
-                                  ("max_tokens_p99", m99), ("max_tokens_max", mmax)) if v is None]
-        return Floor(None, "observed need unknown (" + "; ".join(
-            f"{n}: {_why(signals, n)}" for n in missing) + ")")
-    need, what = max(parts)
-    tokens = math.ceil(need * (1 + settings.max_model_len_margin))
-    return Floor(tokens, f"{what} = {need:g}, + {settings.max_model_len_margin:.0%} margin = {tokens}")
-
-
-def floor_check(to_value: knobs.Value, floor: Floor, *, from_value: knobs.Value | None = None) -> Ruling:
-    if floor.tokens is None:
-        return deny("floor", f"--max-model-len not lowered: {floor.reason}")
-    if float(to_value) < floor.tokens:
-        if from_value is not None and float(from_value) <= floor.tokens:
-            return deny("floor", f"--max-model-len {knobs.format_value(from_value)} is already at the observed "
-                                 f"need: {floor.reason}")
-        return deny("floor", f"{knobs.format_value(to_value)} is below the observed need: {floor.reason}")
-    return allow("floor", floor.reason)
+# --- engine constraints -------------------------------------------------------------------------------
 
 
 def engine_constraints(args_after: knobs.EngineArgs, kind: knobs.EngineKind, *, platform: str | None,

@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from tuner.model import bounds, knobs
 from tuner.model import live as live_mod
-from tuner.planning import guards
+from tuner.planning import guards, model_len
 from tuner.planning.history import ROLLED_BACK, Change, History
 from tuner.rules import evaluation, models
 from tuner.rules.schema import Rule
@@ -370,7 +370,7 @@ def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(d))
 
 
-def _floored(p: evaluation.Proposal, floor: guards.Floor) -> evaluation.Proposal:
+def _floored(p: evaluation.Proposal, floor: model_len.Floor) -> evaluation.Proposal:
     """A --max-model-len lowering that undershoots the observed need is raised to the floor (if that is
     still a lowering); the floor guard then only has to refuse what cannot be floored."""
     if floor.tokens is None or float(p.to_value) >= floor.tokens or floor.tokens >= float(p.from_value):
@@ -415,7 +415,7 @@ def _retries(p: evaluation.Proposal, history: History, *, live: bool) -> bool:
 
 
 def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluation.Context, signals: SignalSet,
-              history: History, settings: DecisionSettings, *, now: float, floor: guards.Floor | None,
+              history: History, settings: DecisionSettings, *, now: float, floor: model_len.Floor | None,
               live: bool = False) -> Iterator[guards.Ruling]:
     """The guards one proposal must pass, in order (lazily: the first "no" is the reason). A live change
     has the live cooldown and hysteresis and needs no start-up validation (the command line stays)."""
@@ -424,7 +424,7 @@ def _verdicts(p: evaluation.Proposal, candidate: knobs.EngineArgs, ctx: evaluati
     yield guards.thermal(signals, settings.thermal, adds_load=p.adds_load)
     if p.knob == "max_model_len" and p.direction < 0:
         assert floor is not None
-        yield guards.floor_check(p.to_value, floor, from_value=p.from_value)
+        yield model_len.floor_check(p.to_value, floor, from_value=p.from_value)
     yield guards.cooldown(p.knob, p.flag, history, rule_cooldown_seconds=p.cooldown_seconds,
                           settings=settings.safety, now=now, live=live, direction=p.direction, breach=p.breach,
                           experiment=p.rule if p.experimental else None,
@@ -473,7 +473,7 @@ def _choose(
     held: list[Held] = []
     accepted: list[tuple[evaluation.Proposal, Change]] = []
     args_after = ctx.args
-    floor: guards.Floor | None = None
+    floor: model_len.Floor | None = None
     order = {id(p): i for i, p in enumerate(proposals)}
     for p in sorted(proposals, key=lambda p: (-p.priority, order[id(p)])):
         taken = next((c for _, c in accepted if c.knob == p.knob), None)
@@ -482,7 +482,7 @@ def _choose(
                              "(higher priority)"))
             continue
         if p.knob == "max_model_len" and p.direction < 0:
-            floor = floor or guards.max_model_len_floor(signals, settings.safety)
+            floor = floor or model_len.max_model_len_floor(signals, settings.safety)
             p = _floored(p, floor)
         movable = ctx.live.can_move(p.knob, float(p.to_value)) is None
         guarded = _regime_passed(p.knob, history, regime_since) if movable else history

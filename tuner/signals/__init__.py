@@ -45,6 +45,18 @@ def missing(reason: str) -> Signal:
 SignalSet = Mapping[str, Signal]
 
 
+def value_of(signals: SignalSet, name: str) -> float | None:
+    """The signal's value; None where it is missing or not computed."""
+    sig = signals.get(name)
+    return None if sig is None else sig.value
+
+
+def reason_of(signals: SignalSet, name: str) -> str:
+    """Why the signal has no value (its ``reason``), "not computed" where it is absent."""
+    sig = signals.get(name)
+    return (sig.reason if sig is not None else None) or "not computed"
+
+
 @dataclass(frozen=True, slots=True)
 class Definition:
     unit: str
