@@ -115,9 +115,9 @@ class SafetySettings(_Model):
     """A flag is not moved the opposite way within this long after a change (stops flapping
     between e.g. a throughput rule and a latency rule)."""
     max_restarts_per_hour: int = Field(default=2, ge=0)
-    """Restarts the tuner may cause per rolling hour (every change set is one restart)."""
+    """Restarts the tuner may cause per rolling hour (every change set is one restart; 0: none at all)."""
     max_restarts_per_day: int = Field(default=8, ge=0)
-    """Restarts the tuner may cause per rolling 24 h."""
+    """Restarts the tuner may cause per rolling 24 h (0: none at all)."""
     max_model_len_margin: float = Field(default=0.10, ge=0)
     """--max-model-len stays ≥ (observed need) × (1 + this)."""
     reject_seconds: float = Field(default=86400.0, ge=0)
