@@ -512,17 +512,17 @@ def hysteresis(knob: str, flag: str, direction: int, history: History, *, settin
 def restart_budget(history: History, settings: SafetySettings, *, now: float) -> Ruling:
     """At most ``max_restarts_per_hour`` and ``max_restarts_per_day`` restarts; a hold lifts when the oldest
     restart in the window ages out (``until``), and a budget of 0 never lifts: no restart at all."""
-    for limit, span, setting, where in ((settings.max_restarts_per_hour, 3600, "max_restarts_per_hour", "hour"),
-                                        (settings.max_restarts_per_day, 86400, "max_restarts_per_day", "24h")):
+    hour, day = history.restarts_within(3600, now=now), history.restarts_within(86400, now=now)
+    for limit, used, span, setting, where in ((settings.max_restarts_per_hour, hour, 3600, "max_restarts_per_hour", "hour"),
+                                              (settings.max_restarts_per_day, day, 86400, "max_restarts_per_day", "24h")):
         if limit == 0:
             return deny("budget", f"restart budget: no restart is allowed (safety.{setting} is 0)")
-        used = history.restarts_within(span, now=now)
         if used >= limit:
             lifts = min(t for t in history.restarts if now - t < span) + span
             return deny("budget", f"restart budget: {used} restart(s) in the last {where} (max {limit}); "
                                   f"next in {duration(lifts - now)}", until=lifts)
-    return allow("budget", f"{history.restarts_within(3600, now=now)}/{settings.max_restarts_per_hour} this hour, "
-                 f"{history.restarts_within(86400, now=now)}/{settings.max_restarts_per_day} today")
+    return allow("budget", f"{hour}/{settings.max_restarts_per_hour} this hour, "
+                 f"{day}/{settings.max_restarts_per_day} today")
 
 
 # --- engine constraints -------------------------------------------------------------------------------
