@@ -513,8 +513,9 @@ def restart_budget(history: History, settings: SafetySettings, *, now: float) ->
     """At most ``max_restarts_per_hour`` and ``max_restarts_per_day`` restarts; a hold lifts when the oldest
     restart in the window ages out (``until``), and a budget of 0 never lifts: no restart at all."""
     hour, day = history.restarts_within(3600, now=now), history.restarts_within(86400, now=now)
-    for limit, used, span, setting, where in ((settings.max_restarts_per_hour, hour, 3600, "max_restarts_per_hour", "hour"),
-                                              (settings.max_restarts_per_day, day, 86400, "max_restarts_per_day", "24h")):
+    windows = ((settings.max_restarts_per_hour, hour, 3600, "max_restarts_per_hour", "hour"),
+               (settings.max_restarts_per_day, day, 86400, "max_restarts_per_day", "24h"))
+    for limit, used, span, setting, where in windows:
         if limit == 0:
             return deny("budget", f"restart budget: no restart is allowed (safety.{setting} is 0)")
         if used >= limit:

@@ -57,7 +57,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.model import bounds
-from tuner.signals import Signal
+from tuner.signals import Signal, reason_of, value_of
 
 
 class _Model(bounds.Settings, BaseModel):  # BaseModel again: ruff's pydantic detection (RUF012)
@@ -171,14 +171,8 @@ class Estimate:
     text: str
 
 
-def _v(signals: Mapping[str, Signal], name: str) -> float | None:
-    s = signals.get(name)
-    return None if s is None else s.value
-
-
 def _why(signals: Mapping[str, Signal], name: str) -> str:
-    s = signals.get(name)
-    return f"{name} unknown ({(s.reason if s is not None else None) or 'not computed'})"
+    return f"{name} unknown ({reason_of(signals, name)})"
 
 
 MAX_LOWERING = 0.5  # a lowering step keeps at least this share of the window's batch (concurrency, down)
@@ -198,7 +192,7 @@ def _slots_for(throughput: float, s0: float, n0: float, alpha: float) -> float:
 def _growing_unfinished(signals: Mapping[str, Signal], growth: float | None) -> str | None:
     """Why the arrivals need more than today's cap though no request finished in the window (no slot time):
     requests wait now and what is inside the engine grows; None otherwise."""
-    finished, waiting = _v(signals, "request_rate"), _v(signals, "requests_waiting")
+    finished, waiting = value_of(signals, "request_rate"), value_of(signals, "requests_waiting")
     if finished is None or finished > 0 or waiting is None or waiting < 1 or growth is None or growth <= 0:
         return None
     return (f"no request finished in the window (no slot time to size with) while {waiting:.0f} wait and the "
@@ -223,7 +217,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
     alpha = settings.tpot_exponent
     names = ("arrival_rate_per_s", "slot_seconds_mean", "requests_running_mean", "requests_waiting_mean",
              "in_system_growth_per_s")
-    values = {n: _v(signals, n) for n in names}
+    values = {n: value_of(signals, n) for n in names}
     missing = [n for n, v in values.items() if v is None]
     if missing == ["slot_seconds_mean"] and live_ceiling is not None and not down and not past_frontier \
             and current is not None and live_ceiling > current:
@@ -266,7 +260,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         # just raised): the arrivals are the demand, and the backlog goes on its own — unless it would take
         # longer than backlog_seconds, which the absorb sizing below covers. Sizing from the requests inside
         # here over-shot a live step already taken (test_cadence: 8 → 63 → 77 → 99 on one rise).
-        now_running, now_waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
+        now_running, now_waiting = value_of(signals, "requests_running"), value_of(signals, "requests_waiting")
         left = (now_running or 0.0) + (now_waiting or 0.0) - n0
         if now_waiting and left > 0 and left / -growth > settings.backlog_seconds:
             absorb = _slots_for(max(lam, 0.0) + left / settings.backlog_seconds, s0, n0, alpha)
@@ -283,7 +277,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
             text += (f"; the queue is stable, {inside:.3g} requests inside (running + waiting) are the demand "
                      f"→ {target}")
     else:
-        now_running, now_waiting = _v(signals, "requests_running"), _v(signals, "requests_waiting")
+        now_running, now_waiting = value_of(signals, "requests_running"), value_of(signals, "requests_waiting")
         if now_running is not None and now_waiting is not None:
             backlog = now_running + now_waiting - little
             if backlog > 0:
@@ -292,7 +286,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
                     target = math.ceil(absorb - 1e-9)
                     text += (f"; the queue grows: a backlog of {backlog:.3g} served within "
                              f"{settings.backlog_seconds:g} s needs {target}")
-    ttft, ttft_slo = _v(signals, "ttft_p99_s"), (slo.ttft_p99_s if slo is not None else None)
+    ttft, ttft_slo = value_of(signals, "ttft_p99_s"), (slo.ttft_p99_s if slo is not None else None)
     broken = ttft is not None and ttft_slo is not None and ttft > ttft_slo
     needs_more = current is not None and target > current
     if live_ceiling is not None and not down and not past_frontier and current is not None and (
@@ -325,7 +319,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
     if down:
         f = max(1, math.floor(frontier + 1e-9))
         need = math.ceil(little / u - 1e-9)
-        batch = _v(signals, "requests_running_max") or 0.0
+        batch = value_of(signals, "requests_running_max") or 0.0
         if f < need:
             # overloaded: the arrivals need more slots in service (÷ utilisation) than the TPOT SLO allows, and no
             # lowering meets the TPOT SLO without a queue that grows without end — every request would then miss
@@ -379,7 +373,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
         median = _frontier(signals, slo, alpha, quantile="tpot_p50_s")
         if isinstance(median, str):
             return Estimate(None, f"{over}; but {median.replace('TPOT frontier', 'median TPOT frontier')}")
-        batch = _v(signals, "requests_running_max") or 0.0
+        batch = value_of(signals, "requests_running_max") or 0.0
         m = math.floor(median + 1e-9)
         if m < g:
             if m < batch * (1 + settings.min_step):
@@ -401,7 +395,7 @@ def concurrency(signals: Mapping[str, Signal], settings: ModelSettings, *, utili
                      f"away) → {target}")
     if target > frontier:
         # never below today's batch: a raise the frontier forbids is a no-op here, the lowering rule's to make
-        f = max(1, math.floor(frontier + 1e-9), math.floor(_v(signals, "requests_running_max") or 1))
+        f = max(1, math.floor(frontier + 1e-9), math.floor(value_of(signals, "requests_running_max") or 1))
         if little > frontier:
             return Estimate(float(f), f"{text}; overloaded: even the TPOT SLO frontier {frontier:.3g} cannot carry "
                                       f"the arrivals (the pool needs more replicas) → {f}")
@@ -413,8 +407,8 @@ def _prefill_frontier(signals: Mapping[str, Signal], slo: SloSettings, settings:
     """The batch whose predicted TPOT p99 meets the SLO where a bound cap admits n · P/O prompt tokens a step
     (``ModelSettings.prefill_frontier``): a step costs B + n · (s + P/O) prefill-token equivalents, scaled to the
     TPOT p99 measured at the window's batch; None where a reading is missing."""
-    tpot, batch = _v(signals, "tpot_p99_s"), _v(signals, "requests_running_max")
-    prompt, generated = _v(signals, "prompt_tokens_per_s"), _v(signals, "generation_tokens_per_s")
+    tpot, batch = value_of(signals, "tpot_p99_s"), value_of(signals, "requests_running_max")
+    prompt, generated = value_of(signals, "prompt_tokens_per_s"), value_of(signals, "generation_tokens_per_s")
     if tpot is None or batch is None or prompt is None or generated is None or tpot <= 0 or batch <= 0 \
             or generated <= 0:
         return None
@@ -431,11 +425,11 @@ def _prefill_stop(signals: Mapping[str, Signal], settings: ModelSettings, slo: S
     no raise) and why; None where the ceiling stands."""
     if not settings.prefill_frontier or slo is None:
         return None
-    median_ttft = _v(signals, "ttft_p50_s")
+    median_ttft = value_of(signals, "ttft_p50_s")
     if median_ttft is None or median_ttft > slo.ttft_p99_s:
         return None  # an old queue (or no reading): its requests missed their SLO already, draining is what is left
     frontier = _prefill_frontier(signals, slo, settings)
-    waiting, batch = _v(signals, "requests_waiting") or 0.0, _v(signals, "requests_running_max") or 0.0
+    waiting, batch = value_of(signals, "requests_waiting") or 0.0, value_of(signals, "requests_running_max") or 0.0
     if frontier is None or target <= frontier or frontier > PREFILL_FRONTIER_RANGE * batch:
         return None
     if need + waiting <= frontier:
@@ -459,7 +453,7 @@ def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, alpha: flo
     the batch)."""
     if slo is None:
         return "no TPOT frontier (no SLO given)"
-    tpot, batch = _v(signals, quantile), _v(signals, "requests_running_max")
+    tpot, batch = value_of(signals, quantile), value_of(signals, "requests_running_max")
     if tpot is None or tpot <= 0:
         return f"no TPOT frontier ({_why(signals, quantile)})"
     if batch is None or batch <= 0:
@@ -471,10 +465,10 @@ def _frontier(signals: Mapping[str, Signal], slo: SloSettings | None, alpha: flo
 
 def step_budget(signals: Mapping[str, Signal], slo: SloSettings, *, current: float) -> Estimate:
     """The per-step token budget that brings the inter-token tail to the SLO (module docstring)."""
-    p50, p99 = _v(signals, "itl_p50_s"), _v(signals, "itl_p99_s")
+    p50, p99 = value_of(signals, "itl_p50_s"), value_of(signals, "itl_p99_s")
     if p50 is None or p99 is None:
         return Estimate(None, "; ".join(_why(signals, n) for n in ("itl_p50_s", "itl_p99_s")
-                                        if _v(signals, n) is None))
+                                        if value_of(signals, n) is None))
     target_itl = slo.itl_p99_s
     if p99 <= target_itl:
         return Estimate(current, f"itl_p99_s {p99:.3g} s already meets the SLO {target_itl:g} s")
