@@ -11,7 +11,9 @@ engine's uid owns it and nobody else can write, or when it is shared through one
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import os
 import shutil
 import stat
@@ -32,15 +34,41 @@ AGENT = (65532, 0, ())  # uid, gid, supplementary groups: the tuner's image (USE
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root (CI and make test run as root)")
 
 
+class _Swallowed(logging.Handler):
+    """The exceptions the plugin caught and logged (it never lets one reach the engine)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.seen.append(f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
+
+
+def _load_before_dropping_root() -> None:
+    """What the child may need that Python loads lazily. The interpreter may live where only root can
+    read (here, pyenv under /root, 0700): after ``setuid`` the child can import nothing new, and a codec
+    looked up for the first time (``open(..., encoding="ascii")``) fails with LookupError. The
+    plugin, run by an engine whose own interpreter it can read, never meets this; the test must not
+    depend on which earlier test in the same worker happened to load it."""
+    for name in ("ascii", "utf-8", "latin-1"):
+        codecs.lookup(name)
+
+
 def as_user(ids: tuple[int, int, tuple[int, ...]], work: Callable[[], Any]) -> Any:
     """``work()`` in a forked child under uid, gid and groups ``ids``; its JSON-able result, or the
-    exception's type and text as ``{"error": ...}``."""
+    exception's type and text as ``{"error": ...}``; with ``"swallowed"``, the exceptions the plugin
+    caught and logged on the way (an assertion's diff then says why nothing was applied)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 0
         try:
             os.close(read)
+            _load_before_dropping_root()
+            swallowed = _Swallowed()
+            logging.getLogger().addHandler(swallowed)
             uid, gid, groups = ids
             os.setgroups(list(groups))
             os.setgid(gid)
@@ -49,6 +77,8 @@ def as_user(ids: tuple[int, int, tuple[int, ...]], work: Callable[[], Any]) -> A
                 out: Any = {"ok": work()}
             except Exception as exc:
                 out = {"error": f"{type(exc).__name__}: {exc}"}
+            if swallowed.seen:
+                out["swallowed"] = swallowed.seen
             os.write(write, json.dumps(out).encode())
         except BaseException:
             code = 1
