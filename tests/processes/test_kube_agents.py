@@ -116,12 +116,19 @@ def seqs(pod: kp.Pod) -> str | None:
 
 
 def assert_rbac_clean(pool: kp.KubePool, *, leader_verbs: bool = True) -> None:
+    """Every verb the agents need was used, and none was denied. The verbs are waited for: each agent thread
+    makes its requests on its own clock (the watch thread's first watch follows its first read of the
+    ConfigMap), and a test that reached its last assertion quickly once saw no watch yet."""
+    expected = {("get", "leases"), ("update", "leases"), ("watch", "configmaps"), ("update", "configmaps"),
+                ("patch", "configmaps"), ("list", "pods")} | ({("get", "poddisruptionbudgets")} if leader_verbs else set())
+
+    def missing() -> set[tuple[str, str]]:
+        return expected - {(r.verb, r.resource) for r in pool.kube.agent_requests()}
+
+    kp.wait_for(lambda: not missing(), 30, "every verb the agents need", detail=lambda: f"missing {missing()}\n"
+                f"{pool.diagnostics()}")
     denied = pool.kube.denied()
     assert not denied, denied
-    verbs = {(r.verb, r.resource) for r in pool.kube.agent_requests()}
-    expected = {("get", "leases"), ("update", "leases"), ("watch", "configmaps"), ("update", "configmaps"),
-                ("patch", "configmaps"), ("list", "pods")}
-    assert (expected | ({("get", "poddisruptionbudgets")} if leader_verbs else set())) <= verbs, verbs
 
 
 def test_one_pod_at_a_time_and_the_leaders_death_mid_rollout(sims: SimPool) -> None:
