@@ -120,13 +120,15 @@ def assert_rbac_clean(pool: kp.KubePool, *, leader_verbs: bool = True) -> None:
     makes its requests on its own clock (the watch thread's first watch follows its first read of the
     ConfigMap), and a test that reached its last assertion quickly once saw no watch yet."""
     expected = {("get", "leases"), ("update", "leases"), ("watch", "configmaps"), ("update", "configmaps"),
-                ("patch", "configmaps"), ("list", "pods")} | ({("get", "poddisruptionbudgets")} if leader_verbs else set())
+                ("patch", "configmaps"), ("list", "pods")}
+    if leader_verbs:
+        expected.add(("get", "poddisruptionbudgets"))
 
     def missing() -> set[tuple[str, str]]:
         return expected - {(r.verb, r.resource) for r in pool.kube.agent_requests()}
 
-    kp.wait_for(lambda: not missing(), 30, "every verb the agents need", detail=lambda: f"missing {missing()}\n"
-                f"{pool.diagnostics()}")
+    kp.wait_for(lambda: not missing(), 30, "every verb the agents need",
+                detail=lambda: f"missing {missing()}\n{pool.diagnostics()}")
     denied = pool.kube.denied()
     assert not denied, denied
 

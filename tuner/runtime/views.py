@@ -14,7 +14,7 @@ from tuner.planning import planner, pooling
 from tuner.runtime import selfmetrics
 from tuner.runtime.results import CycleResult, RolloutOutcome
 from tuner.runtime.scheduling import MaintenanceWindows
-from tuner.signals import Signal, reports
+from tuner.signals import Signal, reports, value_of
 
 _OK = frozenset({"ok"})
 _CYCLE_PREFIX = re.compile(r"^\s*cycle \d+:\s*")
@@ -35,8 +35,8 @@ def deferral_reason(maintenance: MaintenanceWindows | None, now: float) -> str:
 
 def _load_text(signals: Mapping[str, Signal]) -> str:
     def v(name: str, fmt: str) -> str:
-        s = signals.get(name)
-        return "?" if s is None or s.value is None else format(s.value, fmt)
+        value = value_of(signals, name)
+        return "?" if value is None else format(value, fmt)
 
     return f"running {v('requests_running', '.0f')}, waiting {v('requests_waiting', '.0f')}, " \
            f"kv {v('kv_cache_usage', '.0%')}"
